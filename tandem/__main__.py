@@ -1,0 +1,4 @@
+from tandem.cli import main
+import sys
+
+sys.exit(main())

@@ -1,0 +1,9 @@
+"""Models: prepare the default model offline and resolve model names to what engines load.
+
+Cheap to import: torch and transformers are only imported when a conversion actually runs.
+"""
+
+from tandem.models.prepare import MODEL_NAME, PrepareError, prepare_model
+from tandem.models.resolve import ModelNotFoundError, resolve_model
+
+__all__ = ["MODEL_NAME", "ModelNotFoundError", "PrepareError", "prepare_model", "resolve_model"]

@@ -1,0 +1,60 @@
+"""Map the model name a user typed to what an engine should load: a local folder or a hub id."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from tandem.models.prepare import MODEL_NAME, is_default_model, is_prepared, model_dir, prepare_model
+
+
+class ModelNotFoundError(ValueError):
+    """The name points at something that is not there (a missing path, an unprepared default model)."""
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith(("/", "./", "../", "~")) or name in (".", "..")
+
+
+def _from_hub_cache(repo_id: str) -> str | None:
+    """The snapshot folder of `repo_id` in the local HF cache, without touching the network."""
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+    except ImportError:
+        return None
+    try:
+        return snapshot_download(repo_id, local_files_only=True)
+    except (LocalEntryNotFoundError, HFValidationError):
+        return None
+
+
+def resolve_model(
+    name: str, *, prepare: bool = True, cache_dir: str | os.PathLike[str] | None = None
+) -> str:
+    """Resolve `name` to a local folder when one exists, else return the hub id for the engine to fetch.
+
+    - the default model (`smollm2`, `SmolLM2-135M-Instruct`, `HuggingFaceTB/SmolLM2-135M-Instruct`):
+      its prepared folder, converted first if `prepare` (else ModelNotFoundError when not prepared yet);
+    - an existing local path (`~` expanded): its absolute path;
+    - a hub id: its snapshot in the local HF cache if present, else the id unchanged.
+    `cache_dir` overrides where prepared models live ($TANDEM_MODEL_CACHE, else ~/.cache/tandem/models).
+    """
+    if _looks_like_path(name):
+        path = Path(name).expanduser()
+        if not path.exists():
+            raise ModelNotFoundError(f"model path {name!r} does not exist")
+        return str(path.absolute())
+    if is_default_model(name):
+        if prepare:
+            return str(prepare_model(cache_dir))
+        folder = model_dir(cache_dir)
+        if not is_prepared(folder):
+            raise ModelNotFoundError(
+                f"{MODEL_NAME} is not prepared in {folder}; run `tandem model prepare` first"
+            )
+        return str(folder)
+    # A relative folder such as `models/foo` wins over the hub id of the same spelling, as in transformers.
+    if Path(name).exists():
+        return str(Path(name).absolute())
+    return _from_hub_cache(name) or name

@@ -1,0 +1,178 @@
+"""Runtime configuration: Dynamo's flag and env names, CLI over env over defaults."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+from dataclasses import dataclass, field, fields
+
+log = logging.getLogger(__name__)
+
+TRUE_VALUES = ("1", "true", "yes", "on")
+
+
+def env_str(name: str, default: str | None = None) -> str | None:
+    value = os.environ.get(name)
+    return value if value not in (None, "") else default
+
+
+def env_bool(name: str, default: bool = False) -> bool:
+    value = os.environ.get(name)
+    return default if value in (None, "") else value.strip().lower() in TRUE_VALUES
+
+
+def env_number(name: str, default: float, kind: type = float) -> float:
+    value = os.environ.get(name)
+    if value in (None, ""):
+        return default
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not a valid {kind.__name__}") from None
+
+
+def detect_host() -> str:
+    """An address peers can reach: this host's resolved IP if we can bind it, else loopback."""
+    try:
+        ip = socket.gethostbyname(socket.gethostname())
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((ip, 0))
+        return ip
+    except OSError:
+        return "127.0.0.1"
+
+
+@dataclass
+class RuntimeConfig:
+    namespace: str = "dynamo"
+    discovery_backend: str = "file"
+    request_plane: str = "tcp"
+    event_plane: str = "zmq"
+    file_kv_root: str | None = None  # DYN_FILE_KV; None = $TMPDIR/dynamo_store_kv
+    discovery_ttl: float = 10.0
+    # Request plane (TCP)
+    tcp_host: str | None = None  # None = detect
+    tcp_port: int = 0
+    tcp_max_message_size: int = 32 * 1024 * 1024
+    tcp_request_timeout: float = 10.0
+    tcp_connect_timeout: float = 3.0
+    # Event plane
+    event_host: str | None = None  # None = same as tcp_host
+    # System status server
+    system_host: str = "0.0.0.0"
+    system_port: int | None = None
+    system_starting_health_status: str = "notready"
+    system_health_path: str = "/health"
+    system_live_path: str = "/live"
+    system_use_endpoint_health_status: list[str] = field(default_factory=list)
+    health_check_enabled: bool = False
+    canary_wait_time: float = 10.0
+    health_check_request_timeout: float = 3.0
+    # Shutdown
+    graceful_shutdown_grace_period: float = 5.0
+    graceful_shutdown_timeout: float = 900.0
+
+    @classmethod
+    def from_env(cls) -> RuntimeConfig:
+        """Defaults overridden by DYN_* environment variables."""
+        import json
+
+        backend = env_str("DYN_DISCOVERY_BACKEND") or env_str("DYN_STORE_KV") or "file"
+        system_port = env_str("DYN_SYSTEM_PORT")
+        endpoints_json = env_str("DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS")
+        try:
+            use_endpoints = json.loads(endpoints_json) if endpoints_json else []
+        except json.JSONDecodeError:
+            raise ValueError(
+                f"DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS must be a JSON list of endpoint names, got {endpoints_json!r}"
+            ) from None
+        grace = env_number("DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS", 5.0)
+        return cls(
+            namespace=env_str("DYN_NAMESPACE", "dynamo"),  # type: ignore[arg-type]
+            discovery_backend=backend.lower(),
+            request_plane=(env_str("DYN_REQUEST_PLANE") or "tcp").lower(),
+            event_plane=(env_str("DYN_EVENT_PLANE") or "zmq").lower(),
+            file_kv_root=env_str("DYN_FILE_KV"),
+            discovery_ttl=env_number("DYN_DISCOVERY_TTL_SECS", env_number("ETCD_LEASE_TTL", 10.0)),
+            tcp_host=env_str("DYN_TCP_RPC_HOST"),
+            tcp_port=int(env_number("DYN_TCP_RPC_PORT", 0, int)),
+            tcp_max_message_size=int(env_number("DYN_TCP_MAX_MESSAGE_SIZE", 32 * 1024 * 1024, int)),
+            tcp_request_timeout=env_number("DYN_TCP_REQUEST_TIMEOUT", 10.0),
+            tcp_connect_timeout=env_number("DYN_TCP_CONNECT_TIMEOUT", 3.0),
+            event_host=env_str("DYN_EVENT_PLANE_HOST"),
+            system_host=env_str("DYN_SYSTEM_HOST", "0.0.0.0"),  # type: ignore[arg-type]
+            system_port=_port("DYN_SYSTEM_PORT", system_port) if system_port else None,
+            system_starting_health_status=(env_str("DYN_SYSTEM_STARTING_HEALTH_STATUS") or "notready").lower(),
+            system_health_path=env_str("DYN_SYSTEM_HEALTH_PATH", "/health"),  # type: ignore[arg-type]
+            system_live_path=env_str("DYN_SYSTEM_LIVE_PATH", "/live"),  # type: ignore[arg-type]
+            system_use_endpoint_health_status=list(use_endpoints),
+            health_check_enabled=env_bool("DYN_HEALTH_CHECK_ENABLED"),
+            canary_wait_time=env_number("DYN_CANARY_WAIT_TIME", 10.0),
+            health_check_request_timeout=env_number("DYN_HEALTH_CHECK_REQUEST_TIMEOUT", 3.0),
+            graceful_shutdown_grace_period=max(grace, 0.0),
+            graceful_shutdown_timeout=env_number("DYN_RUNTIME_GRACEFUL_SHUTDOWN_TIMEOUT_SECS", 900.0),
+        )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RuntimeConfig:
+        """Env-derived config with the runtime flags of `add_runtime_args` applied on top."""
+        config = cls.from_env()
+        for name in ("namespace", "discovery_backend", "request_plane", "event_plane"):
+            value = getattr(args, name, None)
+            if value is not None:
+                setattr(config, name, value)
+        config.validate()
+        return config
+
+    def replace(self, **changes: object) -> RuntimeConfig:
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(changes)
+        return RuntimeConfig(**values)  # type: ignore[arg-type]
+
+    def validate(self) -> None:
+        from tandem.runtime.discovery import BACKENDS
+
+        if self.discovery_backend not in BACKENDS:
+            raise ValueError(f"unknown discovery backend {self.discovery_backend!r}; choose one of {', '.join(BACKENDS)}")
+        if self.request_plane not in ("tcp", "nats"):
+            raise ValueError(f"unknown request plane {self.request_plane!r}; choose tcp or nats")
+        if self.event_plane not in ("zmq", "nats"):
+            raise ValueError(f"unknown event plane {self.event_plane!r}; choose zmq or nats")
+        if self.system_starting_health_status not in ("ready", "notready"):
+            raise ValueError("DYN_SYSTEM_STARTING_HEALTH_STATUS must be 'ready' or 'notready'")
+        if self.tcp_max_message_size < 1024:
+            raise ValueError("DYN_TCP_MAX_MESSAGE_SIZE must be at least 1024 bytes")
+
+
+def _port(name: str, value: str) -> int:
+    try:
+        port = int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise ValueError(f"{name}={port} is outside 0-65535")
+    return port
+
+
+def add_runtime_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The runtime flags every tandem component accepts. Defaults are left as None so that
+    `RuntimeConfig.from_args` can tell "not given" (use env) from "given" (CLI wins)."""
+    group = parser.add_argument_group("Runtime options")
+    group.add_argument("--namespace", default=None, help="namespace to serve in [env DYN_NAMESPACE, default dynamo]")
+    group.add_argument(
+        "--discovery-backend", "--store-kv", dest="discovery_backend", default=None,
+        choices=["file", "mem", "etcd"], type=str.lower,
+        help="how processes find each other [env DYN_DISCOVERY_BACKEND or DYN_STORE_KV, default file; "
+        "file root: DYN_FILE_KV]",
+    )
+    group.add_argument(
+        "--request-plane", default=None, choices=["tcp", "nats"], type=str.lower,
+        help="transport for requests to workers [env DYN_REQUEST_PLANE, default tcp]",
+    )
+    group.add_argument(
+        "--event-plane", default=None, choices=["zmq", "nats"], type=str.lower,
+        help="transport for KV events and metrics [env DYN_EVENT_PLANE, default zmq]",
+    )
+    return group

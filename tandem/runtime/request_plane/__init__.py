@@ -1,0 +1,99 @@
+"""Request plane: how a request reaches a worker's endpoint and how its response stream comes back.
+
+A transport provides a server (many endpoints per process) and a client (streams to any instance).
+`tcp` is built in; `nats` can slot in behind the same two interfaces.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from tandem.runtime.context import Context
+
+
+class EndpointService(Protocol):
+    """What a transport server calls for each request to one served endpoint."""
+
+    def stream(self, request: Any, context: Context) -> AsyncIterator[Any]:
+        """Run the handler; yields response items."""
+        ...
+
+    def account(self, request_bytes: int, response_bytes: int, seconds: float, outcome: str) -> None:
+        """Record a finished request. `outcome` is ok, error, cancelled or incomplete."""
+        ...
+
+
+class RequestPlaneServer(ABC):
+    @property
+    @abstractmethod
+    def transport(self) -> dict[str, str]:
+        """How clients reach this server, recorded in each instance's discovery entry ({"tcp": "host:port"})."""
+
+    @abstractmethod
+    async def start(self) -> None: ...
+
+    @abstractmethod
+    def add_endpoint(self, path: str, service: EndpointService) -> None:
+        """Serve `namespace.component.endpoint` with `service`."""
+
+    @abstractmethod
+    def remove_endpoint(self, path: str) -> None:
+        """Stop taking new requests for `path`; streams already running continue."""
+
+    @abstractmethod
+    def inflight(self, path: str) -> int:
+        """Number of streams of `path` still running."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Stop listening, kill what still runs, close connections."""
+
+
+class ResponseStream(ABC):
+    """An async iterator of response items.
+
+    Ends normally when the server marked the end; raises StreamIncompleteError if it was cut off,
+    RemoteError if the handler failed. Killing (context.kill() or aclose()) ends it quietly.
+    """
+
+    @abstractmethod
+    def __aiter__(self) -> AsyncIterator[Any]: ...
+
+    @abstractmethod
+    async def __anext__(self) -> Any: ...
+
+    @abstractmethod
+    async def aclose(self) -> None:
+        """Kill the request if it is still running."""
+
+    @property
+    @abstractmethod
+    def completed(self) -> bool:
+        """True once the server's end marker arrived."""
+
+
+class RequestPlaneClient(ABC):
+    @abstractmethod
+    async def open_stream(
+        self, transport: dict[str, str], endpoint: str, request: Any, context: Context
+    ) -> ResponseStream:
+        """Send `request` to `endpoint` on the instance at `transport`.
+
+        Returns once the instance accepted it. Raises InstanceUnreachableError when it could not be
+        reached or did not accept in time (nothing was generated: safe to try another instance).
+        """
+
+    @abstractmethod
+    async def close(self) -> None: ...
+
+
+def make_request_plane(kind: str, config: Any) -> tuple[RequestPlaneServer, RequestPlaneClient]:
+    if kind == "tcp":
+        from tandem.runtime.request_plane.tcp import TcpClient, TcpServer
+
+        return TcpServer(config), TcpClient(config)
+    raise NotImplementedError(
+        f"the {kind!r} request plane is not available in this version of tandem; use --request-plane tcp"
+    )

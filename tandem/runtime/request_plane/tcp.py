@@ -1,0 +1,532 @@
+"""TCP request plane.
+
+One connection per (client process, server) carries many concurrent streams. After an 8-byte magic
+that identifies the protocol, every message is a frame: a 13-byte header (payload length u32,
+kind u8, stream id u64, big-endian) and a msgpack payload.
+
+client -> server: REQUEST {e: endpoint, id: request id, b: body}, STOP, KILL
+server -> client: PROLOGUE (accepted), DATA (one item), END (complete), ERROR {message, code},
+                  INCOMPLETE (handler gave up mid-stream: EngineShutdown)
+
+A stream that stops without END/ERROR/INCOMPLETE because the connection dropped is incomplete too;
+the server treats a dropped connection as KILL of all its streams. Server writes are coalesced per
+event-loop tick, so a unary reply (PROLOGUE, DATA, END) leaves in one syscall.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import struct
+import time
+from typing import Any
+
+import msgspec
+
+from tandem.runtime.config import RuntimeConfig, detect_host
+from tandem.runtime.context import Context
+from tandem.runtime.errors import (
+    EngineShutdown,
+    InstanceUnreachableError,
+    MessageTooLargeError,
+    RemoteError,
+    StreamIncompleteError,
+)
+from tandem.runtime.request_plane import EndpointService, RequestPlaneClient, RequestPlaneServer, ResponseStream
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"TNDMRP01"
+HEADER = struct.Struct(">IBQ")
+HEADER_SIZE = HEADER.size
+
+REQUEST, STOP, KILL = 1, 2, 3
+PROLOGUE, DATA, END, ERROR, INCOMPLETE = 16, 17, 18, 19, 20
+_CLIENT_KINDS = frozenset((REQUEST, STOP, KILL))
+_SERVER_KINDS = frozenset((PROLOGUE, DATA, END, ERROR, INCOMPLETE))
+
+_FLUSH_AT = 256 * 1024  # write out the coalescing buffer early once it holds this much
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder().decode
+
+
+def _frame(kind: int, stream_id: int, payload: bytes = b"") -> bytes:
+    return HEADER.pack(len(payload), kind, stream_id) + payload
+
+
+class _FrameReader:
+    """Incremental frame parser shared by both ends. Oversized frames are skipped, not buffered."""
+
+    def __init__(self, max_size: int, kinds: frozenset[int]) -> None:
+        self.max_size = max_size
+        self.kinds = kinds
+        self.buf = bytearray()
+        self.skip = 0  # bytes of an oversized payload still to drop
+
+    def feed(self, data: bytes) -> list[tuple[int, int, bytes | int]]:
+        """Frames completed by `data`: (kind, stream id, payload), or (kind, stream id, size) for an
+        oversized frame whose payload was dropped. Raises ValueError on an unknown frame kind."""
+        buf = self.buf
+        buf += data
+        frames: list[tuple[int, int, bytes | int]] = []
+        pos = 0
+        end = len(buf)
+        while True:
+            if self.skip:
+                n = min(self.skip, end - pos)
+                pos += n
+                self.skip -= n
+                if self.skip:
+                    break
+            if end - pos < HEADER_SIZE:
+                break
+            length, kind, stream_id = HEADER.unpack_from(buf, pos)
+            if kind not in self.kinds:
+                raise ValueError(f"unknown frame kind {kind}")
+            if length > self.max_size:
+                pos += HEADER_SIZE
+                self.skip = length
+                frames.append((kind, stream_id, length))
+                continue
+            if end - pos - HEADER_SIZE < length:
+                break
+            start = pos + HEADER_SIZE
+            frames.append((kind, stream_id, bytes(buf[start : start + length])))
+            pos = start + length
+        if pos:
+            del buf[:pos]
+        return frames
+
+
+# ------------------------------------------------------------------------------------------------
+# Server
+# ------------------------------------------------------------------------------------------------
+
+
+class _ServerConnection(asyncio.Protocol):
+    def __init__(self, server: TcpServer) -> None:
+        self.server = server
+        self.reader = _FrameReader(server.max_size, _CLIENT_KINDS)
+        self.greeted = False
+        self.head = b""
+        self.streams: dict[int, tuple[Context, asyncio.Task[None]]] = {}
+        self.out = bytearray()
+        self.flush_pending = False
+        self.writable = asyncio.Event()
+        self.writable.set()
+        self.closed = False
+        self.transport: asyncio.Transport | None = None
+        self.peer = "?"
+
+    # -- asyncio.Protocol --------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        peer = transport.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        self.server.connections.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        if not self.greeted:
+            self.head += data
+            if len(self.head) < len(MAGIC):
+                if not MAGIC.startswith(self.head):
+                    self._reject("not a tandem request-plane client")
+                return
+            if not self.head.startswith(MAGIC):
+                self._reject("not a tandem request-plane client")
+                return
+            self.greeted = True
+            data, self.head = self.head[len(MAGIC) :], b""
+        try:
+            frames = self.reader.feed(data)
+        except ValueError as e:
+            self._reject(f"malformed frame: {e}")
+            return
+        for kind, stream_id, payload in frames:
+            if kind == REQUEST:
+                self._on_request(stream_id, payload)
+            elif kind == STOP or kind == KILL:
+                entry = self.streams.get(stream_id)
+                if entry is not None:
+                    context, task = entry
+                    if kind == KILL:
+                        context.kill()
+                        task.cancel()
+                    else:
+                        context.stop_generating()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.writable.set()
+        self.server.connections.discard(self)
+        for context, task in list(self.streams.values()):
+            context.kill()  # a dropped connection counts as kill
+            task.cancel()
+
+    def pause_writing(self) -> None:
+        self.writable.clear()
+
+    def resume_writing(self) -> None:
+        self.writable.set()
+
+    # -- frames ------------------------------------------------------------------------------
+    def _reject(self, why: str) -> None:
+        log.warning("closing request-plane connection from %s: %s", self.peer, why)
+        if self.transport is not None:
+            self.transport.abort()
+
+    def send(self, kind: int, stream_id: int, payload: bytes = b"") -> None:
+        if self.closed:
+            return
+        self.out += HEADER.pack(len(payload), kind, stream_id)
+        self.out += payload
+        if len(self.out) >= _FLUSH_AT:
+            self.flush()
+        elif not self.flush_pending:
+            self.flush_pending = True
+            asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        self.flush_pending = False
+        if self.out and not self.closed and self.transport is not None:
+            data, self.out = self.out, bytearray()
+            self.transport.write(data)
+
+    def send_error(self, stream_id: int, message: str, code: int) -> None:
+        self.send(ERROR, stream_id, _encode({"message": message, "code": code}))
+
+    def _on_request(self, stream_id: int, payload: bytes | int) -> None:
+        if isinstance(payload, int):
+            log.warning("rejected request of %d bytes from %s: over the %d-byte limit", payload, self.peer,
+                        self.server.max_size)
+            self.send_error(stream_id, str(MessageTooLargeError(payload, self.server.max_size)), 413)
+            return
+        try:
+            message = _decode(payload)
+            endpoint, request_id, body = message["e"], message.get("id"), message.get("b")
+        except (msgspec.DecodeError, KeyError, TypeError) as e:
+            log.warning("rejected malformed request from %s: %s", self.peer, e)
+            self.send_error(stream_id, f"malformed request: {e}", 400)
+            return
+        service = self.server.endpoints.get(endpoint)
+        if service is None:
+            self.send_error(stream_id, f"endpoint {endpoint!r} is not served by this instance", 503)
+            return
+        context = Context(request_id if isinstance(request_id, str) else None)
+        self.send(PROLOGUE, stream_id)
+        task = asyncio.get_running_loop().create_task(
+            self._run(stream_id, endpoint, service, body, context, len(payload))
+        )
+        self.streams[stream_id] = (context, task)
+
+    async def _run(
+        self, stream_id: int, endpoint: str, service: EndpointService, body: Any, context: Context, nbytes: int
+    ) -> None:
+        sent = 0
+        outcome = "error"
+        started = time.perf_counter()
+        counts = self.server.inflight_counts
+        counts[endpoint] = counts.get(endpoint, 0) + 1
+        items = service.stream(body, context)
+        try:
+            async for item in items:
+                if context.is_killed() or self.closed:
+                    break
+                data = _encode(item)
+                if len(data) > self.server.max_size:
+                    log.error("%s: response item of %d bytes exceeds the %d-byte limit", endpoint, len(data),
+                              self.server.max_size)
+                    self.send_error(stream_id, str(MessageTooLargeError(len(data), self.server.max_size)), 413)
+                    return
+                self.send(DATA, stream_id, data)
+                sent += len(data)
+                if not self.writable.is_set():
+                    await self.writable.wait()
+            if context.is_killed() or self.closed:
+                outcome = "cancelled"
+            else:
+                self.send(END, stream_id)
+                outcome = "ok"
+        except EngineShutdown:
+            self.send(INCOMPLETE, stream_id)
+            outcome = "incomplete"
+        except asyncio.CancelledError:
+            outcome = "cancelled"  # killed: nothing more goes to the client
+        except Exception as e:
+            log.exception("%s: handler failed on request %s", endpoint, context.id())
+            self.send_error(stream_id, f"{type(e).__name__}: {e}", 500)
+        finally:
+            await _close_quietly(items)
+            self.streams.pop(stream_id, None)
+            counts[endpoint] -= 1
+            service.account(nbytes, sent, time.perf_counter() - started, outcome)
+
+
+async def _close_quietly(items: Any) -> None:
+    aclose = getattr(items, "aclose", None)
+    if aclose is not None:
+        try:
+            await aclose()
+        except (Exception, asyncio.CancelledError):
+            log.debug("error closing a handler's stream", exc_info=True)
+
+
+class TcpServer(RequestPlaneServer):
+    def __init__(self, config: RuntimeConfig) -> None:
+        self.host = config.tcp_host or detect_host()
+        self.port = config.tcp_port
+        self.max_size = config.tcp_max_message_size
+        self.endpoints: dict[str, EndpointService] = {}
+        self.inflight_counts: dict[str, int] = {}
+        self.connections: set[_ServerConnection] = set()
+        self._server: asyncio.base_events.Server | None = None
+
+    @property
+    def transport(self) -> dict[str, str]:
+        return {"tcp": f"{self.host}:{self.port}"}
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _ServerConnection(self), self.host, self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+        log.debug("request plane listening on %s:%d", self.host, self.port)
+
+    def add_endpoint(self, path: str, service: EndpointService) -> None:
+        self.endpoints[path] = service
+
+    def remove_endpoint(self, path: str) -> None:
+        self.endpoints.pop(path, None)
+
+    def inflight(self, path: str) -> int:
+        return self.inflight_counts.get(path, 0)
+
+    async def close(self) -> None:
+        self.endpoints.clear()
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self.connections):
+            conn.flush()
+            if conn.transport is not None:
+                conn.transport.close()
+        if self._server is not None:
+            await self._server.wait_closed()
+
+
+# ------------------------------------------------------------------------------------------------
+# Client
+# ------------------------------------------------------------------------------------------------
+
+_OPEN, _ENDED, _FAILED, _CUT, _KILLED = range(5)
+
+
+class TcpResponseStream(ResponseStream):
+    def __init__(self, conn: _ClientConnection, stream_id: int, context: Context, where: str) -> None:
+        self._conn = conn
+        self._id = stream_id
+        self._context = context
+        self._where = where
+        self._items: collections.deque[bytes] = collections.deque()
+        self._state = _OPEN
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self.accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._unlink = context.on_signal(self._on_signal)
+
+    @property
+    def completed(self) -> bool:
+        return self._state == _ENDED
+
+    def _on_signal(self, killed: bool) -> None:
+        if self._state != _OPEN:
+            return
+        if killed:
+            self._conn.send(KILL, self._id)
+            self._finish(_KILLED)
+        else:
+            self._conn.send(STOP, self._id)
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _finish(self, state: int, error: BaseException | None = None) -> None:
+        if self._state != _OPEN:
+            return
+        self._state = state
+        self._error = error
+        self._conn.streams.pop(self._id, None)
+        self._unlink()
+        if not self.accepted.done():
+            if error is not None:
+                self.accepted.set_exception(error)
+            else:
+                self.accepted.set_result(None)
+        self._wake()
+
+    def _on_frame(self, kind: int, payload: bytes) -> None:
+        if kind == DATA:
+            self._items.append(payload)
+            self._wake()
+        elif kind == PROLOGUE:
+            if not self.accepted.done():
+                self.accepted.set_result(None)
+        elif kind == END:
+            self._finish(_ENDED)
+        elif kind == ERROR:
+            info = _decode(payload)
+            message, code = str(info.get("message")), int(info.get("code", 500))
+            if code == 503 and not self.accepted.done():
+                self._finish(_FAILED, InstanceUnreachableError(f"{self._where}: {message}"))
+            else:
+                self._finish(_FAILED, RemoteError(message, code))
+        elif kind == INCOMPLETE:
+            self._finish(_CUT, StreamIncompleteError(f"{self._where}: the worker ended the stream early"))
+
+    def _on_lost(self, reason: str) -> None:
+        if not self.accepted.done():
+            self._finish(_FAILED, InstanceUnreachableError(f"{self._where}: {reason}"))
+        else:
+            self._finish(_CUT, StreamIncompleteError(f"{self._where}: stream cut off ({reason})"))
+
+    def __aiter__(self) -> TcpResponseStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        while True:
+            if self._items:
+                return _decode(self._items.popleft())
+            state = self._state
+            if state == _OPEN:
+                self._waiter = asyncio.get_running_loop().create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+                continue
+            if state == _ENDED or state == _KILLED:
+                raise StopAsyncIteration
+            assert self._error is not None
+            raise self._error
+
+    async def aclose(self) -> None:
+        if self._state == _OPEN:
+            self._conn.send(KILL, self._id)
+            self._finish(_KILLED)
+
+
+class _ClientConnection(asyncio.Protocol):
+    def __init__(self, client: TcpClient, address: str) -> None:
+        self.client = client
+        self.address = address
+        self.reader = _FrameReader(client.max_size, _SERVER_KINDS)
+        self.streams: dict[int, TcpResponseStream] = {}
+        self.next_id = 1
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.transport.write(MAGIC)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            frames = self.reader.feed(data)
+        except ValueError as e:
+            log.error("closing connection to %s: %s", self.address, e)
+            assert self.transport is not None
+            self.transport.abort()
+            return
+        for kind, stream_id, payload in frames:
+            stream = self.streams.get(stream_id)
+            if stream is None:
+                continue
+            if isinstance(payload, int):
+                stream._finish(_FAILED, RemoteError(str(MessageTooLargeError(payload, self.reader.max_size)), 413))
+            else:
+                stream._on_frame(kind, payload)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.client._forget(self)
+        reason = f"connection lost: {exc}" if exc else "connection closed by the worker"
+        for stream in list(self.streams.values()):
+            stream._on_lost(reason)
+
+    def send(self, kind: int, stream_id: int, payload: bytes = b"") -> None:
+        if not self.closed and self.transport is not None:
+            self.transport.write(_frame(kind, stream_id, payload))
+
+
+class TcpClient(RequestPlaneClient):
+    def __init__(self, config: RuntimeConfig) -> None:
+        self.max_size = config.tcp_max_message_size
+        self.connect_timeout = config.tcp_connect_timeout
+        self.request_timeout = config.tcp_request_timeout
+        self._conns: dict[str, _ClientConnection] = {}
+        self._connecting: dict[str, asyncio.Future[_ClientConnection]] = {}
+
+    def _forget(self, conn: _ClientConnection) -> None:
+        if self._conns.get(conn.address) is conn:
+            del self._conns[conn.address]
+
+    async def _connection(self, address: str) -> _ClientConnection:
+        conn = self._conns.get(address)
+        if conn is not None and not conn.closed:
+            return conn
+        pending = self._connecting.get(address)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[_ClientConnection] = loop.create_future()
+        self._connecting[address] = future
+        try:
+            host, _, port = address.rpartition(":")
+            try:
+                _, conn = await asyncio.wait_for(
+                    loop.create_connection(lambda: _ClientConnection(self, address), host, int(port)),
+                    self.connect_timeout,
+                )
+            except (OSError, asyncio.TimeoutError) as e:
+                error = InstanceUnreachableError(f"cannot connect to {address}: {e or 'timed out'}")
+                future.set_exception(error)
+                future.exception()  # mark retrieved: waiters re-raise it
+                raise error from None
+            self._conns[address] = conn
+            future.set_result(conn)
+            return conn
+        finally:
+            del self._connecting[address]
+
+    async def open_stream(
+        self, transport: dict[str, str], endpoint: str, request: Any, context: Context
+    ) -> ResponseStream:
+        address = transport.get("tcp")
+        if address is None:
+            raise InstanceUnreachableError(f"instance has no tcp address: {transport}")
+        payload = _encode({"e": endpoint, "id": context.id(), "b": request})
+        if len(payload) > self.max_size:
+            raise MessageTooLargeError(len(payload), self.max_size)
+        conn = await self._connection(address)
+        stream_id = conn.next_id
+        conn.next_id += 1
+        stream = TcpResponseStream(conn, stream_id, context, f"{endpoint}@{address}")
+        conn.streams[stream_id] = stream
+        conn.send(REQUEST, stream_id, payload)
+        if not stream.accepted.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(stream.accepted), self.request_timeout)
+            except asyncio.TimeoutError:
+                conn.send(KILL, stream_id)
+                stream._finish(_FAILED, InstanceUnreachableError(f"{endpoint}@{address}: not accepted in time"))
+        # surface a refusal (unknown endpoint, too large, unreachable) here rather than on iteration
+        stream.accepted.result()
+        return stream
+
+    async def close(self) -> None:
+        for conn in list(self._conns.values()):
+            if conn.transport is not None:
+                conn.transport.close()
+        self._conns.clear()

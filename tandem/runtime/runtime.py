@@ -1,0 +1,229 @@
+"""DistributedRuntime: one per process. Owns discovery, the request plane, the event plane, the
+system status server, metrics, and the graceful-shutdown sequence."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from tandem.runtime.component import Component, Endpoint, Namespace, ServedEndpoint
+from tandem.runtime.config import RuntimeConfig, detect_host, env_number
+from tandem.runtime.discovery import KeyValueStore, make_store
+from tandem.runtime.event_plane import EventPublisher, EventSubscriber
+from tandem.runtime.keys import parse_endpoint_path
+from tandem.runtime.metrics import RuntimeCollector
+from tandem.runtime.request_plane import make_request_plane
+from tandem.runtime.system_server import EngineRoute, SystemHealth, SystemStatusServer
+
+log = logging.getLogger(__name__)
+
+
+class DistributedRuntime:
+    """Create with `await DistributedRuntime.create(config)`; stop with `await runtime.shutdown()`
+    (or SIGTERM/SIGINT after `install_signal_handlers()`)."""
+
+    def __init__(self, config: RuntimeConfig | None = None) -> None:
+        self.config = config or RuntimeConfig.from_env()
+        self.config.validate()
+        self.store: KeyValueStore = make_store(
+            self.config.discovery_backend, file_root=self.config.file_kv_root, ttl=self.config.discovery_ttl
+        )
+        if self.config.event_plane != "zmq":
+            raise NotImplementedError(
+                f"the {self.config.event_plane!r} event plane is not available in this version of tandem; "
+                "use --event-plane zmq"
+            )
+        self.request_server, self.request_client = make_request_plane(self.config.request_plane, self.config)
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.collector = RuntimeCollector()
+        self.registry.register(self.collector)
+        self.health = SystemHealth(self.config)
+        self.system_server: SystemStatusServer | None = None
+        self.config_inhibit_seconds = env_number("DYN_RUNTIME_INHIBITED_DURATION_SECS", 10.0)
+        self._served: dict[str, ServedEndpoint] = {}
+        self._registered_keys: dict[str, bytes] = {}
+        self._publishers: list[EventPublisher] = []
+        self._subscribers: list[EventSubscriber] = []
+        self._background: set[asyncio.Task[Any]] = set()
+        self._closed = asyncio.Event()
+        self._shutdown_task: asyncio.Task[None] | None = None
+        self._signals = 0
+
+    @classmethod
+    async def create(cls, config: RuntimeConfig | None = None, **overrides: Any) -> DistributedRuntime:
+        config = (config or RuntimeConfig.from_env()).replace(**overrides) if overrides else config
+        runtime = cls(config)
+        await runtime.start()
+        return runtime
+
+    async def start(self) -> None:
+        await self.store.start()
+        await self.request_server.start()
+        if self.config.system_port is not None:
+            self.system_server = SystemStatusServer(self.config, self.health, self.registry)
+            await self.system_server.start()
+        log.info(
+            "runtime up: instance %x, discovery %s, request plane %s", self.instance_id,
+            self.config.discovery_backend, self.request_server.transport,
+        )
+
+    # -- addressing ----------------------------------------------------------------------------
+    @property
+    def instance_id(self) -> int:
+        """This process's id in discovery (its primary lease)."""
+        return self.store.lease_id
+
+    def namespace(self, name: str | None = None) -> Namespace:
+        return Namespace(self, name or self.config.namespace)
+
+    def endpoint(self, path: str) -> Endpoint:
+        """`ns.component.endpoint` or `dyn://ns.component.endpoint`."""
+        namespace, component, endpoint = parse_endpoint_path(path)
+        return Component(self, namespace, component).endpoint(endpoint)
+
+    # -- serving -------------------------------------------------------------------------------
+    async def _serve(self, served: ServedEndpoint) -> None:
+        if self.is_shutting_down:
+            raise RuntimeError("the runtime is shutting down; cannot serve new endpoints")
+        if served.path in self._served:
+            raise ValueError(f"{served.path} is already served by this process")
+        self.request_server.add_endpoint(served.path, served)
+        self.collector.endpoints.append(served.stats)
+        self._served[served.path] = served
+        await self.register_key(served.key, served.record())
+        self.health.set_endpoint(served.endpoint.name, True)
+        if self.config.health_check_enabled and served.health_check_payload is not None:
+            self.spawn(served.run_health_checks(self.config.canary_wait_time, self.config.health_check_request_timeout))
+        log.info("serving dyn://%s", served.path)
+
+    async def register_key(self, key: str, value: bytes) -> None:
+        """Write a leased discovery key that shutdown removes first (instances, model cards)."""
+        await self.store.put(key, value)
+        self._registered_keys[key] = value
+
+    async def unregister_key(self, key: str) -> None:
+        self._registered_keys.pop(key, None)
+        await self.store.delete(key)
+
+    def register_engine_route(self, name: str, handler: EngineRoute) -> None:
+        """Serve `handler` at `/engine/{name}` on the system status server (if enabled)."""
+        if self.system_server is not None:
+            self.system_server.register_engine_route(name, handler)
+
+    def set_ready(self, ready: bool = True) -> None:
+        """Mark the process ready (or not) for the system status server's /health."""
+        self.health.set_ready(ready)
+
+    # -- events --------------------------------------------------------------------------------
+    async def event_publisher(self, scope: str, topic: str) -> EventPublisher:
+        from tandem.runtime.event_plane.zmq import ZmqPublisher
+
+        host = self.config.event_host or self.config.tcp_host or detect_host()
+        publisher = ZmqPublisher(self.store, scope, topic, host)
+        await publisher.register()
+        self._publishers.append(publisher)
+        return publisher
+
+    async def subscribe(self, scope: str, topic: str) -> EventSubscriber:
+        from tandem.runtime.event_plane.zmq import ZmqSubscriber
+
+        subscriber = ZmqSubscriber(self.store, scope, topic)
+        await subscriber.start()
+        self._subscribers.append(subscriber)
+        return subscriber
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def spawn(self, coro: Any) -> asyncio.Task[Any]:
+        """Run a background task that shutdown cancels."""
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    @property
+    def is_shutting_down(self) -> bool:
+        return self._shutdown_task is not None
+
+    async def wait_closed(self) -> None:
+        await self._closed.wait()
+
+    def install_signal_handlers(self) -> None:
+        """First SIGTERM/SIGINT: graceful shutdown. A second one: exit at once."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        self._signals += 1
+        if self._signals > 1:
+            log.warning("second %s: exiting now", sig.name)
+            os._exit(1)
+        log.info("%s received: shutting down gracefully (send it again to exit at once)", sig.name)
+        self.begin_shutdown()
+
+    def begin_shutdown(self) -> asyncio.Task[None]:
+        if self._shutdown_task is None:
+            self._shutdown_task = asyncio.create_task(self._shutdown(), name="tandem-shutdown")
+        return self._shutdown_task
+
+    async def shutdown(self) -> None:
+        """Unregister, wait the grace period while still serving, stop accepting, drain, close."""
+        await asyncio.shield(self.begin_shutdown())
+
+    async def _shutdown(self) -> None:
+        config = self.config
+        try:
+            # 1. Leave discovery so routers stop picking us.
+            for key in list(self._registered_keys):
+                await self.unregister_key(key)
+            for served in self._served.values():
+                self.health.set_endpoint(served.endpoint.name, False)
+            # 2. Keep serving for the grace period: requests routed just before still arrive.
+            if self._served and config.graceful_shutdown_grace_period > 0:
+                await asyncio.sleep(config.graceful_shutdown_grace_period)
+            # 3. Stop accepting.
+            for path in self._served:
+                self.request_server.remove_endpoint(path)
+            # 4. Drain in-flight streams of graceful endpoints, bounded.
+            draining = [s for s in self._served.values() if s.graceful_shutdown]
+            deadline = asyncio.get_running_loop().time() + config.graceful_shutdown_timeout
+            while any(self.request_server.inflight(s.path) for s in draining):
+                if asyncio.get_running_loop().time() >= deadline:
+                    log.warning("graceful shutdown timed out with streams still running")
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            # 5. Close everything.
+            for task in list(self._background):
+                task.cancel()
+            for subscriber in self._subscribers:
+                await subscriber.close()
+            for publisher in self._publishers:
+                await publisher.close()
+            await self.request_server.close()
+            await self.request_client.close()
+            if self.system_server is not None:
+                await self.system_server.close()
+            await self.store.close()
+            self._closed.set()
+            log.info("runtime shut down")
+
+
+def run(main: Any) -> int:
+    """Run `main()` (a coroutine function) on uvloop when available; returns an exit code."""
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    try:
+        result = runner(main())
+    except KeyboardInterrupt:
+        return 130
+    return int(result or 0)

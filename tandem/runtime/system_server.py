@@ -1,0 +1,116 @@
+"""Per-process system status server (DYN_SYSTEM_PORT): health, liveness, metrics, engine routes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from tandem.runtime.config import RuntimeConfig
+
+log = logging.getLogger(__name__)
+
+EngineRoute = Callable[[Any], Awaitable[Any]]
+
+
+class SystemHealth:
+    """Readiness of the process and of each endpoint it serves.
+
+    The process is ready once it says so (`set_ready`) or DYN_SYSTEM_STARTING_HEALTH_STATUS=ready;
+    when DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS lists endpoints, it is ready when those are ready.
+    An endpoint is ready while it is served and its canary health checks pass.
+    """
+
+    def __init__(self, config: RuntimeConfig) -> None:
+        self.ready = config.system_starting_health_status == "ready"
+        self.required = list(config.system_use_endpoint_health_status)
+        self.endpoints: dict[str, str] = {}
+        self.started = time.monotonic()
+
+    def set_ready(self, ready: bool = True) -> None:
+        self.ready = ready
+
+    def set_endpoint(self, name: str, ready: bool) -> None:
+        self.endpoints[name] = "ready" if ready else "notready"
+
+    def is_ready(self) -> bool:
+        if self.required:
+            return all(self.endpoints.get(name) == "ready" for name in self.required)
+        return self.ready and all(state == "ready" for state in self.endpoints.values())
+
+    def report(self) -> dict[str, Any]:
+        uptime = time.monotonic() - self.started
+        return {
+            "status": "ready" if self.is_ready() else "notready",
+            "uptime": {"secs": int(uptime), "nanos": int((uptime % 1) * 1e9)},
+            "endpoints": dict(self.endpoints),
+        }
+
+
+class SystemStatusServer:
+    def __init__(self, config: RuntimeConfig, health: SystemHealth, registry: CollectorRegistry) -> None:
+        self._config = config
+        self._health = health
+        self._registry = registry
+        self._engine_routes: dict[str, EngineRoute] = {}
+        self._runner: web.AppRunner | None = None
+        self.port: int | None = None
+
+    def register_engine_route(self, name: str, handler: EngineRoute) -> None:
+        """Serve `handler(json_body) -> json` at `/engine/{name}`."""
+        self._engine_routes[name.strip("/")] = handler
+
+    async def start(self) -> None:
+        app = web.Application(client_max_size=16 * 1024 * 1024)
+        app.router.add_get(self._config.system_health_path, self._health_route)
+        if self._config.system_live_path != self._config.system_health_path:
+            app.router.add_get(self._config.system_live_path, self._health_route)
+        app.router.add_get("/metrics", self._metrics_route)
+        app.router.add_route("*", "/engine/{name:.+}", self._engine_route)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self._config.system_host, self._config.system_port or 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        log.info("system status server on http://%s:%d", self._config.system_host, self.port)
+
+    async def _health_route(self, request: web.Request) -> web.Response:
+        report = self._health.report()
+        return web.json_response(report, status=200 if report["status"] == "ready" else 503)
+
+    async def _metrics_route(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self._registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _engine_route(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        handler = self._engine_routes.get(name)
+        if handler is None:
+            return _error(404, f"unknown engine route {name!r}; known: {sorted(self._engine_routes)}")
+        body: Any = None
+        raw = await request.read()
+        if raw:
+            try:
+                body = json.loads(raw)
+            except (ValueError, UnicodeDecodeError) as e:
+                return _error(400, f"request body is not valid JSON: {e}")
+        try:
+            result = await handler(body)
+        except ValueError as e:
+            return _error(400, str(e))
+        except Exception as e:
+            log.exception("engine route %s failed", name)
+            return _error(500, f"{type(e).__name__}: {e}")
+        return web.json_response(result)
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "code": status}}, status=status)
