@@ -20,7 +20,8 @@ if [ ! -x "$VENV/bin/python" ]; then
     echo "tandem needs Python >= 3.11 (found $("$PYTHON" --version)); set PYTHON=..." >&2; exit 1; }
   "$PYTHON" -m venv "$VENV"
 fi
-pip() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@"; }
+# pip warns about every local index folder that lacks a package; keep real output only.
+pip() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
 
 echo "installing tandem[$engine,dev] into $VENV"
 if [ "$engine" = cpu ]; then

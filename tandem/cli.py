@@ -16,7 +16,7 @@ def _usage() -> str:
     lines = ["usage: tandem <command> [args...]", "", "commands:"]
     width = max(len(name) for name in SUBCOMMANDS)
     lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
-    lines += ["  version" + " " * (width - 5) + "  print the tandem version", "",
+    lines += [f"  {'version':<{width}}  print the tandem version", "",
               "Run `tandem <command> --help` for a command's options."]
     return "\n".join(lines)
 

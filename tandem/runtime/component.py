@@ -180,12 +180,12 @@ class ServedEndpoint:
                     stream = await runtime.request_client.open_stream(
                         runtime.request_server.transport, self.path, self.health_check_payload, Context()
                     )
-                    got = False
-                    async for _ in stream:
-                        got = True
-                        await stream.aclose()
-                        break
-                    return got
+                    try:
+                        async for _ in stream:
+                            return True
+                        return False
+                    finally:
+                        await stream.aclose()  # also on timeout: the probe must not linger in the handler
 
                 ok = await asyncio.wait_for(probe(), timeout)
             except Exception as e:  # any failure of the probe marks the endpoint unhealthy

@@ -1,0 +1,91 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tandem.runtime import DistributedRuntime, RuntimeConfig
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def runtime_config(**overrides: object) -> RuntimeConfig:
+    """Loopback, no grace period: what an in-process test wants."""
+    base = RuntimeConfig(
+        discovery_backend="mem", tcp_host="127.0.0.1", graceful_shutdown_grace_period=0, graceful_shutdown_timeout=5
+    )
+    return base.replace(**overrides)
+
+
+@pytest.fixture
+async def runtimes():
+    """Factory of started runtimes, all shut down at the end of the test."""
+    made: list[DistributedRuntime] = []
+
+    async def make(**overrides: object) -> DistributedRuntime:
+        runtime = await DistributedRuntime.create(runtime_config(**overrides))
+        made.append(runtime)
+        return runtime
+
+    yield make
+    for runtime in made:
+        await runtime.shutdown()
+
+
+@pytest.fixture
+def namespace() -> str:
+    return f"test-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def file_kv(tmp_path: Path) -> str:
+    root = tmp_path / "kv"
+    root.mkdir()
+    return str(root)
+
+
+class WorkerProcess:
+    """A tests/workers/echo_worker.py process on the file discovery backend."""
+
+    def __init__(self, file_kv: str, namespace: str, *extra: str, env: dict[str, str] | None = None) -> None:
+        full_env = {
+            **os.environ,
+            "DYN_FILE_KV": file_kv,
+            "DYN_NAMESPACE": namespace,
+            "DYN_TCP_RPC_HOST": "127.0.0.1",
+            "PYTHONPATH": str(REPO),
+            **(env or {}),
+        }
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.workers.echo_worker", "--discovery-backend", "file", *extra],
+            env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+        )
+        line = self.proc.stdout.readline()  # type: ignore[union-attr]
+        if not line.startswith("READY"):
+            self.proc.kill()
+            raise RuntimeError(f"worker did not start: {line!r} {self.proc.stderr.read()}")  # type: ignore[union-attr]
+        self.instance_id = int(line.split()[1], 16)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def workers(file_kv: str, namespace: str) -> Iterator:
+    started: list[WorkerProcess] = []
+
+    def start(*extra: str, env: dict[str, str] | None = None) -> WorkerProcess:
+        worker = WorkerProcess(file_kv, namespace, *extra, env=env)
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        worker.stop()

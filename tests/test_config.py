@@ -1,0 +1,135 @@
+"""Flags and env names as in Dynamo; CLI wins over env; DYN_LOG; the `tandem` command."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from tandem.runtime import RuntimeConfig, add_runtime_args, configure_logging
+from tandem.runtime.context import Context
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser()
+    add_runtime_args(parser)
+    return RuntimeConfig.from_args(parser.parse_args(argv))
+
+
+def test_defaults(monkeypatch):
+    for name in ("DYN_NAMESPACE", "DYN_DISCOVERY_BACKEND", "DYN_STORE_KV", "DYN_REQUEST_PLANE", "DYN_EVENT_PLANE",
+                 "DYN_SYSTEM_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    config = parse([])
+    assert (config.namespace, config.discovery_backend, config.request_plane, config.event_plane) == (
+        "dynamo", "file", "tcp", "zmq"
+    )
+    assert config.system_port is None and config.discovery_ttl == 10.0
+    assert config.graceful_shutdown_grace_period == 5.0
+
+
+def test_env_then_cli(monkeypatch):
+    monkeypatch.setenv("DYN_NAMESPACE", "from-env")
+    monkeypatch.setenv("DYN_DISCOVERY_BACKEND", "mem")
+    monkeypatch.setenv("DYN_SYSTEM_PORT", "9090")
+    monkeypatch.setenv("DYN_TCP_MAX_MESSAGE_SIZE", "4096")
+    config = parse([])
+    assert (config.namespace, config.discovery_backend, config.system_port, config.tcp_max_message_size) == (
+        "from-env", "mem", 9090, 4096
+    )
+    config = parse(["--namespace", "from-cli", "--discovery-backend", "file"])
+    assert (config.namespace, config.discovery_backend) == ("from-cli", "file")
+
+
+def test_legacy_store_kv_names(monkeypatch):
+    monkeypatch.delenv("DYN_DISCOVERY_BACKEND", raising=False)
+    monkeypatch.setenv("DYN_STORE_KV", "mem")
+    assert parse([]).discovery_backend == "mem"
+    assert parse(["--store-kv", "file"]).discovery_backend == "file"
+
+
+def test_bad_values_are_clear_errors(monkeypatch):
+    monkeypatch.setenv("DYN_SYSTEM_PORT", "eighty")
+    with pytest.raises(ValueError, match="DYN_SYSTEM_PORT='eighty' is not a port number"):
+        RuntimeConfig.from_env()
+    monkeypatch.delenv("DYN_SYSTEM_PORT")
+    monkeypatch.setenv("DYN_TCP_REQUEST_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="DYN_TCP_REQUEST_TIMEOUT"):
+        RuntimeConfig.from_env()
+    monkeypatch.delenv("DYN_TCP_REQUEST_TIMEOUT")
+    monkeypatch.setenv("DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS", "generate")
+    with pytest.raises(ValueError, match="JSON list"):
+        RuntimeConfig.from_env()
+    monkeypatch.delenv("DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS")
+    with pytest.raises(SystemExit):
+        parse(["--request-plane", "carrier-pigeon"])
+
+
+def test_dyn_log_levels_and_directives():
+    configure_logging("warn,tandem.runtime.tcp=debug")
+    assert logging.getLogger().level == logging.WARNING
+    assert logging.getLogger("tandem.runtime.tcp").level == logging.DEBUG
+    configure_logging("info")
+    assert logging.getLogger().level == logging.INFO
+    with pytest.raises(ValueError, match="unknown level 'loud'"):
+        configure_logging("loud")
+
+
+def test_jsonl_logging(capfd):
+    configure_logging("info", jsonl=True)
+    logging.getLogger("tandem.test").info("hello %s", "world")
+    err = capfd.readouterr().err.strip().splitlines()[-1]
+    import json
+
+    entry = json.loads(err)
+    assert entry["message"] == "hello world" and entry["level"] == "INFO" and entry["target"] == "tandem.test"
+    configure_logging("info")
+
+
+def test_context_stop_kill_and_links():
+    parent, child, grandchild = Context("p"), Context(), Context()
+    parent.link_child(child)
+    child.link_child(grandchild)
+    seen = []
+    child.on_signal(seen.append)
+    parent.stop_generating()
+    assert child.is_stopped() and not child.is_killed() and grandchild.is_stopped()
+    parent.kill()
+    assert grandchild.is_killed() and seen == [False, True]
+    parent.kill()  # idempotent
+    assert seen == [False, True]
+    late = Context()
+    parent.link_child(late)
+    assert late.is_killed()
+    assert parent.id() == "p"
+
+
+def test_tandem_command():
+    out = subprocess.run([sys.executable, "-m", "tandem", "--help"], capture_output=True, text=True, check=True)
+    assert "model" in out.stdout and "discovery" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "tandem", "version"], capture_output=True, text=True, check=True)
+    assert out.stdout.startswith("tandem ")
+    bad = subprocess.run([sys.executable, "-m", "tandem", "frobnicate"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown command" in bad.stderr
+
+
+def test_tandem_discovery_ls(tmp_path):
+    import asyncio
+
+    from tandem.runtime.discovery import FileStore
+
+    async def register():
+        store = FileStore(str(tmp_path))
+        await store.start()
+        await store.put("v1/instances/ns/backend/generate/abc", b'{"instance_id": 2748}', leased=False)
+        await store.close()
+
+    asyncio.run(register())
+    out = subprocess.run(
+        [sys.executable, "-m", "tandem", "discovery", "ls", "--discovery-backend", "file"],
+        capture_output=True, text=True, check=True, env={**__import__("os").environ, "DYN_FILE_KV": str(tmp_path)},
+    )
+    assert 'v1/instances/ns/backend/generate/abc  {"instance_id": 2748}' in out.stdout

@@ -1,0 +1,100 @@
+"""System status server: health, liveness, metrics, engine routes."""
+
+from __future__ import annotations
+
+import aiohttp
+
+from tandem.runtime import Context
+
+
+async def test_health_metrics_and_engine_routes(runtimes, namespace):
+    runtime = await runtimes(system_port=0)
+    base = f"http://127.0.0.1:{runtime.system_server.port}"
+
+    async def generate(request):
+        yield {"echo": request}
+
+    async def sleep_route(body):
+        if not isinstance(body, dict) or "level" not in body:
+            raise ValueError("body must be a JSON object with 'level'")
+        return {"status": "ok", "level": body["level"]}
+
+    runtime.register_engine_route("sleep", sleep_route)
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{base}/health") as r:
+            assert r.status == 503
+            assert (await r.json())["status"] == "notready"
+        endpoint = runtime.namespace(namespace).component("backend").endpoint("generate")
+        await endpoint.start_serving(generate, metrics_labels={"model": "tiny"})
+        runtime.set_ready()
+        async with http.get(f"{base}/health") as r:
+            body = await r.json()
+            assert r.status == 200
+            assert body["status"] == "ready" and body["endpoints"] == {"generate": "ready"}
+        async with http.get(f"{base}/live") as r:
+            assert r.status == 200
+
+        client = await endpoint.client()
+        await client.wait_for_instances(1, timeout=5)
+        for _ in range(3):
+            stream = await client.generate({"x": 1}, Context())
+            assert [item async for item in stream] == [{"echo": {"x": 1}}]
+        async with http.get(f"{base}/metrics") as r:
+            text = await r.text()
+        labels = f'dynamo_component="backend",dynamo_endpoint="generate",dynamo_namespace="{namespace}",model="tiny"'
+        assert f"dynamo_component_requests_total{{{labels}}} 3.0" in text
+        assert f"dynamo_component_inflight_requests{{{labels}}} 0.0" in text
+        assert f'dynamo_component_request_duration_seconds_count{{{labels}}} 3.0' in text
+        assert "dynamo_component_system_uptime_seconds" in text
+
+        async with http.post(f"{base}/engine/sleep", json={"level": 1}) as r:
+            assert r.status == 200 and await r.json() == {"status": "ok", "level": 1}
+        async with http.post(f"{base}/engine/sleep", data=b"{not json") as r:
+            assert r.status == 400 and "not valid JSON" in (await r.json())["error"]["message"]
+        async with http.post(f"{base}/engine/sleep", json=[1]) as r:
+            assert r.status == 400 and "level" in (await r.json())["error"]["message"]
+        async with http.post(f"{base}/engine/nope", json={}) as r:
+            assert r.status == 404
+
+
+async def test_required_endpoints_decide_readiness(runtimes, namespace, monkeypatch):
+    runtime = await runtimes(system_port=0, system_use_endpoint_health_status=["generate"])
+    base = f"http://127.0.0.1:{runtime.system_server.port}"
+
+    async def generate(request):
+        yield {}
+
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{base}/health") as r:
+            assert r.status == 503
+        await runtime.namespace(namespace).component("backend").endpoint("generate").start_serving(generate)
+        async with http.get(f"{base}/health") as r:
+            assert r.status == 200
+
+
+async def test_canary_health_check_marks_a_hung_endpoint_notready(runtimes, namespace):
+    import asyncio
+
+    runtime = await runtimes(system_port=0, health_check_enabled=True, canary_wait_time=0.2,
+                             health_check_request_timeout=0.3)
+    hang = asyncio.Event()
+
+    async def generate(request):
+        if request.get("_HEALTH_CHECK") and hang.is_set():
+            await asyncio.sleep(3600)
+        yield {"ok": True}
+
+    runtime.set_ready()
+    await runtime.namespace(namespace).component("backend").endpoint("generate").start_serving(
+        generate, health_check_payload={"_HEALTH_CHECK": True}
+    )
+    await asyncio.sleep(0.5)
+    assert runtime.health.report()["endpoints"] == {"generate": "ready"}
+    hang.set()
+    for _ in range(50):
+        if runtime.health.report()["status"] == "notready":
+            break
+        await asyncio.sleep(0.1)
+    assert runtime.health.report() | {"uptime": None} == {
+        "status": "notready", "uptime": None, "endpoints": {"generate": "notready"}
+    }
