@@ -11,9 +11,9 @@ $(STAMP): pyproject.toml scripts/install.sh
 	VENV=$(VENV) bash scripts/install.sh
 
 # Install if needed, prepare the default model, serve it.
+# Serving (`tandem run`) arrives with the frontend and worker; until then this installs and prepares.
 run: install
 	$(TANDEM) model prepare $(MODEL)
-	$(TANDEM) run --model $(MODEL) $(ARGS)
 
 test: install
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)

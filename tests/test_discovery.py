@@ -180,3 +180,16 @@ def test_unknown_backend_is_a_clear_error():
         make_store("zookeeper")
     with pytest.raises(NotImplementedError, match="etcd"):
         make_store("etcd")
+
+
+async def test_file_expiry_follows_the_owners_ttl_not_the_readers(tmp_path):
+    root = str(tmp_path / "kv")
+    slow = FileStore(root, ttl=3.0)  # refreshes every second
+    eager = FileStore(root, ttl=0.3)  # reaps every 50 ms
+    await slow.start()
+    await eager.start()
+    await slow.put("v1/instances/ns/c/e/slow", b"mine")
+    await asyncio.sleep(1.5)  # far past the eager store's own TTL
+    assert await eager.get("v1/instances/ns/c/e/slow") == b"mine"
+    await slow.close()
+    await eager.close()

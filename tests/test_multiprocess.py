@@ -110,3 +110,37 @@ async def test_second_signal_exits_at_once(workers, caller, namespace):
     assert worker.proc.poll() is None  # still in its grace period
     worker.proc.send_signal(signal.SIGTERM)
     assert await asyncio.to_thread(worker.proc.wait, 10) != 0
+
+
+async def test_bad_peers_are_rejected_and_the_worker_keeps_serving(workers, caller, namespace):
+    from tandem.runtime.request_plane import tcp
+
+    worker = workers()
+    client = await echo_client(caller, namespace)
+    host, port = client.transport_of(worker.instance_id)["tcp"].rsplit(":", 1)
+    stream = await client.generate({"n": 10_000, "delay": 0.001})  # a stream in flight throughout
+    first = await stream.__anext__()
+
+    async def send_raw(data: bytes) -> bytes:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(data)
+        await writer.drain()
+        async with asyncio.timeout(10):
+            reply = await reader.read()
+        writer.close()
+        return reply
+
+    assert await send_raw(b"\x16\x03\x01 garbage, e.g. a TLS hello") == b""
+    assert await send_raw(tcp.MAGIC + tcp.HEADER.pack(0, 77, 1)) == b""  # unknown frame kind
+    # an oversized request is refused on its stream (413) without buffering it
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(tcp.MAGIC + tcp.HEADER.pack(64 * 1024 * 1024, tcp.REQUEST, 5))
+    length, kind, stream_id = tcp.HEADER.unpack(await reader.readexactly(tcp.HEADER_SIZE))
+    assert (kind, stream_id, tcp._decode(await reader.readexactly(length))["code"]) == (tcp.ERROR, 5, 413)
+    writer.close()
+
+    rest = [item["i"] async for item in stream]
+    assert [first["i"], *rest] == list(range(10_000))  # the other client was never disturbed
+    fresh = await client.generate({"n": 3})
+    assert [x["i"] async for x in fresh] == [0, 1, 2]
+    assert worker.proc.poll() is None

@@ -2,8 +2,9 @@
 
 A bucket (the first two key segments, `v1/instances`) is a directory; a key is a file named by the
 URL-quoted rest of the key. Writes go to a temp file then rename, so readers never see half a value.
-Leases are emulated with mtimes: a thread touches this process's files every TTL/3 and every process
-deletes files untouched for longer than TTL, so a crashed peer's keys vanish within about the TTL.
+Leases are emulated with mtimes: a leased file's mtime is its expiry time. A thread pushes this
+process's expiries to now + TTL every TTL/3, and every process deletes files whose expiry has
+passed, so a crashed peer's keys vanish within its TTL, whatever TTL the other processes use.
 Watches poll the bucket directories (inode changes reveal overwrites).
 """
 
@@ -22,6 +23,7 @@ from tandem.runtime.discovery.base import KeyValueStore, Watch, WatchEvent, new_
 log = logging.getLogger(__name__)
 
 _TMP = ".tmp_"
+_TMP_MAX_AGE = 60.0  # a temp file is renamed within microseconds; older ones were left by a crash
 _KEEP = "@keep"  # suffix of keys written with leased=False; "@" never appears in a quoted name
 
 
@@ -99,6 +101,9 @@ class FileStore(KeyValueStore):
         tmp = os.path.join(directory, f"{_TMP}{secrets.token_hex(8)}")
         with open(tmp, "wb") as f:
             f.write(value)
+        if not path.endswith(_KEEP):
+            now = time.time()
+            os.utime(tmp, (now, now + self.ttl))
         try:
             if exclusive:
                 try:
@@ -170,7 +175,7 @@ class FileStore(KeyValueStore):
 
     def _keep_alive(self) -> None:
         touch_every = max(self.ttl / 3, 0.05)
-        reap_every = max(min(self.ttl / 10, 1.0), 0.05)
+        reap_every = max(min(self.ttl / 10, 0.5), 0.05)
         next_touch = 0.0
         while not self._stop.wait(reap_every if next_touch else 0):
             now = time.time()
@@ -184,8 +189,9 @@ class FileStore(KeyValueStore):
             owned = [(k, v) for k, (v, leased) in self._owned.items() if leased]
         for key, value in owned:
             path = self._path(key)
+            now = time.time()
             try:
-                os.utime(path)
+                os.utime(path, (now, now + self.ttl))
             except FileNotFoundError:
                 # Reaped while we were stalled longer than the TTL: we are alive, so re-register.
                 log.warning("discovery key %s expired while this process was alive; re-creating it", key)
@@ -195,14 +201,14 @@ class FileStore(KeyValueStore):
                     log.error("cannot re-create discovery key %s: %s", key, e)
 
     def _reap(self, now: float) -> None:
-        cutoff = now - self.ttl
         for dirpath, _, filenames in os.walk(self.root):
             for name in filenames:
                 if name.endswith(_KEEP):
                     continue
                 path = os.path.join(dirpath, name)
+                expiry = now - _TMP_MAX_AGE if name.startswith(_TMP) else now
                 try:
-                    if os.stat(path).st_mtime < cutoff:
+                    if os.stat(path).st_mtime < expiry:
                         os.unlink(path)
                         log.debug("reaped expired discovery file %s", path)
                 except FileNotFoundError:

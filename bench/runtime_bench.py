@@ -1,0 +1,191 @@
+"""Request-plane benchmark: unary round trip and streamed messages/s over loopback, server and
+client in separate processes, tandem against Dynamo 1.6.1's runtime (ai-dynamo-runtime) in the same run.
+
+    python bench/runtime_bench.py                       # tandem, plus Dynamo if its venv exists
+    python bench/runtime_bench.py --dynamo-python PATH  # Python that has ai-dynamo-runtime==1.6.1
+
+`bash bench/setup_baselines.sh` creates the Dynamo venv at .bench/dynamo-venv. Both sides use file
+discovery, the TCP request plane and a Python async-generator handler, so the comparison is
+runtime against runtime. This file runs under either interpreter: it imports only what its role needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ENDPOINT = "bench.echo.generate"
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+
+# -- server role --------------------------------------------------------------------------------
+async def generate(request, context=None):  # type: ignore[no-untyped-def]
+    item = {"i": 0, "text": request.get("text", "")}
+    for i in range(request["n"]):
+        item["i"] = i
+        yield item
+
+
+async def serve_tandem() -> None:
+    from tandem.runtime import DistributedRuntime, RuntimeConfig
+
+    runtime = await DistributedRuntime.create(RuntimeConfig.from_env())
+    await runtime.endpoint(ENDPOINT).start_serving(generate)
+    print("READY", flush=True)
+    await runtime.wait_closed()
+
+
+async def serve_dynamo() -> None:
+    from dynamo.runtime import DistributedRuntime
+
+    runtime = DistributedRuntime(asyncio.get_running_loop(), "file", "tcp")
+    endpoint = runtime.endpoint(ENDPOINT)
+    asyncio.get_running_loop().call_later(1.0, lambda: print("READY", flush=True))
+    await endpoint.serve_endpoint(generate)
+
+
+# -- client role --------------------------------------------------------------------------------
+async def client_for(impl: str):  # type: ignore[no-untyped-def]
+    if impl == "tandem":
+        from tandem.runtime import DistributedRuntime, RuntimeConfig
+
+        runtime = await DistributedRuntime.create(RuntimeConfig.from_env())
+        client = await runtime.endpoint(ENDPOINT).client()
+        await client.wait_for_instances(1, timeout=30)
+    else:
+        from dynamo.runtime import DistributedRuntime
+
+        runtime = DistributedRuntime(asyncio.get_running_loop(), "file", "tcp")
+        client = await runtime.endpoint(ENDPOINT).client()
+        await client.wait_for_instances()
+    return runtime, client
+
+
+async def measure(impl: str, unary: int, stream_items: int, concurrency: int) -> dict[str, float]:
+    runtime, client = await client_for(impl)
+    request = {"n": 1, "text": "x" * 64}
+
+    async def one(req):  # type: ignore[no-untyped-def]
+        stream = await client.round_robin(req)
+        n = 0
+        async for _ in stream:
+            n += 1
+        return n
+
+    for _ in range(200):  # warm up connections and code paths
+        await one(request)
+    latencies = []
+    for _ in range(unary):
+        start = time.perf_counter()
+        await one(request)
+        latencies.append(time.perf_counter() - start)
+    latencies.sort()
+    result = {
+        "unary_p50_us": latencies[len(latencies) // 2] * 1e6,
+        "unary_p99_us": latencies[int(len(latencies) * 0.99)] * 1e6,
+    }
+    start = time.perf_counter()
+    got = await one({"n": stream_items, "text": "x" * 16})
+    assert got == stream_items, f"stream delivered {got} of {stream_items} items"
+    result["stream_msgs_per_s"] = got / (time.perf_counter() - start)
+    start = time.perf_counter()
+    counts = await asyncio.gather(*(one({"n": stream_items // concurrency, "text": "x" * 16}) for _ in range(concurrency)))
+    assert sum(counts) == stream_items // concurrency * concurrency, "concurrent streams lost items"
+    result[f"stream_msgs_per_s_{concurrency}_concurrent"] = sum(counts) / (time.perf_counter() - start)
+    if impl == "tandem":
+        await runtime.shutdown()
+    else:
+        runtime.shutdown()
+    return result
+
+
+def run_client(args: argparse.Namespace) -> None:
+    env = {**os.environ, "PYTHONPATH": REPO}
+    server = subprocess.Popen([sys.executable, __file__, "--role", "server", "--impl", args.impl], env=env,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        if server.stdout.readline().strip() != "READY":  # type: ignore[union-attr]
+            raise SystemExit(f"{args.impl} server failed to start")
+        import uvloop
+
+        result = uvloop.run(measure(args.impl, args.unary, args.stream_items, args.concurrency))
+        print(json.dumps(result), flush=True)
+    finally:
+        server.terminate()
+        try:
+            server.wait(10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    os._exit(0)  # Dynamo's runtime threads may outlive the loop
+
+
+# -- orchestrator -------------------------------------------------------------------------------
+def run_impl(python: str, impl: str, args: argparse.Namespace) -> dict[str, float]:
+    with tempfile.TemporaryDirectory(prefix=f"bench-{impl}-") as kv:
+        env = {**os.environ, "DYN_FILE_KV": kv, "DYN_DISCOVERY_BACKEND": "file", "DYN_REQUEST_PLANE": "tcp",
+               "DYN_EVENT_PLANE": "zmq", "DYN_TCP_RPC_HOST": "127.0.0.1", "DYN_LOG": "warn", "PYTHONPATH": REPO}
+        out = subprocess.run(
+            [python, __file__, "--role", "client", "--impl", impl, "--unary", str(args.unary),
+             "--stream-items", str(args.stream_items), "--concurrency", str(args.concurrency)],
+            env=env, capture_output=True, text=True, timeout=600,
+        )
+        if out.returncode != 0 or not out.stdout.strip():
+            raise SystemExit(f"{impl} run failed:\n{out.stderr[-3000:]}")
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--role", choices=["orchestrate", "client", "server"], default="orchestrate")
+    parser.add_argument("--impl", choices=["tandem", "dynamo"], default="tandem")
+    parser.add_argument("--unary", type=int, default=5000, help="sequential unary requests")
+    parser.add_argument("--stream-items", type=int, default=200_000, help="items in the streamed response")
+    parser.add_argument("--concurrency", type=int, default=8, help="concurrent streams in the second stream test")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per implementation; the median is reported")
+    parser.add_argument("--dynamo-python", default=os.path.join(REPO, ".bench", "dynamo-venv", "bin", "python"))
+    args = parser.parse_args()
+    if args.role == "server":
+        import uvloop
+
+        uvloop.run(serve_tandem() if args.impl == "tandem" else serve_dynamo())
+        return
+    if args.role == "client":
+        run_client(args)
+        return
+
+    impls = [("tandem", sys.executable)]
+    if os.path.exists(args.dynamo_python):
+        impls.append(("dynamo", args.dynamo_python))
+    else:
+        print(f"(no Dynamo baseline: {args.dynamo_python} missing; run bash bench/setup_baselines.sh)")
+    results: dict[str, dict[str, float]] = {}
+    for impl, python in impls:
+        runs = [run_impl(python, impl, args) for _ in range(args.repeat)]
+        results[impl] = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+    print(f"\nruntime_bench: {args.unary} unary requests, {args.stream_items} streamed items, "
+          f"median of {args.repeat} runs, loopback, server and client in separate processes\n")
+    names = list(results)
+    baseline = "dynamo" in results
+    print("| metric | " + " | ".join(names) + (" | tandem advantage |" if baseline else " |"))
+    print("|---" * (len(names) + 1 + baseline) + "|")
+    for key in results["tandem"]:
+        row = [f"{results[name][key]:,.0f}" for name in names]
+        advantage = ""
+        if baseline:
+            tandem, dynamo = results["tandem"][key], results["dynamo"][key]
+            # latency: lower is better; throughput: higher is better
+            advantage = f" | {dynamo / tandem if key.endswith('_us') else tandem / dynamo:.1f}x"
+        print(f"| {key} | " + " | ".join(row) + advantage + " |")
+    print("\n" + json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
