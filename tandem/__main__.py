@@ -1,4 +1,5 @@
-from tandem.cli import main
 import sys
+
+from tandem.cli import main
 
 sys.exit(main())

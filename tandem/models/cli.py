@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from tandem.models.prepare import MODEL_NAME, PrepareError, is_default_model, prepare_model
@@ -29,7 +30,9 @@ def _parser() -> argparse.ArgumentParser:
         help="print the local folder (or hub id) a model name resolves to",
         description="Print what NAME resolves to: a local folder, or the hub id when it is not cached locally.",
     )
-    path.add_argument("name", nargs="?", default="smollm2", help="alias, local folder or hub id (default: smollm2)")
+    path.add_argument(
+        "name", nargs="?", default="smollm2", help="alias, local folder or hub id (default: smollm2)"
+    )
     path.add_argument("--cache-dir", help=cache_help)
     return parser
 
@@ -48,7 +51,13 @@ def main(argv: list[str]) -> int:
                 return 2
             print(prepare_model(args.cache_dir))
         else:
-            print(resolve_model(args.name, prepare=False, cache_dir=args.cache_dir))
+            resolved = resolve_model(args.name, prepare=False, cache_dir=args.cache_dir)
+            if not os.path.isabs(resolved):
+                print(
+                    f"{resolved} is not in the local HF cache; engines will have to download it",
+                    file=sys.stderr,
+                )
+            print(resolved)
     except (PrepareError, ModelNotFoundError) as e:
         print(f"tandem model {args.command}: {e}", file=sys.stderr)
         return 1

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from tandem.models.prepare import MODEL_NAME, is_default_model, is_prepared, model_dir, prepare_model
 
@@ -29,9 +28,7 @@ def _from_hub_cache(repo_id: str) -> str | None:
         return None
 
 
-def resolve_model(
-    name: str, *, prepare: bool = True, cache_dir: str | os.PathLike[str] | None = None
-) -> str:
+def resolve_model(name: str, *, prepare: bool = True, cache_dir: str | os.PathLike[str] | None = None) -> str:
     """Resolve `name` to a local folder when one exists, else return the hub id for the engine to fetch.
 
     - the default model (`smollm2`, `SmolLM2-135M-Instruct`, `HuggingFaceTB/SmolLM2-135M-Instruct`):
@@ -39,12 +36,13 @@ def resolve_model(
     - an existing local path (`~` expanded): its absolute path;
     - a hub id: its snapshot in the local HF cache if present, else the id unchanged.
     `cache_dir` overrides where prepared models live ($TANDEM_MODEL_CACHE, else ~/.cache/tandem/models).
+    Raises ModelNotFoundError for a missing path, PrepareError when the default model cannot be converted.
     """
     if _looks_like_path(name):
-        path = Path(name).expanduser()
-        if not path.exists():
+        path = os.path.abspath(os.path.expanduser(name))
+        if not os.path.exists(path):
             raise ModelNotFoundError(f"model path {name!r} does not exist")
-        return str(path.absolute())
+        return path
     if is_default_model(name):
         if prepare:
             return str(prepare_model(cache_dir))
@@ -55,6 +53,6 @@ def resolve_model(
             )
         return str(folder)
     # A relative folder such as `models/foo` wins over the hub id of the same spelling, as in transformers.
-    if Path(name).exists():
-        return str(Path(name).absolute())
+    if os.path.exists(name):
+        return os.path.abspath(name)
     return _from_hub_cache(name) or name

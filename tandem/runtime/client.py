@@ -95,7 +95,7 @@ class Client:
 
         try:
             await asyncio.wait_for(wait(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise NoInstancesError(
                 f"{self.endpoint.path}: {len(self._ids)} instance(s) after {timeout}s, wanted {count}"
             ) from None

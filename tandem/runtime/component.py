@@ -118,9 +118,7 @@ class ServedEndpoint:
         metrics_labels: dict[str, str],
         health_check_payload: Any,
     ) -> None:
-        if not inspect.isasyncgenfunction(handler) and not inspect.isasyncgenfunction(
-            getattr(handler, "__call__", None)
-        ):
+        if not (inspect.isasyncgenfunction(handler) or inspect.isasyncgenfunction(type(handler).__call__)):
             raise TypeError(f"handler for {endpoint.path} must be an async generator function, got {handler!r}")
         self.endpoint = endpoint
         self.path = endpoint.path

@@ -75,5 +75,5 @@ def configure_logging(spec: str | None = None, *, jsonl: bool | None = None) -> 
     handler.setFormatter(_JsonFormatter() if jsonl else _TextFormatter())
     root.addHandler(handler)
     root.setLevel(root_level)
-    for name, level in per_logger.items():
-        logging.getLogger(name).setLevel(level)
+    for logger_name, logger_level in per_logger.items():
+        logging.getLogger(logger_name).setLevel(logger_level)

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import signal
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -216,6 +217,7 @@ class DistributedRuntime:
 
 def run(main: Any) -> int:
     """Run `main()` (a coroutine function) on uvloop when available; returns an exit code."""
+    runner: Callable[[Any], Any]
     try:
         import uvloop
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -31,7 +31,7 @@ class Watch:
     """An async iterator of WatchEvents for one prefix. It first replays the current keys as `put`
     events, then streams changes. `close()` ends it; iteration then stops."""
 
-    def __init__(self, prefix: str, on_close: callable | None = None) -> None:  # type: ignore[valid-type]
+    def __init__(self, prefix: str, on_close: Callable[[Watch], None] | None = None) -> None:
         self.prefix = prefix
         self._queue: asyncio.Queue[WatchEvent | None] = asyncio.Queue()
         self._loop = asyncio.get_running_loop()

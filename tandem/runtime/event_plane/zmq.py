@@ -37,10 +37,10 @@ class ZmqPublisher(EventPublisher):
         self._store = store
         self._topic = _wire_topic(scope, topic)
         self._key = keys.event_channel_key(scope, topic, f"{store.lease_id:x}-{secrets.token_hex(4)}")
-        self._socket = zmq.Context.instance().socket(zmq.PUB)
+        self._socket: zmq.Socket = zmq.Context.instance().socket(zmq.PUB)
         self._socket.setsockopt(zmq.SNDHWM, SEND_HWM)
         self._socket.setsockopt(zmq.LINGER, 0)
-        port = self._socket.bind_to_random_port(f"tcp://{host}")
+        port: int = self._socket.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
         self.dropped = 0
 

@@ -33,7 +33,12 @@ from tandem.runtime.errors import (
     RemoteError,
     StreamIncompleteError,
 )
-from tandem.runtime.request_plane import EndpointService, RequestPlaneClient, RequestPlaneServer, ResponseStream
+from tandem.runtime.request_plane import (
+    EndpointService,
+    RequestPlaneClient,
+    RequestPlaneServer,
+    ResponseStream,
+)
 
 log = logging.getLogger(__name__)
 
@@ -429,7 +434,7 @@ class _ClientConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        self.transport.write(MAGIC)
+        transport.write(MAGIC)  # type: ignore[attr-defined]
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -485,18 +490,18 @@ class TcpClient(RequestPlaneClient):
         try:
             host, _, port = address.rpartition(":")
             try:
-                _, conn = await asyncio.wait_for(
+                _, connected = await asyncio.wait_for(
                     loop.create_connection(lambda: _ClientConnection(self, address), host, int(port)),
                     self.connect_timeout,
                 )
-            except (OSError, asyncio.TimeoutError) as e:
+            except (TimeoutError, OSError) as e:
                 error = InstanceUnreachableError(f"cannot connect to {address}: {e or 'timed out'}")
                 future.set_exception(error)
                 future.exception()  # mark retrieved: waiters re-raise it
                 raise error from None
-            self._conns[address] = conn
-            future.set_result(conn)
-            return conn
+            self._conns[address] = connected
+            future.set_result(connected)
+            return connected
         finally:
             del self._connecting[address]
 
@@ -518,7 +523,7 @@ class TcpClient(RequestPlaneClient):
         if not stream.accepted.done():
             try:
                 await asyncio.wait_for(asyncio.shield(stream.accepted), self.request_timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 conn.send(KILL, stream_id)
                 stream._finish(_FAILED, InstanceUnreachableError(f"{endpoint}@{address}: not accepted in time"))
         # surface a refusal (unknown endpoint, too large, unreachable) here rather than on iteration
