@@ -28,6 +28,14 @@ REPO = os.path.dirname(HERE)
 
 # -- server role --------------------------------------------------------------------------------
 async def generate(request, context=None):  # type: ignore[no-untyped-def]
+    if request.get("report"):
+        # Wait for the stop and note when it arrived (same host, same clock). A file, because
+        # Dynamo's caller drops the rest of a stopped stream. Both runtimes offer this awaitable.
+        yield {"started": True}
+        await context.async_killed_or_stopped()
+        with open(request["report"], "w") as f:
+            f.write(repr(time.time()))
+        return
     item = {"i": 0, "text": request.get("text", "")}
     for i in range(request["n"]):
         item["i"] = i
@@ -73,8 +81,11 @@ async def measure(impl: str, unary: int, stream_items: int, concurrency: int) ->
     runtime, client = await client_for(impl)
     request = {"n": 1, "text": "x" * 64}
 
+    # Dynamo's default wraps each item in an Annotated envelope; ask for plain data, like tandem's.
+    options = {} if impl == "tandem" else {"annotated": False}
+
     async def one(req):  # type: ignore[no-untyped-def]
-        stream = await client.round_robin(req)
+        stream = await client.round_robin(req, **options)
         n = 0
         async for _ in stream:
             n += 1
@@ -100,11 +111,41 @@ async def measure(impl: str, unary: int, stream_items: int, concurrency: int) ->
     counts = await asyncio.gather(*(one({"n": stream_items // concurrency, "text": "x" * 16}) for _ in range(concurrency)))
     assert sum(counts) == stream_items // concurrency * concurrency, "concurrent streams lost items"
     result[f"stream_msgs_per_s_{concurrency}_concurrent"] = sum(counts) / (time.perf_counter() - start)
+    result.update(await stop_latency(impl, client, options))
     if impl == "tandem":
         await runtime.shutdown()
     else:
         runtime.shutdown()
     return result
+
+
+async def stop_latency(impl: str, client, options: dict, trials: int = 30) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """Time from the caller's stop_generating() to the remote handler seeing it."""
+    if impl == "tandem":
+        from tandem.runtime import Context
+    else:
+        from dynamo.runtime import Context
+    delays = []
+    report = os.path.join(tempfile.mkdtemp(prefix="stop-"), "seen")
+    for _ in range(trials):
+        if os.path.exists(report):
+            os.unlink(report)
+        context = Context()
+        stream = await client.round_robin({"report": report}, context=context, **options)
+        await stream.__anext__()
+        await asyncio.sleep(0.005)
+        stopped_at = time.time()
+        context.stop_generating()
+        async for _ in stream:
+            pass
+        deadline = time.monotonic() + 5
+        while not os.path.exists(report) or not open(report).read():
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{impl}: the handler never saw the stop")
+            await asyncio.sleep(0.001)
+        delays.append(float(open(report).read()) - stopped_at)
+    delays.sort()
+    return {"stop_to_handler_p50_us": delays[len(delays) // 2] * 1e6, "stop_to_handler_max_us": delays[-1] * 1e6}
 
 
 def run_client(args: argparse.Namespace) -> None:

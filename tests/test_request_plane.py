@@ -34,6 +34,22 @@ async def counter(request, context):
             await asyncio.sleep(request["delay"])
 
 
+def endless_until_killed():
+    """A handler that streams until killed, and the event it sets when it saw the kill."""
+    killed = asyncio.Event()
+
+    async def forever(request, context):
+        try:
+            while True:
+                yield {}
+                await asyncio.sleep(0.01)
+        finally:
+            if context.is_killed():
+                killed.set()
+
+    return killed, forever
+
+
 async def connect(runtimes, namespace, handler=counter, **server_overrides):
     server = await runtimes(**server_overrides)
     endpoint = await serve(server, namespace, handler)
@@ -128,17 +144,7 @@ async def test_kill_reaches_handler(runtimes, namespace):
 
 
 async def test_linked_child_context_is_killed_with_parent(runtimes, namespace):
-    killed = asyncio.Event()
-
-    async def forever(request, context):
-        try:
-            while True:
-                yield {}
-                await asyncio.sleep(0.01)
-        finally:
-            if context.is_killed():
-                killed.set()
-
+    killed, forever = endless_until_killed()
     _, _, client = await connect(runtimes, namespace, forever)
     parent, child = Context(), Context()
     parent.link_child(child)
@@ -281,17 +287,7 @@ async def test_oversized_frame_from_a_raw_peer_is_skipped_with_413(runtimes, nam
 
 
 async def test_client_disconnect_kills_the_handler(runtimes, namespace):
-    killed = asyncio.Event()
-
-    async def forever(request, context):
-        try:
-            while True:
-                yield {}
-                await asyncio.sleep(0.01)
-        finally:
-            if context.is_killed():
-                killed.set()
-
+    killed, forever = endless_until_killed()
     server, caller, client = await connect(runtimes, namespace, forever)
     stream = await client.generate({})
     await stream.__anext__()
@@ -306,3 +302,22 @@ async def test_frame_reader_handles_byte_by_byte_input():
     for i in range(len(data)):
         frames += reader.feed(data[i : i + 1])
     assert frames == [(tcp.DATA, 5, b"hello"), (tcp.END, 5, b"")]
+
+
+async def test_context_killed_before_the_request_kills_it_on_arrival(runtimes, namespace):
+    async def forever(request, context):
+        while not context.is_killed():
+            yield {}
+            await asyncio.sleep(0.01)
+
+    server, _, client = await connect(runtimes, namespace, forever)
+    context = Context()
+    context.kill()
+    stream = await client.generate({}, context)
+    assert [x async for x in stream] == []
+    path = f"{namespace}.backend.generate"
+    async with asyncio.timeout(5):  # the handler is cancelled before, or right after, it starts
+        while server.request_server.inflight(path) or any(
+            conn.streams for conn in server.request_server.connections
+        ):
+            await asyncio.sleep(0.01)

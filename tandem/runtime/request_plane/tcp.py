@@ -225,6 +225,8 @@ class _ServerConnection(asyncio.Protocol):
             self._run(stream_id, endpoint, service, body, context, len(payload))
         )
         self.streams[stream_id] = (context, task)
+        # on done, not in _run's finally: a task killed before it ever ran has no finally
+        task.add_done_callback(lambda _: self.streams.pop(stream_id, None))
 
     async def _run(
         self, stream_id: int, endpoint: str, service: EndpointService, body: Any, context: Context, nbytes: int
@@ -264,7 +266,6 @@ class _ServerConnection(asyncio.Protocol):
             self.send_error(stream_id, f"{type(e).__name__}: {e}", 500)
         finally:
             await _close_quietly(items)
-            self.streams.pop(stream_id, None)
             counts[endpoint] -= 1
             service.account(nbytes, sent, time.perf_counter() - started, outcome)
 
@@ -520,6 +521,8 @@ class TcpClient(RequestPlaneClient):
         stream = TcpResponseStream(conn, stream_id, context, f"{endpoint}@{address}")
         conn.streams[stream_id] = stream
         conn.send(REQUEST, stream_id, payload)
+        if context.is_stopped():  # signalled before the stream existed: forward it now
+            stream._on_signal(context.is_killed())
         if not stream.accepted.done():
             try:
                 await asyncio.wait_for(asyncio.shield(stream.accepted), self.request_timeout)
