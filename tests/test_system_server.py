@@ -98,3 +98,22 @@ async def test_canary_health_check_marks_a_hung_endpoint_notready(runtimes, name
     assert runtime.health.report() | {"uptime": None} == {
         "status": "notready", "uptime": None, "endpoints": {"generate": "notready"}
     }
+
+
+async def test_taken_system_port_fails_start_and_releases_the_request_plane(namespace):
+    import socket
+
+    import pytest
+
+    from tandem.runtime import DistributedRuntime
+
+    from .conftest import runtime_config
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        runtime = DistributedRuntime(runtime_config(system_port=port, system_host="127.0.0.1"))
+        with pytest.raises(OSError):
+            await runtime.start()
+    assert not runtime.request_server._server.is_serving()  # the request plane was released too

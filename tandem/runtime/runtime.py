@@ -64,10 +64,16 @@ class DistributedRuntime:
 
     async def start(self) -> None:
         await self.store.start()
-        await self.request_server.start()
-        if self.config.system_port is not None:
-            self.system_server = SystemStatusServer(self.config, self.health, self.registry)
-            await self.system_server.start()
+        try:
+            await self.request_server.start()
+            if self.config.system_port is not None:
+                self.system_server = SystemStatusServer(self.config, self.health, self.registry)
+                await self.system_server.start()
+        except BaseException:
+            # e.g. the system port is taken: release what started so the process can exit cleanly
+            await self.request_server.close()
+            await self.store.close()
+            raise
         log.info(
             "runtime up: instance %x, discovery %s, request plane %s", self.instance_id,
             self.config.discovery_backend, self.request_server.transport,
