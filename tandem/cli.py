@@ -7,6 +7,7 @@ import sys
 
 # subcommand -> (module with `main(argv)`, one-line help). Imported lazily so `tandem --help` stays fast.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "frontend": ("tandem.frontend.main", "the OpenAI-compatible HTTP frontend"),
     "model": ("tandem.models.cli", "prepare and locate models (`tandem model prepare`)"),
     "discovery": ("tandem.runtime.discovery.cli", "list what is registered in discovery"),
 }

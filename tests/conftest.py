@@ -3,6 +3,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,32 +51,49 @@ def file_kv(tmp_path: Path) -> str:
     return str(root)
 
 
-class WorkerProcess:
-    """A tests/workers/echo_worker.py process on the file discovery backend."""
+class TandemProcess:
+    """A `python -m <module>` process of this repo that prints `READY <info...>` once serving."""
 
-    def __init__(self, file_kv: str, namespace: str, *extra: str, env: dict[str, str] | None = None) -> None:
-        full_env = {
-            **os.environ,
-            "DYN_FILE_KV": file_kv,
-            "DYN_NAMESPACE": namespace,
-            "DYN_TCP_RPC_HOST": "127.0.0.1",
-            "PYTHONPATH": str(REPO),
-            **(env or {}),
-        }
+    def __init__(self, module: str, *args: str, env: dict[str, str] | None = None, timeout: float = 120) -> None:
+        full_env = {**os.environ, "DYN_TCP_RPC_HOST": "127.0.0.1", "PYTHONPATH": str(REPO), **(env or {})}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.workers.echo_worker", "--discovery-backend", "file", *extra],
-            env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+            [sys.executable, "-m", module, *args], env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, cwd=REPO,
         )
-        line = self.proc.stdout.readline()  # type: ignore[union-attr]
+        self.stderr_lines: list[str] = []
+        threading.Thread(target=self._drain_stderr, daemon=True).start()
+        deadline = time.monotonic() + timeout
+        line = ""
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()  # type: ignore[union-attr]
+            if not line or line.startswith("READY"):
+                break
         if not line.startswith("READY"):
             self.proc.kill()
-            raise RuntimeError(f"worker did not start: {line!r} {self.proc.stderr.read()}")  # type: ignore[union-attr]
-        self.instance_id = int(line.split()[1], 16)
+            self.proc.wait()
+            raise RuntimeError(f"{module} did not start: {line!r}\n{self.stderr()}")
+        self.ready = line.split()[1:]
+
+    def _drain_stderr(self) -> None:
+        for line in self.proc.stderr:  # type: ignore[union-attr]
+            self.stderr_lines.append(line)
+
+    def stderr(self) -> str:
+        return "".join(self.stderr_lines[-200:])
 
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
+
+
+class WorkerProcess(TandemProcess):
+    """A tests/workers/echo_worker.py process on the file discovery backend."""
+
+    def __init__(self, file_kv: str, namespace: str, *extra: str, env: dict[str, str] | None = None) -> None:
+        super().__init__("tests.workers.echo_worker", "--discovery-backend", "file", *extra,
+                         env={"DYN_FILE_KV": file_kv, "DYN_NAMESPACE": namespace, **(env or {})})
+        self.instance_id = int(self.ready[0], 16)
 
 
 @pytest.fixture

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible frontend: `tandem frontend` / `python -m tandem.frontend`."""

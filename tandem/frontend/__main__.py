@@ -1,0 +1,5 @@
+import sys
+
+from tandem.frontend.main import main
+
+sys.exit(main())

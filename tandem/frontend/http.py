@@ -1,0 +1,412 @@
+"""The OpenAI-compatible HTTP server (aiohttp).
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, /health, /live, /metrics,
+/openapi.json. Client mistakes get OpenAI error JSON with a 4xx status; a client that disconnects
+kills its request on the worker at once (handler cancellation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from tandem.frontend import openai
+from tandem.frontend.metrics import FrontendMetrics
+from tandem.frontend.models import ModelManager, ServedModel
+from tandem.frontend.openapi import OPENAPI
+from tandem.frontend.pipeline import Attempt, ModelPipeline
+from tandem.frontend.routing import NoWorkerError
+from tandem.llm.postprocess import OutputProcessor
+from tandem.runtime import Context, DistributedRuntime, RemoteError, StreamIncompleteError
+
+log = logging.getLogger("tandem.frontend")
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
+
+
+@dataclass
+class HttpConfig:
+    host: str = "0.0.0.0"
+    port: int = 8000
+    api_key: str | None = None
+    tls_cert_path: str | None = None
+    tls_key_path: str | None = None
+    body_limit_bytes: int = 192 * 1024 * 1024
+
+
+@dataclass
+class Outcome:
+    """What one request produced, for the response, metrics and the log line."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+    completion_tokens: int = 0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+
+def _error(status: int, message: str, param: str | None = None, type_: str | None = None) -> web.Response:
+    return web.json_response(openai.RequestError(message, status=status, param=param, type=type_).body(),
+                             status=status)
+
+
+class FrontendServer:
+    def __init__(self, runtime: DistributedRuntime, manager: ModelManager, metrics: FrontendMetrics,
+                 config: HttpConfig) -> None:
+        self.runtime = runtime
+        self.manager = manager
+        self.metrics = metrics
+        self.config = config
+        self._runner: web.AppRunner | None = None
+        self.port: int | None = None
+
+    # -- app -----------------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.body_limit_bytes,
+                              middlewares=[self._errors, self._auth])
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.list_models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/live", self.live)
+        app.router.add_get("/metrics", self.metrics_route)
+        app.router.add_get("/openapi.json", self.openapi)
+        return app
+
+    async def start(self) -> None:
+        self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
+        await self._runner.setup()
+        ssl_context = None
+        if self.config.tls_cert_path:
+            ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            ssl_context.load_cert_chain(self.config.tls_cert_path, self.config.tls_key_path)
+        site = web.TCPSite(self._runner, self.config.host, self.config.port, ssl_context=ssl_context,
+                           backlog=1024)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        scheme = "https" if ssl_context else "http"
+        log.info("OpenAI API on %s://%s:%d/v1", scheme, self.config.host, self.port)
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except openai.RequestError as e:
+            return web.json_response(e.body(), status=e.status)
+        except web.HTTPException as e:
+            if e.status == 413:
+                return _error(413, f"request body exceeds the limit of {self.config.body_limit_bytes} bytes")
+            if e.status in (404, 405):
+                return _error(e.status, f"{request.method} {request.path}: {e.reason}",
+                              type_="not_found_error" if e.status == 404 else "invalid_request_error")
+            raise
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        key = self.config.api_key
+        if key and request.path.startswith("/v1/"):
+            if request.headers.get("Authorization", "") != f"Bearer {key}":
+                return web.json_response(
+                    {"error": {"message": "Incorrect or missing API key", "type": "invalid_request_error",
+                               "param": None, "code": "invalid_api_key"}},
+                    status=401,
+                )
+        return await handler(request)
+
+    # -- infra routes --------------------------------------------------------------------------
+    async def list_models(self, request: web.Request) -> web.Response:
+        entries = [(m.name, m.created, "tandem", m.parent) for m in self.manager.served()]
+        return web.json_response(openai.models_list(entries))
+
+    async def health(self, request: web.Request) -> web.Response:
+        models = self.manager.served()
+        endpoints = sorted({path for m in models for path in m.instances.values()})
+        instances = sorted(i for m in models for i in m.instances)
+        if not endpoints:
+            return web.json_response({"status": "unhealthy", "message": "No endpoints available",
+                                      "endpoints": [], "instances": []}, status=503)
+        return web.json_response({"status": "healthy", "endpoints": endpoints, "instances": instances})
+
+    async def live(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "live", "message": "Service is live"})
+
+    async def metrics_route(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.runtime.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(OPENAPI)
+
+    # -- inference routes ----------------------------------------------------------------------
+    async def _body(self, request: web.Request) -> bytes:
+        if request.content_length is not None and request.content_length > self.config.body_limit_bytes:
+            raise openai.RequestError(
+                f"request body exceeds the limit of {self.config.body_limit_bytes} bytes", status=413
+            )
+        return await request.read()
+
+    def _model(self, name: str) -> ServedModel:
+        model = self.manager.get(name)
+        if model is None:
+            raise openai.RequestError.model_not_found(name)
+        return model
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        chat = openai.parse_chat_request(body)
+        model = self._model(chat.model)
+        pipeline: ModelPipeline = model.pipeline
+        if pipeline.preprocessor is None:
+            return await self._relay_text(request, chat, msgspec.json.decode(body), pipeline, "chat_completions")
+        prompt_ids, _ = pipeline.preprocessor.chat_prompt(chat)
+        return await self._serve(request, chat, pipeline, prompt_ids, "chat_completions")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        completion = openai.parse_completion_request(await self._body(request))
+        model = self._model(completion.model)
+        pipeline: ModelPipeline = model.pipeline
+        if pipeline.preprocessor is None:
+            raise openai.RequestError(f"model {model.name!r} only serves chat completions", param="model")
+        prompt_ids = pipeline.preprocessor.completion_prompt(completion)
+        return await self._serve(request, completion, pipeline, prompt_ids, "completions")
+
+    async def _serve(self, request: web.Request, req: Any, pipeline: ModelPipeline, prompt_ids: list[int],
+                     endpoint: str) -> web.StreamResponse:
+        hints = openai.routing_hints(req, request.headers)
+        pinned = hints.backend_instance_id if hints else None
+        preprocessed = pipeline.preprocess(req, prompt_ids, hints)
+        assert pipeline.preprocessor is not None
+        processor = OutputProcessor(pipeline.preprocessor.tokenizer, prompt_ids, preprocessed.stop_conditions,
+                                    preprocessed.sampling_options, preprocessed.output_options)
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        context = Context(request_id)
+        attempt = Attempt()
+        outputs = pipeline.generate(preprocessed, context, attempt, pinned=pinned, guided=req.is_guided)
+        model_name = pipeline.model.name
+        chat = endpoint == "chat_completions"
+        stream_cls = openai.ChatStream if chat else openai.CompletionStream
+        chunks = stream_cls(model_name, include_usage=req.include_usage, id=f"{stream_cls._prefix}{request_id}")
+        started = time.perf_counter()
+        outcome = Outcome()
+        metrics = self.metrics
+        request_type = "stream" if req.stream else "unary"
+        status = "error"
+        metrics.inflight.labels(model_name).inc()
+        metrics.isl.labels(model_name).observe(len(prompt_ids))
+        response: web.StreamResponse | None = None
+        try:
+            # Route and open the worker stream before answering, so routing failures get a status code.
+            try:
+                first = await anext(outputs)
+            except StopAsyncIteration:
+                first = {}
+            except Exception as e:
+                return self._failure(e, model_name, endpoint)
+            if req.stream:
+                response = web.StreamResponse(headers=SSE_HEADERS)
+                await response.prepare(request)
+                write = response.write
+                if isinstance(chunks, openai.ChatStream):
+                    await write(openai.sse(chunks.start()))
+                text_offset = 0
+                try:
+                    async for delta in self._deltas(first, outputs, processor, context, outcome, model_name):
+                        if delta.text or delta.logprobs:
+                            if isinstance(chunks, openai.ChatStream):
+                                logprobs = openai.chat_logprobs(delta.logprobs) if delta.logprobs else None
+                                await write(openai.sse(chunks.content(delta.text, logprobs)))
+                            else:
+                                logprobs = (openai.completion_logprobs(delta.logprobs, text_offset)
+                                            if delta.logprobs else None)
+                                await write(openai.sse(chunks.text(delta.text, logprobs)))
+                                text_offset += len(delta.text)
+                except (StreamIncompleteError, RemoteError, NoWorkerError) as e:
+                    log.warning("request %s failed mid-stream: %s", request_id, e)
+                    await write(openai.sse_error(_status_of(e), str(e)))
+                    await response.write_eof()
+                    return response
+                await write(openai.sse(chunks.finish(openai.finish_reason(outcome.finish_reason) or "stop")))
+                if req.include_usage:
+                    await write(openai.sse(chunks.usage(self._usage(prompt_ids, outcome))))
+                await write(openai.SSE_DONE)
+                await response.write_eof()
+                status = "success"
+                return response
+            try:
+                async for _ in self._deltas(first, outputs, processor, context, outcome, model_name):
+                    pass
+            except (StreamIncompleteError, RemoteError, NoWorkerError) as e:
+                return self._failure(e, model_name, endpoint)
+            usage = self._usage(prompt_ids, outcome)
+            finish = openai.finish_reason(outcome.finish_reason) or "stop"
+            if chat:
+                body = openai.chat_completion(chunks.id, chunks.created, model_name, content="".join(outcome.text),
+                                              finish_reason=finish, usage=usage,
+                                              logprobs=openai.chat_logprobs(outcome.logprobs) if outcome.logprobs else None)
+            else:
+                body = openai.completion(chunks.id, chunks.created, model_name, text="".join(outcome.text),
+                                         finish_reason=finish, usage=usage,
+                                         logprobs=openai.completion_logprobs(outcome.logprobs) if outcome.logprobs else None)
+            status = "success"
+            return web.Response(body=msgspec.json.encode(body), content_type="application/json")
+        except (asyncio.CancelledError, ConnectionResetError):
+            context.kill()  # the client went away: stop the worker now
+            metrics.cancellations.labels(model_name, endpoint, request_type).inc()
+            status = "cancelled"
+            raise
+        finally:
+            await outputs.aclose()
+            elapsed = time.perf_counter() - started
+            metrics.inflight.labels(model_name).dec()
+            metrics.requests.labels(model_name, endpoint, request_type, status).inc()
+            metrics.duration.labels(model_name).observe(elapsed)
+            metrics.osl.labels(model_name).observe(outcome.completion_tokens)
+            ttft = (outcome.first_token_at - started) if outcome.first_token_at else None
+            if ttft is not None:
+                metrics.ttft.labels(model_name).observe(ttft)
+            log.info(
+                "request %s model=%s worker=%s status=%s prompt_tokens=%d completion_tokens=%d finish=%s "
+                "migrations=%d ttft_ms=%s total_ms=%.1f",
+                request_id, model_name, f"{attempt.instance_id:x}" if attempt.instance_id else "-", status,
+                len(prompt_ids), outcome.completion_tokens, outcome.finish_reason, attempt.migrations,
+                f"{ttft * 1000:.1f}" if ttft is not None else "-", elapsed * 1000,
+            )
+
+    async def _deltas(self, first: dict[str, Any], outputs: Any, processor: OutputProcessor, context: Context,
+                      outcome: Outcome, model: str) -> Any:
+        """Engine outputs -> processed deltas worth sending; stops the worker on a local stop."""
+        itl = self.metrics.itl.labels(model)
+        output: dict[str, Any] | None = first
+        while output is not None:
+            delta = processor.process(output)
+            if output.get("completion_usage"):
+                outcome.usage = output["completion_usage"]
+            if delta.token_ids:
+                now = time.perf_counter()
+                if outcome.first_token_at is None:
+                    outcome.first_token_at = now
+                elif outcome.last_token_at is not None:
+                    itl.observe((now - outcome.last_token_at) / len(delta.token_ids))
+                outcome.last_token_at = now
+            outcome.completion_tokens = delta.completion_tokens
+            if delta.error:
+                raise RemoteError(delta.error, 500)
+            if delta.text or delta.logprobs or delta.finish_reason:
+                if delta.text:
+                    outcome.text.append(delta.text)
+                if delta.logprobs:
+                    outcome.logprobs.extend(delta.logprobs)
+                yield delta
+            if delta.finish_reason:
+                outcome.finish_reason = delta.finish_reason
+                if output.get("finish_reason") is None:
+                    context.stop_generating()  # stopped here (stop string, max tokens): the worker can stop
+                return
+            output = await anext(outputs, None)
+        tail = processor.finish()
+        if tail.text:
+            outcome.text.append(tail.text)
+            yield tail
+
+    @staticmethod
+    def _usage(prompt_ids: list[int], outcome: Outcome) -> dict[str, Any]:
+        return openai.usage(len(prompt_ids), outcome.completion_tokens, _cached(outcome.usage))
+
+    def _failure(self, error: BaseException, model: str, endpoint: str) -> web.Response:
+        status = _status_of(error)
+        if isinstance(error, NoWorkerError) and error.busy:
+            self.metrics.rejections.labels(model, endpoint).inc()
+            return web.json_response({"message": str(error), "type": "service_unavailable", "code": 503,
+                                      "error": {"message": str(error), "type": "service_unavailable",
+                                                "param": None, "code": 503}}, status=503)
+        if isinstance(error, openai.RequestError):
+            return web.json_response(error.body(), status=error.status)
+        if not isinstance(error, (NoWorkerError, StreamIncompleteError, RemoteError)):
+            log.exception("unexpected error serving %s", model, exc_info=error)
+        return _error(status, str(error), type_="service_unavailable" if status == 503 else "internal_error")
+
+    async def _relay_text(self, request: web.Request, chat: Any, raw: dict[str, Any], pipeline: ModelPipeline,
+                          endpoint: str) -> web.StreamResponse:
+        """Text-input models (`--use-vllm-tokenizer` workers) template and tokenize in the engine: forward
+        the OpenAI request and relay the chat chunks it streams back."""
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        context = Context(request_id)
+        response_id, created, model_name = f"chatcmpl-{request_id}", int(time.time()), pipeline.model.name
+        body = dict(raw, model=model_name)
+        hints = openai.routing_hints(chat, request.headers)
+        outputs = pipeline.generate(body, context, Attempt(), pinned=hints.backend_instance_id if hints else None)
+        try:
+            try:
+                first = await anext(outputs)
+            except StopAsyncIteration:
+                first = {}
+            except Exception as e:
+                return self._failure(e, model_name, endpoint)
+            chunks = [first]
+            if chat.stream:
+                response = web.StreamResponse(headers=SSE_HEADERS)
+                await response.prepare(request)
+            content: list[str] = []
+            finish: str | None = None
+            usage = None
+            try:
+                while chunks:
+                    chunk = chunks.pop()
+                    if chunk:
+                        chunk.update(id=response_id, created=created, model=model_name)
+                        for choice in chunk.get("choices", []):
+                            content.append((choice.get("delta") or {}).get("content") or "")
+                            finish = choice.get("finish_reason") or finish
+                        usage = chunk.get("usage") or usage
+                        if chat.stream:
+                            await response.write(openai.sse(chunk))
+                    nxt = await anext(outputs, None)
+                    if nxt is not None:
+                        chunks.append(nxt)
+            except (StreamIncompleteError, RemoteError, NoWorkerError) as e:
+                if not chat.stream:
+                    return self._failure(e, model_name, endpoint)
+                await response.write(openai.sse_error(_status_of(e), str(e)))
+                await response.write_eof()
+                return response
+            if chat.stream:
+                await response.write(openai.SSE_DONE)
+                await response.write_eof()
+                return response
+            return web.json_response(openai.chat_completion(
+                response_id, created, model_name, content="".join(content), finish_reason=finish or "stop",
+                usage=usage or openai.usage(0, 0)))
+        except (asyncio.CancelledError, ConnectionResetError):
+            context.kill()
+            raise
+        finally:
+            await outputs.aclose()
+
+
+def _status_of(error: BaseException) -> int:
+    if isinstance(error, openai.RequestError):
+        return error.status
+    if isinstance(error, RemoteError):
+        return error.code if 400 <= error.code < 500 else 500
+    return 503
+
+
+def _cached(usage: dict[str, Any] | None) -> int | None:
+    details = (usage or {}).get("prompt_tokens_details") or {}
+    return details.get("cached_tokens")
+
+

@@ -1,0 +1,707 @@
+"""OpenAI protocol layer of the frontend: parse and validate request bodies, map them to tandem's
+internal options (`tandem.llm.protocols`), and build response objects in exactly OpenAI's shapes.
+
+No I/O here; the HTTP server calls these functions. Bodies are decoded by msgspec straight into typed
+Structs (fast, and its errors carry the JSON path, which becomes the error's `param`); range and
+cross-field checks follow by hand. Unknown top-level fields are ignored, as OpenAI clients send extras.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import msgspec
+
+from tandem.llm.protocols import (
+    GuidedDecoding,
+    OutputOptions,
+    RoutingHints,
+    SamplingOptions,
+    StopConditions,
+    openai_finish_reason,
+)
+
+_U32 = 2**32
+MAX_STOP = 16
+MAX_LOGPROBS = 20
+
+# -- errors ----------------------------------------------------------------------------------------
+
+_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                429: "rate_limit_error", 501: "not_implemented_error", 503: "service_unavailable"}  # fmt: skip
+
+
+def error_type(status: int) -> str:
+    return _ERROR_TYPES.get(status) or ("invalid_request_error" if status < 500 else "internal_server_error")
+
+
+class RequestError(Exception):
+    """A request the frontend refuses; `body()` is OpenAI's error JSON."""
+
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None, type: str | None = None,
+                 code: str | None = None) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type or error_type(status)
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def sse(self) -> bytes:
+        return sse(self.body())
+
+    @classmethod
+    def model_not_found(cls, model: str) -> RequestError:
+        # OpenAI's exact answer for an unknown model (404, but type invalid_request_error).
+        return cls(f"The model `{model}` does not exist.", status=404, param="model",
+                   type="invalid_request_error", code="model_not_found")  # fmt: skip
+
+
+_AT = re.compile(r"^(.*?)(?: - at `\$(.*)`)?$", re.S)
+
+
+def _from_validation(err: msgspec.ValidationError, prefix: str = "") -> RequestError:
+    """msgspec's "Expected `float | null`, got `str` - at `$.a[0].b`" -> param "a[0].b"."""
+    m = _AT.match(str(err))
+    reason, path = (m.group(1), m.group(2) or "") if m else (str(err), "")
+    path = (prefix + path).lstrip(".")
+    missing = re.match(r"Object missing required field `(.*)`$", reason)
+    if missing:
+        param = f"{path}.{missing.group(1)}" if path else missing.group(1)
+        return RequestError(f"Missing required parameter: '{param}'.", param=param)
+    if not path:
+        return RequestError(f"The request body must be a JSON object ({reason}).")
+    reason = reason.replace(" | null`", "`")
+    return RequestError(f"Invalid value for '{path}': {reason[:1].lower()}{reason[1:]}.", param=path)
+
+
+def _fail(param: str | None, message: str) -> RequestError:
+    return RequestError(message, param=param)
+
+
+# -- requests --------------------------------------------------------------------------------------
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool | None = None
+
+
+class JsonSchemaFormat(msgspec.Struct):
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct):
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(msgspec.Struct):
+    """vLLM's newer spelling of the guided_* fields."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
+class Nvext(msgspec.Struct, omit_defaults=True):
+    """Dynamo's request extensions (`nvext`); fields not listed here are kept in `extra`."""
+
+    backend_instance_id: int | None = None
+    prefill_worker_id: int | None = None
+    decode_worker_id: int | None = None
+    annotations: list[str] = []
+    use_raw_prompt: bool | None = None
+    greed_sampling: bool | None = None
+    cache_salt: str | None = None
+    max_thinking_tokens: int | None = None
+    extra: dict[str, Any] = {}
+
+
+_NVEXT_KNOWN = frozenset(Nvext.__struct_fields__) - {"extra"}
+
+
+class _Body(msgspec.Struct, kw_only=True):
+    """Fields common to /v1/chat/completions and /v1/completions, as they come over the wire."""
+
+    model: str
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    n: int | None = None
+    user: str | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
+    nvext: dict[str, Any] | None = None
+
+
+class _ChatBody(_Body, kw_only=True):
+    messages: list[dict[str, Any]] | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class _CompletionBody(_Body, kw_only=True):
+    prompt: Any = None
+    logprobs: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+
+
+class _Derived:
+    """Convenience accessors shared by both request types (a slot-less mixin: msgspec allows it)."""
+
+    __slots__ = ()
+    stream: bool
+    stream_options: StreamOptions | None
+    guided: GuidedDecoding | None
+
+    @property
+    def is_guided(self) -> bool:
+        return self.guided is not None
+
+    @property
+    def include_usage(self) -> bool:
+        """Streaming with stream_options.include_usage: chunks carry usage: null, then a usage-only chunk ends it."""
+        return bool(self.stream and self.stream_options is not None and self.stream_options.include_usage)
+
+
+class ChatRequest(_ChatBody, _Derived, kw_only=True):
+    """A validated chat request. `messages` are plain dicts for the chat template, with text-part
+    lists joined into one string; `max_tokens` already holds max_completion_tokens when given;
+    `stop` is a list; `ext` is the parsed nvext; `guided` the single guided-decoding mode."""
+
+    stream: bool = False
+    stop: list[str] | None = None
+    messages: list[dict[str, Any]] = []
+    ext: Nvext = msgspec.field(default_factory=Nvext)
+    guided: GuidedDecoding | None = None
+
+
+class CompletionRequest(_CompletionBody, _Derived, kw_only=True):
+    """A validated completions request; `prompt` is a string or a list of token ids."""
+
+    stream: bool = False
+    stop: list[str] | None = None
+    prompt: str | list[int] = ""
+    ext: Nvext = msgspec.field(default_factory=Nvext)
+    guided: GuidedDecoding | None = None
+
+
+_chat_decoder = msgspec.json.Decoder(_ChatBody)
+_completion_decoder = msgspec.json.Decoder(_CompletionBody)
+
+_Range = tuple[str, Callable[[Any], bool], str]
+# (field, valid?, message); each message is formatted with the offending value.
+_COMMON_RANGES: list[_Range] = [
+    ("n", lambda v: v == 1, "only n=1 is supported (got {})"),
+    ("max_tokens", lambda v: 1 <= v < _U32, "max_tokens must be at least 1 (got {})"),
+    ("temperature", lambda v: 0.0 <= v <= 2.0, "temperature must be between 0 and 2 (got {})"),
+    ("top_p", lambda v: 0.0 < v <= 1.0, "top_p must be in (0, 1] (got {})"),
+    ("top_k", lambda v: v == -1 or 1 <= v < _U32, "top_k must be -1 (disabled) or at least 1 (got {})"),
+    ("min_p", lambda v: 0.0 <= v <= 1.0, "min_p must be between 0 and 1 (got {})"),
+    ("presence_penalty", lambda v: -2.0 <= v <= 2.0, "presence_penalty must be between -2 and 2 (got {})"),
+    ("frequency_penalty", lambda v: -2.0 <= v <= 2.0, "frequency_penalty must be between -2 and 2 (got {})"),
+    ("repetition_penalty", lambda v: v > 0.0, "repetition_penalty must be greater than 0 (got {})"),
+    ("min_tokens", lambda v: 0 <= v < _U32, "min_tokens must be non-negative (got {})"),
+    ("seed", lambda v: -(2**63) <= v < 2**64, "seed must fit in 64 bits (got {})"),
+]
+_CHAT_RANGES: list[_Range] = [
+    _COMMON_RANGES[1],  # max_tokens, checked before max_completion_tokens replaces it
+    ("max_completion_tokens", lambda v: 1 <= v < _U32, "max_completion_tokens must be at least 1 (got {})"),
+    ("top_logprobs", lambda v: 0 <= v <= MAX_LOGPROBS, f"top_logprobs must be between 0 and {MAX_LOGPROBS} (got {{}})"),
+]
+_COMPLETION_RANGES: list[_Range] = [
+    ("logprobs", lambda v: 0 <= v <= MAX_LOGPROBS, f"logprobs must be between 0 and {MAX_LOGPROBS} (got {{}})"),
+]
+
+
+def _decode(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as e:  # a subclass of DecodeError, so first
+        raise _from_validation(e) from None
+    except msgspec.DecodeError as e:
+        raise _fail(None, f"The request body is not valid JSON: {e}.") from None
+
+
+def _check_ranges(raw: Any, table: list[_Range]) -> None:
+    for name, ok, message in table:
+        value = getattr(raw, name)
+        if value is not None and not ok(value):
+            raise _fail(name, message.format(value))
+
+
+def _check_common(raw: _Body) -> dict[str, Any]:
+    """Validation shared by both endpoints; returns the normalized/derived fields to override."""
+    if not raw.model:
+        raise _fail("model", "'model' must be a non-empty string.")
+    _check_ranges(raw, _COMMON_RANGES)
+    if raw.min_tokens is not None and raw.max_tokens is not None and raw.min_tokens > raw.max_tokens:
+        raise _fail("min_tokens", f"min_tokens ({raw.min_tokens}) must not exceed max_tokens ({raw.max_tokens}).")
+    stop = [raw.stop] if isinstance(raw.stop, str) else raw.stop
+    if stop is not None:
+        if len(stop) > MAX_STOP:
+            raise _fail("stop", f"at most {MAX_STOP} stop sequences are allowed (got {len(stop)}).")
+        stop = [s for s in stop if s] or None  # an empty stop string would match at once: drop it
+    for i, tid in enumerate(raw.stop_token_ids or ()):
+        if not 0 <= tid < _U32:
+            raise _fail(f"stop_token_ids[{i}]", f"stop_token_ids must be token ids >= 0 (got {tid}).")
+    return {"stream": bool(raw.stream), "stop": stop, "ext": _nvext(raw.nvext), "guided": _guided(raw)}
+
+
+def _nvext(raw: dict[str, Any] | None) -> Nvext:
+    if not raw:
+        return Nvext()
+    known = {k: v for k, v in raw.items() if k in _NVEXT_KNOWN}
+    try:
+        ext = msgspec.convert(known, Nvext)
+    except msgspec.ValidationError as e:
+        raise _from_validation(e, "nvext") from None
+    ext.extra = {k: v for k, v in raw.items() if k not in _NVEXT_KNOWN}
+    return ext
+
+
+def _json_schema(value: dict[str, Any] | str, param: str) -> Any:
+    if isinstance(value, str):  # vLLM accepts the schema as a JSON string too
+        try:
+            value = msgspec.json.decode(value)
+        except msgspec.DecodeError:
+            raise _fail(param, f"'{param}' is not valid JSON.") from None
+        if not isinstance(value, dict):
+            raise _fail(param, f"'{param}' must be a JSON schema object.")
+    return value
+
+
+def _guided(raw: _Body) -> GuidedDecoding | None:
+    """The one guided-decoding mode the request asks for (several at once is an error)."""
+    modes: list[tuple[str, GuidedDecoding]] = []
+    rf = raw.response_format
+    if rf is not None:
+        if rf.type == "json_object":
+            modes.append(("response_format", GuidedDecoding(json={"type": "object"})))
+        elif rf.type == "json_schema":
+            if rf.json_schema is None:
+                raise _fail("response_format.json_schema", "response_format json_schema requires 'json_schema'.")
+            if rf.json_schema.schema is None:
+                raise _fail("response_format.json_schema.schema", "response_format json_schema requires a 'schema'.")
+            modes.append(("response_format", GuidedDecoding(json=rf.json_schema.schema)))
+        elif rf.type != "text":
+            message = f"response_format type must be one of text, json_object, json_schema (got {rf.type!r})."
+            raise _fail("response_format.type", message)
+    so = raw.structured_outputs or StructuredOutputs()
+    for mode in ("json", "regex", "choice", "grammar"):
+        for param, value in ((f"guided_{mode}", getattr(raw, f"guided_{mode}")),
+                             (f"structured_outputs.{mode}", getattr(so, mode))):  # fmt: skip
+            if value is None:
+                continue
+            if mode == "json":
+                value = _json_schema(value, param)
+            elif mode == "choice" and not value:
+                raise _fail(param, f"'{param}' must list at least one choice.")
+            modes.append((param, GuidedDecoding(**{mode: value})))
+    if len(modes) > 1:
+        names = ", ".join(p for p, _ in modes)
+        raise _fail(modes[1][0], f"only one guided decoding mode may be given at once (got {names}).")
+    return modes[0][1] if modes else None
+
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _check_messages(messages: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    if messages is None:
+        raise _fail("messages", "Missing required parameter: 'messages'.")
+    if not messages:
+        raise _fail("messages", "'messages' must contain at least one message.")
+    out = []
+    for i, msg in enumerate(messages):
+        p = f"messages[{i}]"
+        role = msg.get("role")
+        if role not in ROLES:
+            what = "is required" if role is None else f"must be one of {', '.join(ROLES)} (got {role!r})"
+            raise _fail(f"{p}.role", f"'{p}.role' {what}.")
+        content = msg.get("content")
+        if isinstance(content, list):
+            msg = {**msg, "content": _join_parts(content, f"{p}.content")}
+        elif content is None:
+            if not (role == "assistant" and msg.get("tool_calls")):
+                raise _fail(f"{p}.content", f"'{p}.content' is required for a {role} message.")
+        elif not isinstance(content, str):
+            raise _fail(f"{p}.content", f"'{p}.content' must be a string or a list of content parts.")
+        for key in ("name", "tool_call_id"):
+            if msg.get(key) is not None and not isinstance(msg[key], str):
+                raise _fail(f"{p}.{key}", f"'{p}.{key}' must be a string.")
+        calls = msg.get("tool_calls")
+        if calls is not None and not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
+            raise _fail(f"{p}.tool_calls", f"'{p}.tool_calls' must be a list of objects.")
+        out.append(msg)
+    return out
+
+
+def _join_parts(parts: list[Any], param: str) -> str:
+    # Chat templates mostly expect string content; joining text parts with "\n" is what vLLM does.
+    texts = []
+    for j, part in enumerate(parts):
+        if not isinstance(part, dict) or part.get("type") != "text":
+            raise _fail(f"{param}[{j}].type", f"'{param}[{j}]': only text content parts are supported.")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise _fail(f"{param}[{j}].text", f"'{param}[{j}].text' must be a string.")
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def parse_chat_request(body: bytes) -> ChatRequest:
+    """Decode and validate a /v1/chat/completions body; raises RequestError."""
+    raw: _ChatBody = _decode(_chat_decoder, body)
+    _check_ranges(raw, _CHAT_RANGES)
+    if raw.max_completion_tokens is not None:  # the newer name wins
+        raw.max_tokens = raw.max_completion_tokens
+    derived = _check_common(raw)
+    if raw.top_logprobs is not None and not raw.logprobs:
+        raise _fail("top_logprobs", "top_logprobs requires logprobs to be true.")
+    if isinstance(raw.tool_choice, str) and raw.tool_choice not in ("none", "auto", "required"):
+        raise _fail("tool_choice", f"tool_choice must be none, auto, required or an object (got {raw.tool_choice!r}).")
+    fields = msgspec.structs.asdict(raw) | derived
+    fields["messages"] = _check_messages(raw.messages)
+    return ChatRequest(**fields)
+
+
+def _token_ids(ids: list[Any], param: str) -> list[int]:
+    if not ids:
+        raise _fail(param, f"'{param}' must not be empty.")
+    for j, tid in enumerate(ids):
+        if type(tid) is not int or not 0 <= tid < _U32:
+            raise _fail(f"{param}[{j}]", f"'{param}[{j}]' must be a token id (an integer >= 0).")
+    return ids
+
+
+def _check_prompt(prompt: Any) -> str | list[int]:
+    if prompt is None:
+        raise _fail("prompt", "Missing required parameter: 'prompt'.")
+    if isinstance(prompt, str):
+        return prompt
+    if not isinstance(prompt, list):
+        raise _fail("prompt", "'prompt' must be a string, a list of token ids, or a one-item list of either.")
+    if prompt and isinstance(prompt[0], str | list):  # the batch forms: [str, ...] or [[int], ...]
+        if len(prompt) > 1:
+            raise _fail("prompt", "batch prompts are not supported (send one prompt per request).")
+        if isinstance(prompt[0], str):
+            return prompt[0]
+        return _token_ids(prompt[0], "prompt[0]")
+    return _token_ids(prompt, "prompt")
+
+
+def parse_completion_request(body: bytes) -> CompletionRequest:
+    """Decode and validate a /v1/completions body; raises RequestError."""
+    raw: _CompletionBody = _decode(_completion_decoder, body)
+    prompt = _check_prompt(raw.prompt)
+    _check_ranges(raw, _COMPLETION_RANGES)
+    derived = _check_common(raw)
+    if raw.echo:
+        raise _fail("echo", "echo is not supported.")
+    if raw.suffix:
+        raise _fail("suffix", "suffix is not supported.")
+    return CompletionRequest(**(msgspec.structs.asdict(raw) | derived | {"prompt": prompt}))
+
+
+AnyRequest = ChatRequest | CompletionRequest
+
+# -- mapping to tandem's internal options ------------------------------------------------------------
+
+
+_SAMPLING = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed",
+             "include_stop_str_in_output")  # fmt: skip
+
+
+def sampling_options(req: AnyRequest) -> SamplingOptions:
+    """Unset fields stay None (engine defaults); nvext.greed_sampling forces temperature 0."""
+    temperature = 0.0 if req.ext.greed_sampling else req.temperature
+    return SamplingOptions(temperature=temperature, guided_decoding=req.guided, **{k: getattr(req, k) for k in _SAMPLING})
+
+
+def stop_conditions(req: AnyRequest) -> StopConditions:
+    """The user's stop conditions; the preprocessor adds the model's hidden EOS ids (and applies ignore_eos)."""
+    return StopConditions(max_tokens=req.max_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids or None,
+                          min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
+                          max_thinking_tokens=req.ext.max_thinking_tokens)  # fmt: skip
+
+
+def output_options(req: AnyRequest) -> OutputOptions:
+    if isinstance(req, ChatRequest):
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        logprobs = req.logprobs
+    return OutputOptions(logprobs=logprobs, skip_special_tokens=req.skip_special_tokens)
+
+
+# Routing headers (dynamo-platform.md §B.2); the first name present wins, newer x-dynamo-* first.
+_ROUTING_HEADERS: dict[str, tuple[str, ...]] = {
+    "backend_instance_id": ("x-dynamo-worker-instance-id", "x-worker-instance-id"),
+    "prefill_worker_id": ("x-dynamo-prefill-instance-id", "x-prefill-instance-id"),
+    "dp_rank": ("x-dynamo-dp-rank", "x-dp-rank", "x-data-parallel-rank"),
+    "prefill_dp_rank": ("x-dynamo-prefill-dp-rank", "x-prefill-dp-rank"),
+    "priority": ("x-dynamo-request-priority",),
+}
+
+
+def routing_hints(req: AnyRequest, headers: Mapping[str, str] | None = None) -> RoutingHints | None:
+    """Routing from nvext, overridden by the routing headers; None when nothing was asked for."""
+    names = ("backend_instance_id", "prefill_worker_id", "decode_worker_id", "cache_salt")
+    hints: dict[str, Any] = {name: getattr(req.ext, name) for name in names}
+    if headers:
+        lower = {k.lower(): v for k, v in headers.items()}
+        for name, keys in _ROUTING_HEADERS.items():
+            for key in (k for k in keys if k in lower):
+                try:
+                    hints[name] = int(lower[key])
+                except ValueError:
+                    raise _fail(None, f"header {key} must be an integer (got {lower[key]!r}).") from None
+                break
+    hints = {k: v for k, v in hints.items() if v is not None}
+    return RoutingHints(**hints) if hints else None
+
+
+# -- responses -------------------------------------------------------------------------------------
+
+
+def chat_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+def completion_id() -> str:
+    return f"cmpl-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def finish_reason(reason: str | None) -> str | None:
+    """tandem's normalized reason (eos, length, stop, cancelled, content_filter, error) -> OpenAI's."""
+    return openai_finish_reason(reason)
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """One generated token's logprob; `top` holds (token, token_id, logprob, bytes) alternatives."""
+
+    token: str
+    token_id: int
+    logprob: float
+    bytes: list[int]
+    top: list[tuple[str, int, float, list[int]]] = field(default_factory=list)
+
+
+class LogprobLike(Protocol):
+    """What the logprob builders read: TokenLogprob here, or any object with these attributes whose
+    `top` entries are (token, token_id, logprob, bytes) tuples or objects with token/logprob/bytes."""
+
+    @property
+    def token(self) -> str: ...
+    @property
+    def logprob(self) -> float | None: ...
+    @property
+    def bytes(self) -> list[int] | None: ...
+    @property
+    def top(self) -> Sequence[Any]: ...
+
+
+def _lp(x: float | None) -> float:
+    # JSON has no -inf/NaN (msgspec writes null, which OpenAI clients reject); vLLM clamps the same way.
+    return x if x is not None and x > -9999.0 else -9999.0
+
+
+def _alternatives(t: LogprobLike) -> list[tuple[str, float, list[int] | None]]:
+    return [(e[0], _lp(e[2]), e[3]) if isinstance(e, tuple) else (e.token, _lp(e.logprob), e.bytes) for e in t.top]
+
+
+def chat_logprobs(tokens: Iterable[LogprobLike]) -> dict[str, Any]:
+    return {"content": [{"token": t.token, "logprob": _lp(t.logprob), "bytes": t.bytes,
+                         "top_logprobs": [{"token": tok, "logprob": lp, "bytes": b} for tok, lp, b in _alternatives(t)]}
+                        for t in tokens]}  # fmt: skip
+
+
+def completion_logprobs(tokens: Iterable[LogprobLike], text_offset: int = 0) -> dict[str, Any]:
+    """`text_offset` is the length of the text already sent (so offsets continue across chunks)."""
+    toks, lps, tops, offsets = [], [], [], []
+    for t in tokens:
+        toks.append(t.token)
+        lps.append(_lp(t.logprob))
+        tops.append({tok: lp for tok, lp, _ in _alternatives(t)})
+        offsets.append(text_offset)
+        text_offset += len(t.token)
+    return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                           "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
+
+
+def _envelope(id: str, created: int, model: str, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"id": id, "object": obj, "created": created, "model": model, "system_fingerprint": None, "choices": choices}
+
+
+def chat_chunk(id: str, created: int, model: str, *, delta: dict[str, Any], finish_reason: str | None = None,
+               logprobs: dict[str, Any] | None = None,
+               usage: dict[str, Any] | None | msgspec.UnsetType = msgspec.UNSET) -> dict[str, Any]:  # fmt: skip
+    """One chat.completion.chunk. Pass usage=None to write `"usage": null` (OpenAI does so in every chunk
+    when stream_options.include_usage is set); leave it unset to omit the key."""
+    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    chunk = _envelope(id, created, model, "chat.completion.chunk", [choice])
+    return chunk if usage is msgspec.UNSET else chunk | {"usage": usage}
+
+
+def completion_chunk(id: str, created: int, model: str, *, text: str, finish_reason: str | None = None,
+                     logprobs: dict[str, Any] | None = None,
+                     usage: dict[str, Any] | None | msgspec.UnsetType = msgspec.UNSET) -> dict[str, Any]:  # fmt: skip
+    """One streamed text_completion chunk (OpenAI streams completions as `text_completion` objects)."""
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    chunk = _envelope(id, created, model, "text_completion", [choice])
+    return chunk if usage is msgspec.UNSET else chunk | {"usage": usage}
+
+
+def chat_usage_chunk(id: str, created: int, model: str, usage: dict[str, Any]) -> dict[str, Any]:
+    """The last chunk of a stream with include_usage: no choices, only usage."""
+    return _envelope(id, created, model, "chat.completion.chunk", []) | {"usage": usage}
+
+
+def completion_usage_chunk(id: str, created: int, model: str, usage: dict[str, Any]) -> dict[str, Any]:
+    return _envelope(id, created, model, "text_completion", []) | {"usage": usage}
+
+
+def chat_completion(id: str, created: int, model: str, *, content: str | None, finish_reason: str,
+                    usage: dict[str, Any], logprobs: dict[str, Any] | None = None,
+                    tool_calls: list[dict[str, Any]] | None = None,
+                    reasoning_content: str | None = None) -> dict[str, Any]:  # fmt: skip
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    if reasoning_content is not None:
+        message["reasoning_content"] = reasoning_content
+    choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+    return _envelope(id, created, model, "chat.completion", [choice]) | {"usage": usage}
+
+
+def completion(id: str, created: int, model: str, *, text: str, finish_reason: str, usage: dict[str, Any],
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    return _envelope(id, created, model, "text_completion", [choice]) | {"usage": usage}
+
+
+class _Stream:
+    _prefix = ""
+
+    def __init__(self, model: str, *, include_usage: bool = False, id: str | None = None,
+                 created: int | None = None) -> None:  # fmt: skip
+        self.id = id or f"{self._prefix}{uuid.uuid4().hex}"
+        self.created = created if created is not None else now()
+        self.model = model
+        self.include_usage = include_usage
+        self._usage: None | msgspec.UnsetType = None if include_usage else msgspec.UNSET
+
+
+class ChatStream(_Stream):
+    """The chunks of one streamed chat completion in OpenAI's order: `start()` (role), `content()`
+    per delta, `finish()` (empty delta + finish_reason), then `usage()` only if include_usage."""
+
+    _prefix = "chatcmpl-"
+
+    def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None, logprobs: Any = None) -> dict[str, Any]:
+        return chat_chunk(self.id, self.created, self.model, delta=delta, finish_reason=finish_reason,
+                          logprobs=logprobs, usage=self._usage)  # fmt: skip
+
+    def start(self) -> dict[str, Any]:
+        return self._chunk({"role": "assistant", "content": ""})
+
+    def content(self, text: str, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        return self._chunk({"content": text}, logprobs=logprobs)
+
+    def finish(self, finish_reason: str) -> dict[str, Any]:
+        return self._chunk({}, finish_reason)
+
+    def usage(self, usage: dict[str, Any]) -> dict[str, Any]:
+        return chat_usage_chunk(self.id, self.created, self.model, usage)
+
+
+class CompletionStream(_Stream):
+    """The chunks of one streamed completion: `text()` per delta, `finish()`, then `usage()` if asked."""
+
+    _prefix = "cmpl-"
+
+    def text(self, text: str, logprobs: dict[str, Any] | None = None, finish_reason: str | None = None) -> dict[str, Any]:
+        return completion_chunk(self.id, self.created, self.model, text=text, finish_reason=finish_reason,
+                                logprobs=logprobs, usage=self._usage)  # fmt: skip
+
+    def finish(self, finish_reason: str) -> dict[str, Any]:
+        return self.text("", finish_reason=finish_reason)
+
+    def usage(self, usage: dict[str, Any]) -> dict[str, Any]:
+        return completion_usage_chunk(self.id, self.created, self.model, usage)
+
+
+def models_list(entries: Iterable[tuple[str, int, str, str | None]]) -> dict[str, Any]:
+    data = []
+    for model_id, created, owned_by, parent in entries:
+        item: dict[str, Any] = {"id": model_id, "object": "model", "created": created, "owned_by": owned_by}
+        if parent is not None:
+            item["parent"] = parent
+        data.append(item)
+    return {"object": "list", "data": data}
+
+
+# -- JSON / SSE framing ----------------------------------------------------------------------------
+
+_encoder = msgspec.json.Encoder()
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def dumps(obj: Any) -> bytes:
+    """Compact JSON (for non-streaming bodies)."""
+    return _encoder.encode(obj)
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + _encoder.encode(obj) + b"\n\n"
+
+
+def sse_error(status: int, message: str, *, type: str | None = None) -> bytes:
+    """An error in the middle of a stream (headers already sent). The openai client raises APIError on it."""
+    return sse({"error": {"message": message, "type": type or error_type(status), "param": None, "code": status}})

@@ -1,0 +1,178 @@
+"""Model deployment cards (MDC): what a worker publishes in discovery so frontends can serve its
+model (dynamo-platform.md §B.4). Key: `v1/mdc/{ns}/{component}/{endpoint}/{instance:x}[/{lora}]`.
+
+A card names the model, says where its tokenizer, chat template and generation config come from
+(a folder plus content checksums, so a frontend can check that its copy is the same), and carries
+the serving configuration (context length, KV block size, model type and input, runtime config).
+`mdcsum` hashes the fields that must agree for two workers to serve the same model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from enum import IntFlag
+from typing import Any
+
+import msgspec
+
+from tandem.runtime import keys
+
+
+class ModelType(IntFlag):
+    Chat = 1
+    Completions = 2
+    Embedding = 4
+    TensorBased = 8
+    Prefill = 16
+
+    @classmethod
+    def parse(cls, text: str) -> ModelType:
+        """`"chat,completions"` -> Chat|Completions (Dynamo's --endpoint-types spelling)."""
+        value = cls(0)
+        for name in filter(None, (part.strip().lower() for part in text.split(","))):
+            matches = [member for member in cls if member.name and member.name.lower() == name]
+            if not matches:
+                raise ValueError(f"unknown model type {name!r}; use chat, completions, embedding or prefill")
+            value |= matches[0]
+        return value
+
+
+# Files of a model folder the frontend reads; their checksums go into the card.
+MODEL_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "config.json",
+               "chat_template.jinja", "special_tokens_map.json")
+
+
+class LoraInfo(msgspec.Struct, omit_defaults=True):
+    name: str
+    base_model: str | None = None
+    max_gpu_lora_count: int | None = None
+
+
+class ModelDeploymentCard(msgspec.Struct, omit_defaults=True):
+    display_name: str
+    source_path: str  # the worker's model folder (or hub id)
+    model_type: int = int(ModelType.Chat | ModelType.Completions)
+    model_input: str = "Tokens"  # Tokens: the frontend tokenizes; Text: the engine does
+    worker_type: str = "Aggregated"  # Aggregated | Prefill | Decode
+    files: dict[str, str] = msgspec.field(default_factory=dict)  # file name -> sha256 hex
+    chat_template: str | None = None  # custom template text; wins over the model's
+    context_length: int = 0
+    kv_cache_block_size: int = 16
+    migration_limit: int = 0
+    runtime_config: dict[str, Any] = msgspec.field(default_factory=dict)
+    lora: LoraInfo | None = None
+    user_data: dict[str, Any] | None = None
+    mdcsum: str = ""
+
+    @property
+    def types(self) -> ModelType:
+        return ModelType(self.model_type)
+
+    def compute_mdcsum(self) -> str:
+        identity = {
+            "display_name": self.display_name,
+            "files": sorted(self.files.items()),
+            "chat_template": self.chat_template,
+            "context_length": self.context_length,
+            "kv_cache_block_size": self.kv_cache_block_size,
+            "model_input": self.model_input,
+            "worker_type": self.worker_type,
+        }
+        return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
+
+    def to_json(self) -> bytes:
+        return msgspec.json.encode(self)
+
+    @classmethod
+    def from_json(cls, data: bytes) -> ModelDeploymentCard:
+        return msgspec.json.decode(data, type=cls)
+
+
+def file_checksums(folder: str) -> dict[str, str]:
+    sums = {}
+    for name in MODEL_FILES:
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                sums[name] = hashlib.sha256(f.read()).hexdigest()
+    return sums
+
+
+def verify_files(folder: str, expected: dict[str, str]) -> list[str]:
+    """Names of card files that are missing or differ in `folder` (empty = all match)."""
+    actual = file_checksums(folder)
+    return [name for name, digest in expected.items() if actual.get(name) != digest]
+
+
+def context_length_of(folder: str) -> int:
+    """The model's context length from config.json (0 when unknown)."""
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return 0
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        if isinstance(config.get(key), int):
+            return int(config[key])
+    return 0
+
+
+def build_card(
+    model_path: str,
+    display_name: str,
+    *,
+    model_type: ModelType = ModelType.Chat | ModelType.Completions,
+    model_input: str = "Tokens",
+    worker_type: str = "Aggregated",
+    context_length: int | None = None,
+    kv_cache_block_size: int = 16,
+    migration_limit: int = 0,
+    runtime_config: dict[str, Any] | None = None,
+    custom_template_path: str | None = None,
+    lora: LoraInfo | None = None,
+    user_data: dict[str, Any] | None = None,
+) -> ModelDeploymentCard:
+    """A card for the model in `model_path` (a local HF folder)."""
+    chat_template = None
+    if custom_template_path:
+        path = os.path.expandvars(os.path.expanduser(custom_template_path))
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"custom chat template {custom_template_path!r} not found")
+        with open(path) as f:
+            chat_template = f.read()
+    card = ModelDeploymentCard(
+        display_name=display_name,
+        source_path=os.path.abspath(model_path) if os.path.isdir(model_path) else model_path,
+        model_type=int(model_type),
+        model_input=model_input,
+        worker_type=worker_type,
+        files=file_checksums(model_path) if os.path.isdir(model_path) else {},
+        chat_template=chat_template,
+        context_length=context_length or context_length_of(model_path),
+        kv_cache_block_size=kv_cache_block_size,
+        migration_limit=migration_limit,
+        runtime_config=dict(runtime_config or {}),
+        lora=lora,
+        user_data=user_data,
+    )
+    card.mdcsum = card.compute_mdcsum()
+    return card
+
+
+async def register_model(endpoint: Any, card: ModelDeploymentCard) -> str:
+    """Publish `card` for this process's instance of `endpoint` (removed first at shutdown)."""
+    runtime = endpoint.runtime
+    suffix = card.lora.name if card.lora else None
+    key = keys.model_key(endpoint.namespace, endpoint.component, endpoint.name, runtime.instance_id, suffix)
+    await runtime.register_key(key, card.to_json())
+    return key
+
+
+def parse_card_key(key: str) -> tuple[str, str, str, int, str | None]:
+    """`v1/mdc/ns/comp/ep/{id:x}[/lora]` -> (ns, comp, ep, instance id, lora name or None)."""
+    parts = key.split("/")
+    if len(parts) < 6 or parts[0] != "v1" or parts[1] != "mdc":
+        raise ValueError(f"not a model card key: {key!r}")
+    return parts[2], parts[3], parts[4], int(parts[5], 16), "/".join(parts[6:]) or None

@@ -1,0 +1,246 @@
+"""Dynamo's Backend operator (dynamo-platform.md §B.6): engine output maps -> client text deltas.
+
+Per request, an `OutputProcessor` detokenizes the engine's new token ids incrementally (unless the
+engine sent `text`), and enforces the stop conditions: hidden stop ids (EOS) -> "eos", user stop
+token ids and stop strings -> "stop", max_tokens -> "length", all of them held off until min_tokens.
+Once it has stopped locally it only returns empty deltas carrying the finish reason; the caller
+stops the upstream generation.
+
+Token accounting: the token that ends the stream (EOS, a stop token id, the token completing a
+stop string, the max_tokens-th token) is accepted: it is in `token_ids`, counted in
+`completion_tokens` and has a logprob entry, but an EOS / stop token id's text is never emitted.
+Tokens after it in the same engine chunk are dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from tandem.llm.protocols import OutputOptions, SamplingOptions, StopConditions, parse_finish_reason
+from tandem.llm.stop import StopStringMatcher
+from tandem.llm.tokenizer import Tokenizer
+
+# Engine finish reasons after which text held back for a possible stop string is still emitted.
+_FLUSH_REASONS = frozenset(("eos", "stop", "length"))
+
+
+class TopLogprob(msgspec.Struct):
+    token: str
+    token_id: int
+    logprob: float | None
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(msgspec.Struct):
+    token: str
+    token_id: int
+    logprob: float | None
+    bytes: list[int] | None = None
+    top: list[TopLogprob] = msgspec.field(default_factory=list)
+
+
+class ProcessedDelta(msgspec.Struct):
+    text: str = ""
+    token_ids: list[int] = msgspec.field(default_factory=list)
+    finish_reason: str | None = None  # eos, length, stop, cancelled, content_filter, error
+    error: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob] | None = None
+    usage: dict[str, Any] | None = None  # the engine's completion_usage, when it sent one
+    completion_tokens: int = 0  # accepted tokens so far
+
+
+class OutputProcessor:
+    """Turns one request's stream of LLMEngineOutput maps into `ProcessedDelta`s."""
+
+    __slots__ = (
+        "_tok",
+        "_step",
+        "_matcher",
+        "_hidden",
+        "_stop_ids",
+        "_min_tokens",
+        "_max_tokens",
+        "_want_logprobs",
+        "_as_ids",
+        "completion_tokens",
+        "finish_reason",
+        "stop_reason",
+        "error",
+    )
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int],
+        stop_conditions: StopConditions,
+        sampling: SamplingOptions,
+        output: OutputOptions,
+    ) -> None:
+        sc = stop_conditions
+        self._tok = tokenizer
+        self._step = tokenizer.decode_stream(prompt_ids, bool(output.skip_special_tokens)).step
+        matcher = StopStringMatcher(sc.stop or [], bool(sampling.include_stop_str_in_output))
+        self._matcher: StopStringMatcher | None = matcher if matcher.stops else None
+        self._hidden: frozenset[int] = (
+            frozenset() if sc.ignore_eos else frozenset(sc.stop_token_ids_hidden or ())
+        )
+        self._stop_ids: frozenset[int] = frozenset(sc.stop_token_ids or ())
+        self._min_tokens: int = sc.min_tokens or 0
+        self._max_tokens: int | None = sc.max_tokens
+        self._want_logprobs = output.logprobs is not None
+        self._as_ids = bool(output.return_tokens_as_token_ids)
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def process(self, engine_output: dict[str, Any]) -> ProcessedDelta:
+        if self.finish_reason is not None:
+            return self._finished_delta(engine_output.get("completion_usage"))
+        ids: list[int] = engine_output.get("token_ids") or []
+        engine_text = engine_output.get("text")
+        count = self.completion_tokens
+        min_tokens = self._min_tokens
+        max_tokens = self._max_tokens
+        hidden = self._hidden
+        stop_ids = self._stop_ids
+        matcher = self._matcher
+        reason: str | None = None
+        stop_reason: str | int | None = None
+        text = ""
+        n = 0
+        silent_last = False  # the last accepted token ends the stream and shows no text (EOS, stop id)
+        if engine_text is None:
+            step = self._step
+            for tid in ids:
+                count += 1
+                n += 1
+                if count > min_tokens:
+                    if tid in hidden:
+                        reason, silent_last = "eos", True
+                        break
+                    if tid in stop_ids:
+                        reason, stop_reason, silent_last = "stop", tid, True
+                        break
+                piece = step(tid)
+                if matcher is None:
+                    text += piece
+                elif piece:
+                    emitted, matched = matcher.feed(piece, count >= min_tokens)
+                    text += emitted
+                    if matched is not None:
+                        reason, stop_reason = "stop", matched
+                        break
+                if max_tokens is not None and count >= max_tokens:
+                    reason = "length"
+                    break
+        else:
+            # Text-input engines decode themselves: pass the text through (stop strings still apply);
+            # the token ids only count and end the stream.
+            for tid in ids:
+                count += 1
+                n += 1
+                if count > min_tokens:
+                    if tid in hidden:
+                        reason, silent_last = "eos", True
+                        break
+                    if tid in stop_ids:
+                        reason, stop_reason, silent_last = "stop", tid, True
+                        break
+                if max_tokens is not None and count >= max_tokens:
+                    reason = "length"
+                    break
+            if matcher is None:
+                text = engine_text
+            elif engine_text:
+                emitted, matched = matcher.feed(engine_text, count >= min_tokens)
+                text = emitted
+                if matched is not None:
+                    reason, stop_reason = "stop", matched
+        self.completion_tokens = count
+        error = None
+        if reason is not None:
+            if matcher is not None:
+                text += matcher.flush()
+        else:
+            raw = engine_output.get("finish_reason")
+            if raw is not None:
+                reason, error = parse_finish_reason(raw)
+                stop_reason = engine_output.get("stop_reason")
+                if matcher is not None and reason in _FLUSH_REASONS:
+                    text += matcher.flush()
+        if reason is not None:
+            self.finish_reason = reason
+            self.stop_reason = stop_reason
+            self.error = error
+        accepted = ids if n == len(ids) else ids[:n]
+        logprobs = None
+        shown = accepted[:-1] if silent_last else accepted
+        if self._want_logprobs and shown:
+            logprobs = self._logprobs(shown, engine_output)
+        return ProcessedDelta(
+            text, accepted, reason, error, stop_reason, logprobs, engine_output.get("completion_usage"), count
+        )
+
+    def finish(self) -> ProcessedDelta:
+        """End of stream: release text still held back for a possible stop string."""
+        text = ""
+        if self.finish_reason is None and self._matcher is not None:
+            text = self._matcher.flush()
+        return ProcessedDelta(
+            text, [], self.finish_reason, self.error, self.stop_reason, None, None, self.completion_tokens
+        )
+
+    def _finished_delta(self, usage: dict[str, Any] | None) -> ProcessedDelta:
+        return ProcessedDelta(
+            "", [], self.finish_reason, self.error, self.stop_reason, None, usage, self.completion_tokens
+        )
+
+    def _token_text(self, token_id: int) -> str:
+        return f"token_id:{token_id}" if self._as_ids else self._tok.token_text(token_id)
+
+    def _logprobs(self, ids: list[int], out: dict[str, Any]) -> list[TokenLogprob] | None:
+        values = out.get("log_probs")
+        if not values:
+            return None
+        tops = out.get("top_logprobs") or ()
+        tok = self._tok
+        result: list[TokenLogprob] = []
+        for j, tid in enumerate(ids):
+            top: list[TopLogprob] = []
+            if j < len(tops) and tops[j]:
+                for entry in tops[j]:
+                    top_id = entry.get("token_id")
+                    if top_id is None:
+                        top.append(
+                            TopLogprob(
+                                str(entry.get("token", "")), -1, entry.get("logprob"), entry.get("bytes")
+                            )
+                        )
+                    else:
+                        top.append(
+                            TopLogprob(
+                                self._token_text(top_id),
+                                top_id,
+                                entry.get("logprob"),
+                                tok.token_bytes(top_id),
+                            )
+                        )
+            result.append(
+                TokenLogprob(
+                    self._token_text(tid),
+                    tid,
+                    values[j] if j < len(values) else None,
+                    tok.token_bytes(tid),
+                    top,
+                )
+            )
+        return result

@@ -1,0 +1,1 @@
+"""Deterministic engines for tests and benchmarks (no GPU, no vLLM)."""

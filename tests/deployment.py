@@ -1,0 +1,67 @@
+"""A frontend and test engines as real processes on file discovery, for end-to-end tests."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import openai
+
+from tests.conftest import TandemProcess
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+class Deployment:
+    def __init__(self, root: Path, model_path: str, *, engines: list[list[str]] | None = None,
+                 frontend_args: list[str] | None = None, env: dict[str, str] | None = None,
+                 engine_module: str = "tandem.testing.engine") -> None:
+        kv = root / f"kv-{uuid.uuid4().hex[:6]}"
+        kv.mkdir(parents=True)
+        self.namespace = f"test-{uuid.uuid4().hex[:8]}"
+        self.model_path = model_path
+        self.engine_module = engine_module
+        self.env = {"DYN_FILE_KV": str(kv), "DYN_NAMESPACE": self.namespace, "DYN_DISCOVERY_TTL_SECS": "3",
+                    **(env or {})}
+        self.engines: list[TandemProcess] = []
+        self.frontend: TandemProcess | None = None
+        try:
+            for extra in engines if engines is not None else [[]]:
+                self.add_engine(*extra)
+            self.frontend = TandemProcess("tandem.frontend", "--http-host", "127.0.0.1", "--http-port", "0",
+                                          "--discovery-backend", "file", *(frontend_args or []), env=self.env)
+            self.url = self.frontend.ready[0]
+            self.wait_for_instances(len(self.engines))
+        except BaseException:
+            self.stop()
+            raise
+
+    def add_engine(self, *extra: str) -> TandemProcess:
+        engine = TandemProcess(self.engine_module, "--model", self.model_path, "--discovery-backend", "file",
+                               *extra, env=self.env)
+        self.engines.append(engine)
+        return engine
+
+    def wait_for_instances(self, count: int, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            r = httpx.get(f"{self.url}/health")
+            if len(r.json().get("instances", [])) == count:
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"frontend did not see {count} instances: {r.text}")
+
+    def client(self, **options: object) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=options.pop("api_key", "none"), max_retries=0,
+                             **options)  # type: ignore[arg-type]
+
+    def metrics(self) -> str:
+        return httpx.get(f"{self.url}/metrics").text
+
+    def stop(self) -> None:
+        if self.frontend is not None:
+            self.frontend.stop()
+        for engine in self.engines:
+            engine.stop()

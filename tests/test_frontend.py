@@ -1,0 +1,328 @@
+"""The frontend end to end: real processes (frontend + deterministic test engines with the real
+SmolLM2 tokenizer) and the official `openai` client."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tandem.models import prepare_model
+from tests.deployment import MODEL, Deployment
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> str:
+    return str(prepare_model())
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory, smollm2):
+    deployment = Deployment(tmp_path_factory.mktemp("frontend"), smollm2, engines=[[], []],
+                            env={"DYN_HTTP_BODY_LIMIT_MB": "1"})
+    yield deployment
+    deployment.stop()
+
+
+def say(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"[[say:{text}]]"}]
+
+
+def stream_text(stream) -> tuple[str, list]:  # type: ignore[no-untyped-def]
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, chunks
+
+
+# -- surface ---------------------------------------------------------------------------------------
+def test_models_health_live_openapi(deployment):
+    client = deployment.client()
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    health = httpx.get(f"{deployment.url}/health").json()
+    assert health["status"] == "healthy" and len(health["instances"]) == 2
+    assert httpx.get(f"{deployment.url}/live").json()["status"] == "live"
+    spec = httpx.get(f"{deployment.url}/openapi.json").json()
+    assert "/v1/chat/completions" in spec["paths"]
+
+
+def test_chat_non_streaming(deployment):
+    reply = deployment.client().chat.completions.create(model=MODEL, messages=say("Hello there, world!"))
+    assert reply.choices[0].message.content == "Hello there, world!"
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.usage.completion_tokens > 0 and reply.usage.prompt_tokens > 0
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+
+
+def test_chat_streaming_chunk_shapes_and_usage(deployment):
+    stream = deployment.client().chat.completions.create(
+        model=MODEL, messages=say("One two three"), stream=True, stream_options={"include_usage": True})
+    text, chunks = stream_text(stream)
+    assert text == "One two three"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finish) == 1 and finish[0].choices[0].finish_reason == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    assert all(c.usage is None for c in chunks[:-1])
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_completions_text_and_token_prompts(deployment):
+    client = deployment.client()
+    reply = client.completions.create(model=MODEL, prompt="[[say:plain completion]]", max_tokens=50)
+    assert reply.choices[0].text == "plain completion" and reply.choices[0].finish_reason == "stop"
+    tokens = client.completions.create(model=MODEL, prompt="[[say:x]]", max_tokens=5).usage.prompt_tokens
+    assert tokens > 0
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(f"{deployment.model_path}/tokenizer.json").encode("[[say:from ids]]").ids
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=20)
+    assert by_ids.choices[0].text == "from ids"
+    stream = client.completions.create(model=MODEL, prompt="[[say:streamed text]]", stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == "streamed text"
+
+
+def test_max_tokens_gives_length(deployment):
+    reply = deployment.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                        max_tokens=7)
+    assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 7
+
+
+def test_utf8_split_across_tokens(deployment):
+    text = "héllo 🌍 世界 — ok ✨🎉"
+    client = deployment.client()
+    assert client.chat.completions.create(model=MODEL, messages=say(text)).choices[0].message.content == text
+    streamed, chunks = stream_text(client.chat.completions.create(model=MODEL, messages=say(text), stream=True))
+    assert streamed == text
+    assert not any("\ufffd" in (c.choices[0].delta.content or "") for c in chunks if c.choices)
+
+
+def test_stop_strings_across_token_boundaries(deployment):
+    client = deployment.client()
+    messages = say("The answer is 42. STOP right here please")
+    reply = client.chat.completions.create(model=MODEL, messages=messages, stop=["STOP"])
+    assert reply.choices[0].message.content == "The answer is 42. "
+    assert reply.choices[0].finish_reason == "stop"
+    streamed, _ = stream_text(client.chat.completions.create(model=MODEL, messages=messages, stop=["ST", "STOP"],
+                                                             stream=True))
+    assert streamed == "The answer is 42. "
+    kept = client.chat.completions.create(model=MODEL, messages=messages, stop="right",
+                                          extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].message.content == "The answer is 42. STOP right"
+    # a partial match that never completes is released at the end
+    tail = client.chat.completions.create(model=MODEL, messages=say("ends with STO"), stop=["STOP"])
+    assert tail.choices[0].message.content == "ends with STO"
+
+
+def test_parameters_reach_the_engine(deployment):
+    reply = deployment.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "[[echo]]"}], temperature=0.5, top_p=0.9, seed=7,
+        presence_penalty=0.5, frequency_penalty=0.25, max_tokens=4000, stop=["\u2603"],
+        extra_body={"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1, "min_tokens": 2,
+                    "guided_regex": "[a-z]+"},
+    )
+    seen = json.loads(reply.choices[0].message.content)
+    sampling, stop = seen["sampling_options"], seen["stop_conditions"]
+    assert (sampling["temperature"], sampling["top_p"], sampling["top_k"], sampling["min_p"]) == (0.5, 0.9, 5, 0.1)
+    assert (sampling["seed"], sampling["presence_penalty"], sampling["frequency_penalty"]) == (7, 0.5, 0.25)
+    assert sampling["repetition_penalty"] == 1.1
+    assert sampling["guided_decoding"] == {"regex": "[a-z]+"}
+    assert stop["max_tokens"] == 4000 and stop["min_tokens"] == 2 and stop["stop"] == ["\u2603"]
+    assert stop["stop_token_ids_hidden"] == seen["eos_token_ids"] and seen["eos_token_ids"]
+    assert seen["mdc_sum"]
+
+
+def test_json_schema_and_ignore_eos_reach_the_engine(deployment):
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    reply = deployment.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "[[echo]]"}], max_tokens=4000,
+        response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": schema}},
+        extra_body={"ignore_eos": True},
+    )
+    # ignore_eos: generation runs past EOS, so the echoed JSON is followed by more text
+    seen, _ = json.JSONDecoder().raw_decode(reply.choices[0].message.content)
+    assert seen["sampling_options"]["guided_decoding"] == {"json": schema}
+    assert "stop_token_ids_hidden" not in seen["stop_conditions"] and seen["stop_conditions"]["ignore_eos"]
+
+
+def test_logprobs_shapes(deployment):
+    client = deployment.client()
+    reply = client.chat.completions.create(model=MODEL, messages=say("a b"), logprobs=True, top_logprobs=2)
+    content = reply.choices[0].logprobs.content
+    assert "".join(entry.token for entry in content) == "a b"
+    assert all(len(entry.top_logprobs) == 2 and entry.logprob <= 0 for entry in content)
+    completion = client.completions.create(model=MODEL, prompt="[[say:c d]]", logprobs=2)
+    lp = completion.choices[0].logprobs
+    assert "".join(lp.tokens) == "c d" and len(lp.token_logprobs) == len(lp.tokens) == len(lp.top_logprobs)
+
+
+def test_cached_tokens_reported(deployment):
+    client = deployment.client()
+    messages = [{"role": "system", "content": "x " * 200}, *say("cached?")]
+    for _ in range(3):  # two workers, round robin: the third request repeats on a worker
+        reply = client.chat.completions.create(model=MODEL, messages=messages)
+    assert reply.usage.prompt_tokens_details.cached_tokens > 0
+
+
+# -- errors ----------------------------------------------------------------------------------------
+def post(deployment, path: str, body: object, headers: dict[str, str] | None = None) -> httpx.Response:  # type: ignore[no-untyped-def]
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(f"{deployment.url}{path}", content=data,
+                      headers={"Content-Type": "application/json", **(headers or {})})
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": 3}, "temperature"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}, "max_tokens"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
+        ({"model": MODEL, "messages": []}, "messages"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 100_000}, "max_tokens"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "x " * 9000}]}, "messages"),
+    ],
+)
+def test_client_mistakes_are_400_naming_the_parameter(deployment, body, param):
+    r = post(deployment, "/v1/chat/completions", body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_malformed_json_unknown_model_and_too_large(deployment):
+    r = post(deployment, "/v1/chat/completions", b"{not json")
+    assert r.status_code == 400 and r.json()["error"]["message"]
+    r = post(deployment, "/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    huge = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 2_000_000}]}
+    assert post(deployment, "/v1/chat/completions", huge).status_code == 413
+    with pytest.raises(openai.NotFoundError):
+        deployment.client().chat.completions.create(model="nope", messages=say("x"))
+    # the server is fine afterwards
+    assert deployment.client().chat.completions.create(model=MODEL, messages=say("still here")).choices[0] \
+        .message.content == "still here"
+
+
+def test_worker_error_mid_stream_is_an_error_event(deployment):
+    client = deployment.client()
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "[[fail]]"}],
+                                            stream=True)
+    with pytest.raises(openai.APIError):
+        list(stream)
+    r = post(deployment, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "[[fail]]"}]})
+    assert r.status_code >= 500 and "failed as asked" in r.json()["error"]["message"]
+
+
+def test_metrics(deployment):
+    deployment.client().chat.completions.create(model=MODEL, messages=say("count me"))
+    text = deployment.metrics()
+    for name in ("dynamo_frontend_requests_total", "dynamo_frontend_time_to_first_token_seconds",
+                 "dynamo_frontend_inter_token_latency_seconds", "dynamo_frontend_input_sequence_tokens",
+                 "dynamo_frontend_output_sequence_tokens", "dynamo_frontend_request_duration_seconds",
+                 "dynamo_frontend_inflight_requests", "dynamo_frontend_model_context_length"):
+        assert f'{name}' in text and f'model="{MODEL}"' in text, name
+    assert f'dynamo_frontend_model_workers{{model="{MODEL}"}} 2.0' in text
+
+
+def test_direct_routing_by_header(deployment):
+    instances = httpx.get(f"{deployment.url}/health").json()["instances"]
+    client = deployment.client()
+    for instance in instances:
+        reply = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=say("pinned"), extra_headers={"x-worker-instance-id": str(instance)})
+        assert reply.parse().choices[0].message.content == "pinned"
+    r = post(deployment, "/v1/chat/completions", {"model": MODEL, "messages": say("x")},
+             headers={"x-worker-instance-id": "12345"})
+    assert r.status_code == 503
+
+
+# -- separate deployments --------------------------------------------------------------------------
+def test_api_key(tmp_path: Path, smollm2):
+    deployment = Deployment(tmp_path, smollm2, frontend_args=["--api-key", "sekrit"])
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            deployment.client(api_key="wrong").models.list()
+        assert [m.id for m in deployment.client(api_key="sekrit").models.list().data] == [MODEL]
+        assert httpx.get(f"{deployment.url}/health").status_code == 200  # infra routes need no key
+    finally:
+        deployment.stop()
+
+
+def test_migration_after_the_worker_dies_mid_stream(tmp_path: Path, smollm2):
+    deployment = Deployment(tmp_path, smollm2, engines=[["--die-after", "6", "--delay-ms", "10"]],
+                            frontend_args=["--migration-limit", "3"])
+    try:
+        deployment.add_engine("--delay-ms", "10")
+        deployment.wait_for_instances(2)
+        text = "one two three four five six seven eight nine ten eleven twelve"
+        client = deployment.client()
+        for _ in range(3):  # round robin: one of these lands on the dying worker
+            streamed, _ = stream_text(client.chat.completions.create(model=MODEL, messages=say(text), stream=True))
+            assert streamed == text
+        assert deployment.engines[0].proc.poll() is not None  # it really died
+        assert 'migration_type="ongoing_request"' in deployment.metrics()
+    finally:
+        deployment.stop()
+
+
+def test_client_disconnect_kills_the_request_on_the_worker(tmp_path: Path, smollm2):
+    report = tmp_path / "report.txt"
+    deployment = Deployment(tmp_path, smollm2, engines=[["--delay-ms", "50", "--report", str(report)]])
+    try:
+        stream = deployment.client().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "go on"}], max_tokens=500, stream=True)
+        next(iter(stream))
+        stream.close()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not report.exists():
+            time.sleep(0.05)
+        assert report.read_text().split() == ["killed"]
+    finally:
+        deployment.stop()
+
+
+def test_all_workers_busy_is_503(tmp_path: Path, smollm2):
+    deployment = Deployment(tmp_path, smollm2, engines=[["--delay-ms", "100", "--total-kv-blocks", "4"]],
+                            frontend_args=["--active-decode-blocks-threshold", "0.5"])
+    try:
+        client = deployment.client()
+        long_prompt = [{"role": "user", "content": "word " * 100}]  # > 4 blocks of 16 tokens
+        stream = client.chat.completions.create(model=MODEL, messages=long_prompt, max_tokens=100, stream=True)
+        next(iter(stream))
+        time.sleep(0.5)  # the worker's load event reaches the frontend
+        with pytest.raises(openai.InternalServerError) as info:
+            client.chat.completions.create(model=MODEL, messages=say("x"))
+        assert info.value.status_code == 503 and "busy" in str(info.value)
+        stream.close()
+    finally:
+        deployment.stop()
+
+
+def test_text_input_model_is_relayed(tmp_path: Path, smollm2):
+    deployment = Deployment(tmp_path, smollm2, engines=[["--model-input", "Text"]])
+    try:
+        client = deployment.client()
+        reply = client.chat.completions.create(model=MODEL, messages=say("relayed words here"))
+        assert reply.choices[0].message.content == "relayed words here"
+        streamed, _ = stream_text(client.chat.completions.create(model=MODEL, messages=say("a b c"), stream=True))
+        assert streamed == "a b c"
+    finally:
+        deployment.stop()
+
+
+def test_model_leaves_with_its_last_instance(tmp_path: Path, smollm2):
+    deployment = Deployment(tmp_path, smollm2)
+    try:
+        client = deployment.client()
+        assert [m.id for m in client.models.list().data] == [MODEL]
+        deployment.engines[0].proc.terminate()  # graceful: unregisters at once
+        deployment.wait_for_instances(0)
+        assert client.models.list().data == []
+        r = post(deployment, "/v1/chat/completions", {"model": MODEL, "messages": say("x")})
+        assert r.status_code == 404
+    finally:
+        deployment.stop()
