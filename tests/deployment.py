@@ -17,11 +17,12 @@ MODEL = "SmolLM2-135M-Instruct"
 class Deployment:
     def __init__(self, root: Path, model_path: str, *, engines: list[list[str]] | None = None,
                  frontend_args: list[str] | None = None, env: dict[str, str] | None = None,
-                 engine_module: str = "tandem.testing.engine") -> None:
+                 engine_module: str = "tandem.testing.engine", verify: bool = True) -> None:
         kv = root / f"kv-{uuid.uuid4().hex[:6]}"
         kv.mkdir(parents=True)
         self.namespace = f"test-{uuid.uuid4().hex[:8]}"
         self.model_path = model_path
+        self.verify = verify
         self.engine_module = engine_module
         self.env = {"DYN_FILE_KV": str(kv), "DYN_NAMESPACE": self.namespace, "DYN_DISCOVERY_TTL_SECS": "3",
                     **(env or {})}
@@ -47,7 +48,7 @@ class Deployment:
     def wait_for_instances(self, count: int, timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            r = httpx.get(f"{self.url}/health")
+            r = httpx.get(f"{self.url}/health", verify=self.verify)
             if len(r.json().get("instances", [])) == count:
                 return
             time.sleep(0.05)

@@ -326,3 +326,103 @@ def test_model_leaves_with_its_last_instance(tmp_path: Path, smollm2):
         assert r.status_code == 404
     finally:
         deployment.stop()
+
+
+def test_lora_adapters_are_listed_and_served(tmp_path: Path, smollm2):
+    deployment = Deployment(tmp_path, smollm2, engines=[["--lora", "my-adapter"]])
+    try:
+        client = deployment.client()
+        models = {m.id: m for m in client.models.list().data}
+        assert set(models) == {MODEL, "my-adapter"}
+        assert models["my-adapter"].model_extra["parent"] == MODEL
+        reply = client.chat.completions.create(model="my-adapter", messages=say("adapted"))
+        assert reply.choices[0].message.content == "adapted" and reply.model == "my-adapter"
+    finally:
+        deployment.stop()
+
+
+def test_custom_chat_template_from_the_card_wins(tmp_path: Path, smollm2):
+    template = tmp_path / "custom.jinja"
+    template.write_text("{% for m in messages %}CUSTOM[{{ m['role'] }}]:{{ m['content'] }}\n{% endfor %}")
+    deployment = Deployment(tmp_path, smollm2, engines=[["--custom-jinja-template", str(template)]])
+    try:
+        reply = deployment.client().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "[[prompt]]hello"}])
+        assert reply.choices[0].message.content == "CUSTOM[user]:hello\n"
+    finally:
+        deployment.stop()
+
+
+def test_a_card_that_disagrees_is_rejected_until_the_incumbents_leave(tmp_path: Path, smollm2):
+    deployment = Deployment(tmp_path, smollm2)
+    try:
+        first = httpx.get(f"{deployment.url}/health").json()["instances"]
+        deployment.add_engine("--context-length", "1024")
+        deadline = time.monotonic() + 10
+        while "rejecting instance" not in deployment.frontend.stderr() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "disagrees with the model's configuration" in deployment.frontend.stderr()
+        assert httpx.get(f"{deployment.url}/health").json()["instances"] == first
+        deployment.engines[0].proc.terminate()  # the incumbent leaves: the waiting card takes over
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            instances = httpx.get(f"{deployment.url}/health").json().get("instances", [])
+            if instances and instances != first:
+                break
+            time.sleep(0.05)
+        assert instances and instances != first
+        reply = deployment.client().chat.completions.create(model=MODEL, messages=say("new config"))
+        assert reply.choices[0].message.content == "new config"
+    finally:
+        deployment.stop()
+
+
+def test_unreachable_worker_request_goes_elsewhere(tmp_path: Path, smollm2):
+    deployment = Deployment(tmp_path, smollm2, engines=[[], []], frontend_args=["--migration-limit", "2"])
+    try:
+        deployment.engines[0].proc.kill()  # dead, but still listed in discovery for its TTL
+        deployment.engines[0].proc.wait()
+        client = deployment.client()
+        for _ in range(2):  # round robin over two listed workers: one request picks the dead one
+            assert client.chat.completions.create(model=MODEL, messages=say("rerouted")).choices[0] \
+                .message.content == "rerouted"
+        assert 'migration_type="new_request"' in deployment.metrics()
+    finally:
+        deployment.stop()
+
+
+def test_guided_requests_are_not_migrated(tmp_path: Path, smollm2):
+    deployment = Deployment(tmp_path, smollm2, engines=[["--die-after", "4", "--delay-ms", "5"], []],
+                            frontend_args=["--migration-limit", "3"])
+    try:
+        client = deployment.client()
+        errors = []
+        for _ in range(2):  # round robin: one lands on the worker that dies
+            try:
+                client.chat.completions.create(model=MODEL, messages=say("one two three four five six seven"),
+                                               extra_body={"guided_regex": "[a-z ]+"})
+            except openai.APIError as e:
+                errors.append(str(e))
+        assert len(errors) == 1 and "cannot be migrated" in errors[0]
+    finally:
+        deployment.stop()
+
+
+def test_tls(tmp_path: Path, smollm2):
+    import subprocess
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    deployment = Deployment(tmp_path, smollm2, frontend_args=["--tls-cert-path", str(cert), "--tls-key-path",
+                                                                 str(key)], verify=False)
+    try:
+        assert deployment.url.startswith("https://")
+        import ssl
+
+        client = deployment.client(http_client=httpx.Client(verify=ssl.create_default_context(cafile=str(cert))))
+        assert client.chat.completions.create(model=MODEL, messages=say("secure")).choices[0] \
+            .message.content == "secure"
+    finally:
+        deployment.stop()

@@ -136,7 +136,7 @@ class FrontendServer:
     async def health(self, request: web.Request) -> web.Response:
         models = self.manager.served()
         endpoints = sorted({path for m in models for path in m.instances.values()})
-        instances = sorted(i for m in models for i in m.instances)
+        instances = sorted({i for m in models for i in m.instances})
         if not endpoints:
             return web.json_response({"status": "unhealthy", "message": "No endpoints available",
                                       "endpoints": [], "instances": []}, status=503)

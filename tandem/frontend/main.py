@@ -102,7 +102,8 @@ async def serve(args: argparse.Namespace) -> int:
     ))
     await server.start()
     runtime.set_ready()
-    print(f"READY http://{args.http_host}:{server.port}", flush=True)
+    scheme = "https" if args.tls_cert_path else "http"
+    print(f"READY {scheme}://{args.http_host}:{server.port}", flush=True)
     await runtime.wait_closed()
     await server.close()
     await manager.close()

@@ -20,7 +20,7 @@ from tandem.frontend.routing import LoadMonitor, NoWorkerError, Selector, make_s
 from tandem.llm.chat_template import ChatTemplate
 from tandem.llm.protocols import PreprocessedRequest, RoutingHints
 from tandem.llm.tokenizer import Tokenizer
-from tandem.runtime import Context, InstanceUnreachableError, NoInstancesError, StreamIncompleteError
+from tandem.runtime import Client, Context, InstanceUnreachableError, NoInstancesError, StreamIncompleteError
 
 log = logging.getLogger(__name__)
 
@@ -154,8 +154,9 @@ class ModelPipeline:
 
     # -- routing -------------------------------------------------------------------------------
     def candidates(self, exclude: set[int]) -> list[int]:
-        instances = self.model.instances
-        live = [i for i in instances if i not in exclude and self._is_live(i)]
+        instances = [i for i in self.model.instances if i not in exclude]
+        # Skip instances that just failed to answer, unless that leaves none.
+        live = [i for i in instances if self._is_usable(i)] or [i for i in instances if self._is_listed(i)]
         if not live:
             raise NoWorkerError(f"no workers are serving model {self.model.name!r}")
         if self.load.thresholds.enabled:
@@ -168,8 +169,15 @@ class ModelPipeline:
             return free
         return live
 
-    def _is_live(self, instance_id: int) -> bool:
-        client = self.manager.clients.get(self.model.instances[instance_id])
+    def _client_of(self, instance_id: int) -> Client | None:
+        return self.manager.clients.get(self.model.instances[instance_id])
+
+    def _is_usable(self, instance_id: int) -> bool:
+        client = self._client_of(instance_id)
+        return client is not None and client.is_usable(instance_id)
+
+    def _is_listed(self, instance_id: int) -> bool:
+        client = self._client_of(instance_id)
         return client is not None and client.transport_of(instance_id) is not None
 
     def route(self, request: Any, pinned: int | None, exclude: set[int]) -> int:

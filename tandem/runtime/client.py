@@ -87,6 +87,13 @@ class Client:
     def transport_of(self, instance_id: int) -> dict[str, str] | None:
         return self._instances.get(instance_id)
 
+    def is_usable(self, instance_id: int) -> bool:
+        """Live in discovery and not skipped after a recent failure to reach it."""
+        if instance_id not in self._instances:
+            return False
+        until = self._inhibited.get(instance_id)
+        return until is None or until <= time.monotonic()
+
     async def wait_for_instances(self, count: int = 1, timeout: float | None = None) -> list[int]:
         """Wait until at least `count` instances are live; returns their ids."""
         async def wait() -> None:

@@ -4,6 +4,7 @@ real model folder (real tokenizer) and answers `generate` with scripted tokens.
 What it generates, decided from the prompt text:
   `[[say:TEXT]]`  the tokens of TEXT, then EOS
   `[[echo]]`      the request's options as JSON (to check what reached the engine), then EOS
+  `[[prompt]]`    the prompt text it received (to check templating), then EOS
   `[[fail]]`      two tokens, then the handler raises (a worker error mid-stream)
   otherwise       the tokens of a fixed sentence, repeated until max_tokens
 A request whose prompt already ends with the first k scripted tokens continues from token k, so a
@@ -27,9 +28,10 @@ import signal
 import sys
 from typing import Any
 
+import msgspec
 from tokenizers import Tokenizer
 
-from tandem.llm.model_card import ModelType, build_card, register_model
+from tandem.llm.model_card import LoraInfo, ModelType, build_card, register_model
 from tandem.models import resolve_model
 from tandem.runtime import DistributedRuntime, RuntimeConfig, add_runtime_args, configure_logging, run
 
@@ -54,6 +56,8 @@ class TestEngine:
         """Tokens to produce and whether EOS follows them."""
         if "[[fail]]" in prompt_text:
             return self.tokenizer.encode(" partial output", add_special_tokens=False).ids, False
+        if "[[prompt]]" in prompt_text:
+            return self.tokenizer.encode(prompt_text.replace("[[prompt]]", ""), add_special_tokens=False).ids, True
         if "[[echo]]" in prompt_text:
             options = {k: request.get(k) for k in ("stop_conditions", "sampling_options", "output_options",
                                                    "eos_token_ids", "annotations", "routing", "mdc_sum")}
@@ -205,6 +209,7 @@ async def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--total-kv-blocks", type=int, default=1024)
     parser.add_argument("--migration-limit", type=int, default=0)
+    parser.add_argument("--lora", action="append", default=[], help="also serve a LoRA adapter of this name")
     parser.add_argument("--delay-ms", type=float, default=0.0)
     parser.add_argument("--die-after", type=int, default=0)
     parser.add_argument("--report", default=None)
@@ -230,6 +235,10 @@ async def main(argv: list[str] | None = None) -> int:
                         "max_num_batched_tokens": 8192},
     )
     await register_model(endpoint, card)
+    for name in args.lora:
+        adapter = msgspec.structs.replace(card, display_name=name, lora=LoraInfo(name=name, base_model=card.display_name))
+        adapter.mdcsum = adapter.compute_mdcsum()
+        await register_model(endpoint, adapter)
     runtime.set_ready()
     print(f"READY {runtime.instance_id:x} {served.path}", flush=True)
     await runtime.wait_closed()
