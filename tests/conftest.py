@@ -24,6 +24,21 @@ def runtime_config(**overrides: object) -> RuntimeConfig:
     return base.replace(**overrides)
 
 
+@pytest.fixture(scope="session")
+def smollm2() -> str:
+    """The real SmolLM2-135M-Instruct folder (prepared once, then cached)."""
+    from tandem.models import prepare_model
+
+    return str(prepare_model())
+
+
+@pytest.fixture(scope="session")
+def tok(smollm2: str):  # type: ignore[no-untyped-def]
+    from tandem.llm.tokenizer import Tokenizer
+
+    return Tokenizer.from_folder(smollm2)
+
+
 @pytest.fixture
 async def runtimes():
     """Factory of started runtimes, all shut down at the end of the test."""

@@ -11,13 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tandem.models import prepare_model
 from tests.deployment import MODEL, Deployment
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> str:
-    return str(prepare_model())
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ import pytest
 
 from tandem.llm.chat_template import ChatTemplate, ChatTemplateError
 from tandem.llm.tokenizer import Tokenizer
-from tandem.models import prepare_model
 
 CONVERSATIONS: list[list[dict[str, Any]]] = [
     [{"role": "user", "content": "Hello!"}],
@@ -27,11 +26,6 @@ CONVERSATIONS: list[list[dict[str, Any]]] = [
         {"role": "user", "content": "  spaces  and {{ braces }} and <|im_end|> inside  "},
     ],
 ]
-
-
-@pytest.fixture(scope="session")
-def smollm2() -> str:
-    return str(prepare_model())
 
 
 @pytest.fixture(scope="session")

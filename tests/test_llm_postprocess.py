@@ -10,19 +10,8 @@ import pytest
 from tandem.llm.postprocess import OutputProcessor, ProcessedDelta
 from tandem.llm.protocols import OutputOptions, SamplingOptions, StopConditions
 from tandem.llm.tokenizer import Tokenizer
-from tandem.models import prepare_model
 
 EOS = 2
-
-
-@pytest.fixture(scope="session")
-def smollm2() -> str:
-    return str(prepare_model())
-
-
-@pytest.fixture(scope="session")
-def tok(smollm2: str) -> Tokenizer:
-    return Tokenizer.from_folder(smollm2)
 
 
 @pytest.fixture(scope="session")

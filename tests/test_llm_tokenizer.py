@@ -13,7 +13,6 @@ from tokenizers import decoders, models, pre_tokenizers
 
 from tandem.llm import tokenizer as tokenizer_module
 from tandem.llm.tokenizer import PyDecodeStream, Tokenizer, TokenizerError
-from tandem.models import prepare_model
 
 MULTIBYTE_TEXTS = [
     " Héllo 😀 世界! naïve café 🎉🎉 ok",
@@ -23,16 +22,6 @@ MULTIBYTE_TEXTS = [
     "🚀",
     "  leading spaces\n\ttabs\n\nand newlines  ",
 ]
-
-
-@pytest.fixture(scope="session")
-def smollm2() -> str:
-    return str(prepare_model())
-
-
-@pytest.fixture(scope="session")
-def tok(smollm2: str) -> Tokenizer:
-    return Tokenizer.from_folder(smollm2)
 
 
 # --- loading ----------------------------------------------------------------------------------------

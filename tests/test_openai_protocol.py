@@ -16,7 +16,8 @@ from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from tandem.frontend import openai as oai
-from tandem.frontend.openai import RequestError, TokenLogprob
+from tandem.frontend.openai import RequestError
+from tandem.llm.postprocess import TokenLogprob, TopLogprob
 from tandem.llm.protocols import (
     GuidedDecoding,
     OutputOptions,
@@ -403,8 +404,9 @@ def test_fuzz_only_request_errors(body):
 # -- responses -------------------------------------------------------------------------------------
 
 TOKENS = [
-    TokenLogprob("Hel", 10, -0.1, list(b"Hel"), [("Hel", 10, -0.1, list(b"Hel")), ("Hi", 11, -2.5, list(b"Hi"))]),
-    TokenLogprob("lo", 12, float("-inf"), list(b"lo"), [("lo", 12, float("-inf"), list(b"lo"))]),
+    TokenLogprob("Hel", 10, -0.1, list(b"Hel"),
+                 [TopLogprob("Hel", 10, -0.1, list(b"Hel")), TopLogprob("Hi", 11, -2.5, list(b"Hi"))]),
+    TokenLogprob("lo", 12, float("-inf"), list(b"lo"), [TopLogprob("lo", 12, float("-inf"), list(b"lo"))]),
 ]
 
 

@@ -211,9 +211,7 @@ class FrontendServer:
         try:
             # Route and open the worker stream before answering, so routing failures get a status code.
             try:
-                first = await anext(outputs)
-            except StopAsyncIteration:
-                first = {}
+                first: dict[str, Any] = await anext(outputs, {})
             except Exception as e:
                 return self._failure(e, model_name, endpoint)
             if req.stream:
@@ -351,9 +349,7 @@ class FrontendServer:
         outputs = pipeline.generate(body, context, Attempt(), pinned=hints.backend_instance_id if hints else None)
         try:
             try:
-                first = await anext(outputs)
-            except StopAsyncIteration:
-                first = {}
+                first: dict[str, Any] = await anext(outputs, {})
             except Exception as e:
                 return self._failure(e, model_name, endpoint)
             chunks = [first]

@@ -11,12 +11,12 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import msgspec
 
+from tandem.llm.postprocess import TokenLogprob
 from tandem.llm.protocols import (
     GuidedDecoding,
     OutputOptions,
@@ -515,47 +515,22 @@ def finish_reason(reason: str | None) -> str | None:
     return openai_finish_reason(reason)
 
 
-@dataclass(slots=True)
-class TokenLogprob:
-    """One generated token's logprob; `top` holds (token, token_id, logprob, bytes) alternatives."""
-
-    token: str
-    token_id: int
-    logprob: float
-    bytes: list[int]
-    top: list[tuple[str, int, float, list[int]]] = field(default_factory=list)
-
-
-class LogprobLike(Protocol):
-    """What the logprob builders read: TokenLogprob here, or any object with these attributes whose
-    `top` entries are (token, token_id, logprob, bytes) tuples or objects with token/logprob/bytes."""
-
-    @property
-    def token(self) -> str: ...
-    @property
-    def logprob(self) -> float | None: ...
-    @property
-    def bytes(self) -> list[int] | None: ...
-    @property
-    def top(self) -> Sequence[Any]: ...
-
-
 def _lp(x: float | None) -> float:
     # JSON has no -inf/NaN (msgspec writes null, which OpenAI clients reject); vLLM clamps the same way.
     return x if x is not None and x > -9999.0 else -9999.0
 
 
-def _alternatives(t: LogprobLike) -> list[tuple[str, float, list[int] | None]]:
-    return [(e[0], _lp(e[2]), e[3]) if isinstance(e, tuple) else (e.token, _lp(e.logprob), e.bytes) for e in t.top]
+def _alternatives(t: TokenLogprob) -> list[tuple[str, float, list[int] | None]]:
+    return [(e.token, _lp(e.logprob), e.bytes) for e in t.top]
 
 
-def chat_logprobs(tokens: Iterable[LogprobLike]) -> dict[str, Any]:
+def chat_logprobs(tokens: Iterable[TokenLogprob]) -> dict[str, Any]:
     return {"content": [{"token": t.token, "logprob": _lp(t.logprob), "bytes": t.bytes,
                          "top_logprobs": [{"token": tok, "logprob": lp, "bytes": b} for tok, lp, b in _alternatives(t)]}
                         for t in tokens]}  # fmt: skip
 
 
-def completion_logprobs(tokens: Iterable[LogprobLike], text_offset: int = 0) -> dict[str, Any]:
+def completion_logprobs(tokens: Iterable[TokenLogprob], text_offset: int = 0) -> dict[str, Any]:
     """`text_offset` is the length of the text already sent (so offsets continue across chunks)."""
     toks, lps, tops, offsets = [], [], [], []
     for t in tokens:
