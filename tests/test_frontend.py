@@ -420,3 +420,20 @@ def test_tls(tmp_path: Path, smollm2):
             .message.content == "secure"
     finally:
         deployment.stop()
+
+
+def test_no_migration_past_max_seq_len(tmp_path: Path, smollm2):
+    deployment = Deployment(tmp_path, smollm2, engines=[["--die-after", "4", "--delay-ms", "5"], []],
+                            frontend_args=["--migration-limit", "3", "--migration-max-seq-len", "10"])
+    try:
+        client = deployment.client()
+        failures = 0
+        for _ in range(2):  # round robin: one lands on the worker that dies
+            try:
+                client.chat.completions.create(model=MODEL, messages=say("one two three four five six seven"))
+            except openai.APIError:
+                failures += 1
+        assert failures == 1  # the prompt alone is longer than 10 tokens: not migrated
+        assert f'dynamo_frontend_model_migration_max_seq_len_exceeded_total{{model="{MODEL}"}} 1.0' in deployment.metrics()
+    finally:
+        deployment.stop()

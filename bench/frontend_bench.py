@@ -1,0 +1,577 @@
+"""Frontend benchmark: the OpenAI frontend's own cost in front of an engine that answers at once.
+tandem's frontend + its test engine against Dynamo 1.6.1's frontend + its mocker, in the same run.
+
+    python bench/frontend_bench.py                       # tandem, plus Dynamo if its venv has ai-dynamo
+    python bench/frontend_bench.py --dynamo-python PATH  # Python with ai-dynamo + ai-dynamo-runtime 1.6.1
+    python bench/frontend_bench.py --impl tandem --profile prof.out   # cProfile tandem's frontend
+
+`bash bench/setup_baselines.sh` creates the Dynamo venv at .bench/dynamo-venv. Both deployments
+use file discovery and the TCP request plane; the frontend is pinned to core 0, the engine and the
+load generator (raw HTTP/1.1 keep-alive connections, one per concurrent stream) to core 1.
+Per implementation and run:
+  * streamed chat requests (max_tokens 32, or 1) at concurrency 1, 16 and 64 for --duration s each:
+    requests/s, p50/p99 latency, p50 time to first token, and the frontend's (and the engine's)
+    CPU time per request from /proc/<pid>/stat;
+  * the engine called directly through the implementation's own runtime client, from core 0 (where
+    the frontend would be), at concurrency 1 with max_tokens 32 and 1: what the frontend adds per
+    request is p50(frontend) - p50(direct), per token the same on (p50@32 - p50@1) / 31;
+  * RSS (the frontend's process tree) idle after warm-up, and its peak while --streams streams are
+    open at once against a slow engine (tandem: --delay-ms 50 per token; Dynamo: the mocker at
+    speedup 1), each streaming --stream-tokens tokens.
+The medians of --repeat runs are reported. This file runs under either interpreter: the roles
+that talk HTTP run in tandem's venv, the `direct` role in the implementation's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import json
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+MODEL_NAME = "SmolLM2-135M-Instruct"
+NAMESPACE = "bench"
+ENDPOINT = f"{NAMESPACE}.backend.generate"
+MESSAGES = [{"role": "user", "content": "Write one sentence about a quick brown fox."}]
+FRONTEND_CORE, ENGINE_CORE = 0, 1
+_CONTENT = re.compile(rb'"content":\s*"(?!")')  # a chunk carrying text (not the empty role chunk)
+
+
+# -- process helpers ------------------------------------------------------------------------------
+def _pinned(core: int | None):  # type: ignore[no-untyped-def]
+    """preexec_fn: pin to `core` and die with the parent (no orphans if the bench is killed)."""
+    def setup() -> None:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if core is not None and core < (os.cpu_count() or 1):
+            os.sched_setaffinity(0, {core})
+    return setup
+
+
+def _cpu_seconds(pid: int) -> float:
+    """user + system CPU time of a process (all its threads) and its reaped children."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def _tree(pid: int) -> list[int]:
+    import psutil
+
+    try:
+        return [pid] + [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return [pid]
+
+
+def _rss_mb(pids: list[int]) -> float:
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1])
+        except OSError:
+            pass
+    return total / 1024
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """A server process with its output in a log file; killed (with its group) on stop()."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], logdir: str, core: int | None) -> None:
+        self.name = name
+        self.log_path = os.path.join(logdir, f"{name}.log")
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO,
+                                     preexec_fn=_pinned(core), start_new_session=True)
+        self.pid = self.proc.pid
+
+    def wait_line(self, prefix: str, timeout: float = 120) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with open(self.log_path) as f:
+                for line in f:
+                    if line.startswith(prefix):
+                        return line.strip()
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise RuntimeError(f"{self.name} did not print {prefix!r}:\n{self.tail()}")
+
+    def tail(self, n: int = 3000) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()[-n:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.pid, signal.SIGTERM)
+                self.proc.wait(10)
+            except (subprocess.TimeoutExpired, ProcessLookupError):
+                pass
+        if self.proc.poll() is None:
+            os.killpg(self.pid, signal.SIGKILL)
+            self.proc.wait()
+        try:  # a process of the group that outlived its leader
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.log.close()
+
+
+# -- the deployments ---------------------------------------------------------------------------
+def _model_path() -> str:
+    from tandem.models import prepare_model
+
+    return str(prepare_model())
+
+
+def start_deployment(impl: str, python: str, env: dict[str, str], logdir: str, slow: bool,
+                     profile: str | None) -> tuple[Proc, Proc, str]:
+    """(engine, frontend, base url); the engine answers at once unless `slow` (the RSS test)."""
+    model = _model_path()
+    if impl == "tandem":
+        engine = Proc("engine", [python, "-m", "tandem.testing.engine", "--model", model, "--discovery-backend",
+                                 "file", "--delay-ms", "50" if slow else "0"], env, logdir, ENGINE_CORE)
+        engine.wait_line("READY")
+        frontend_cmd = [python, "-m", "tandem.frontend", "--http-host", "127.0.0.1", "--http-port", "0",
+                        "--discovery-backend", "file"]
+        if profile:
+            frontend_cmd[1:3] = ["-m", "cProfile", "-o", profile, "-m", "tandem.frontend"]
+        frontend = Proc("frontend", frontend_cmd, env, logdir, FRONTEND_CORE)
+        url = frontend.wait_line("READY").split()[1]
+    else:
+        # --speedup-ratio 0 is documented as "no simulation delays" but 1.6.1 still paces decode
+        # (~6 ms/token here); a huge ratio makes its simulated steps take ~0.
+        engine = Proc("engine", [python, "-m", "dynamo.mocker", "--model-path", model, "--model-name", MODEL_NAME,
+                                 "--speedup-ratio", "1" if slow else "1000000", "--block-size", "32",
+                                 "--max-num-seqs", "2048", "--discovery-backend", "file", "--request-plane", "tcp",
+                                 "--event-plane", "zmq"], env, logdir, ENGINE_CORE)
+        port = _free_port()
+        frontend = Proc("frontend", [python, "-m", "dynamo.frontend", "--http-host", "127.0.0.1", "--http-port",
+                                     str(port), "--discovery-backend", "file", "--request-plane", "tcp",
+                                     "--event-plane", "zmq", "--router-mode", "round-robin"], env, logdir, FRONTEND_CORE)
+        url = f"http://127.0.0.1:{port}"
+    _wait_serving(url, [engine, frontend])
+    return engine, frontend, url
+
+
+def _wait_serving(url: str, procs: list[Proc], timeout: float = 180) -> None:
+    """Until a streamed chat request through the frontend succeeds."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        for p in procs:
+            if p.proc.poll() is not None:
+                raise RuntimeError(f"{p.name} exited ({p.proc.returncode}):\n{p.tail()}")
+        try:
+            r = httpx.post(f"{url}/v1/chat/completions", timeout=10, json={
+                "model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 2, "stream": True})
+            if r.status_code == 200 and len(_CONTENT.findall(r.content)) == 2:
+                return
+            last = f"{r.status_code} {r.text[:300]}"
+        except httpx.HTTPError as e:
+            last = repr(e)
+        time.sleep(0.2)
+    raise RuntimeError(f"the frontend at {url} never served a request ({last}):\n" +
+                       "\n".join(p.tail(1500) for p in procs))
+
+
+# -- load generator (raw HTTP/1.1, keep-alive, one connection per concurrent stream) --------------
+class Conn:
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def request(self, body: bytes, on_open: Any = None) -> tuple[float, float, int]:
+        """(seconds to the first text chunk, seconds to the end, text chunks) of one streamed request."""
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port, limit=1 << 20)
+        reader = self.reader
+        assert reader is not None
+        start = time.perf_counter()
+        self.writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
+                          b"Accept: text/event-stream\r\nContent-Length: %d\r\n\r\n%s"
+                          % (self.host.encode(), self.port, len(body), body))
+        status = await reader.readline()
+        if not status.startswith(b"HTTP/1.1 200"):
+            raise RuntimeError(f"HTTP status {status!r}: {(await reader.read(2000))!r}")
+        chunked, length, close = False, None, False
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            name, value = name.strip().lower(), value.strip().lower()
+            if name == "transfer-encoding" and "chunked" in value:
+                chunked = True
+            elif name == "content-length":
+                length = int(value)
+            elif name == "connection" and value == "close":
+                close = True
+        if on_open is not None:
+            on_open()
+        first, tokens, pending, done = 0.0, 0, b"", False
+        while not done:
+            if chunked:
+                size = int((await reader.readline()).split(b";")[0], 16)
+                if size == 0:
+                    await reader.readline()
+                    break
+                data = (await reader.readexactly(size + 2))[:-2]
+            else:
+                data = await reader.readexactly(length) if length is not None else await reader.read()
+                done = True
+            pending += data
+            *events, pending = pending.split(b"\n\n")
+            for event in events:
+                if _CONTENT.search(event):
+                    tokens += 1
+                    if not first:
+                        first = time.perf_counter() - start
+        if close:
+            self.writer.close()
+            self.writer = None
+        return first, time.perf_counter() - start, tokens
+
+
+def _body(max_tokens: int) -> bytes:
+    return json.dumps({"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": max_tokens, "stream": True}).encode()
+
+
+def _pct(sorted_values: list[float], q: float) -> float:
+    return sorted_values[min(int(len(sorted_values) * q), len(sorted_values) - 1)]
+
+
+async def load(url: str, concurrency: int, duration: float, max_tokens: int, frontend: int,
+               engine: int) -> dict[str, float]:
+    """Closed loop: `concurrency` connections each send the next request when the last one ended."""
+    host, port = url.split("//")[1].rsplit(":", 1)
+    body = _body(max_tokens)
+    conns = [Conn(host, int(port)) for _ in range(concurrency)]
+    await asyncio.gather(*(c.request(body) for c in conns))  # connect + warm up
+    results: list[tuple[float, float, int]] = []
+    cpu0 = (_cpu_seconds(frontend), _cpu_seconds(engine))
+    start = time.perf_counter()
+    deadline = start + duration
+
+    async def worker(conn: Conn) -> None:
+        while time.perf_counter() < deadline:
+            results.append(await conn.request(body))
+
+    await asyncio.wait_for(asyncio.gather(*(worker(c) for c in conns)), duration + 120)
+    elapsed = time.perf_counter() - start
+    cpu_frontend, cpu_engine = _cpu_seconds(frontend) - cpu0[0], _cpu_seconds(engine) - cpu0[1]
+    for c in conns:
+        if c.writer is not None:
+            c.writer.close()
+    latencies = sorted(r[1] for r in results)
+    ttfts = sorted(r[0] for r in results)
+    tokens = [r[2] for r in results]
+    if min(tokens) < max_tokens:
+        raise RuntimeError(f"a response had {min(tokens)} text chunks, wanted {max_tokens}")
+    n = len(results)
+    return {"rps": n / elapsed, "p50_ms": _pct(latencies, 0.5) * 1e3, "p99_ms": _pct(latencies, 0.99) * 1e3,
+            "ttft_p50_ms": _pct(ttfts, 0.5) * 1e3, "tokens_per_s": sum(tokens) / elapsed,
+            "frontend_cpu_us_per_req": cpu_frontend / n * 1e6, "frontend_core_busy_pct": cpu_frontend / elapsed * 100,
+            "engine_cpu_us_per_req": cpu_engine / n * 1e6}
+
+
+async def hold_streams(url: str, streams: int, max_tokens: int, frontend: int) -> dict[str, float]:
+    """Open `streams` streaming requests at once; peak RSS of the frontend while they are open."""
+    host, port = url.split("//")[1].rsplit(":", 1)
+    body = _body(max_tokens)
+    pids = _tree(frontend)
+    state = {"open": 0, "max_open": 0, "peak": 0.0, "running": True}
+
+    def opened() -> None:
+        state["open"] += 1
+        state["max_open"] = max(state["max_open"], state["open"])
+
+    async def one() -> int:
+        conn = Conn(host, int(port))
+        try:
+            _, _, tokens = await conn.request(body, on_open=opened)
+        finally:
+            state["open"] -= 1
+            if conn.writer is not None:
+                conn.writer.close()
+        return tokens
+
+    async def sample() -> None:
+        while state["running"]:
+            state["peak"] = max(state["peak"], _rss_mb(pids))
+            await asyncio.sleep(0.05)
+
+    sampler = asyncio.create_task(sample())
+    start = time.perf_counter()
+    counts = await asyncio.wait_for(asyncio.gather(*(one() for _ in range(streams))), 300)
+    elapsed = time.perf_counter() - start
+    state["running"] = False
+    await sampler
+    if min(counts) < max_tokens:
+        raise RuntimeError(f"a held stream had {min(counts)} text chunks, wanted {max_tokens}")
+    return {"rss_streams_peak_mb": state["peak"], "streams_open_max": state["max_open"],
+            "streams_seconds": elapsed, "rss_after_streams_mb": _rss_mb(pids)}
+
+
+# -- direct role: the engine without the frontend, through the implementation's runtime client -----
+async def direct(impl: str, token_ids: list[int], eos: list[int], duration: float) -> dict[str, float]:
+    if impl == "tandem":
+        from tandem.runtime import DistributedRuntime, RuntimeConfig
+
+        runtime = await DistributedRuntime.create(RuntimeConfig.from_env())
+        client = await runtime.endpoint(ENDPOINT).client()
+        await client.wait_for_instances(1, timeout=30)
+        options: dict[str, Any] = {}
+    else:
+        from dynamo.runtime import DistributedRuntime
+
+        runtime = DistributedRuntime(asyncio.get_running_loop(), "file", "tcp")
+        client = await runtime.endpoint(ENDPOINT).client()
+        await client.wait_for_instances()
+        options = {"annotated": False}
+
+    async def one(max_tokens: int) -> int:
+        request = {"model": MODEL_NAME, "token_ids": token_ids, "eos_token_ids": eos,
+                   "stop_conditions": {"max_tokens": max_tokens, "stop_token_ids_hidden": eos},
+                   "sampling_options": {}, "output_options": {}, "annotations": []}
+        stream = await client.round_robin(request, **options)
+        n = 0
+        async for item in stream:
+            n += len(item.get("token_ids") or [])
+        return n
+
+    result = {}
+    for max_tokens in (32, 1):
+        for _ in range(100):
+            got = await one(max_tokens)
+        if got != max_tokens:
+            raise RuntimeError(f"direct call produced {got} tokens, wanted {max_tokens}")
+        latencies = []
+        deadline = time.perf_counter() + duration
+        while time.perf_counter() < deadline:
+            start = time.perf_counter()
+            await one(max_tokens)
+            latencies.append(time.perf_counter() - start)
+        latencies.sort()
+        result[f"direct_{max_tokens}_p50_ms"] = _pct(latencies, 0.5) * 1e3
+    if impl == "tandem":
+        await runtime.shutdown()
+    else:
+        runtime.shutdown()
+    return result
+
+
+def _prompt_ids() -> tuple[list[int], list[int]]:
+    """The prompt tokens the frontends send to the engine for MESSAGES, and the EOS ids."""
+    from tandem.llm.chat_template import ChatTemplate
+    from tandem.llm.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_folder(_model_path())
+    text = ChatTemplate.for_tokenizer(tokenizer).render(MESSAGES)
+    return tokenizer.encode(text, add_special_tokens=False), list(tokenizer.eos_token_ids)
+
+
+# -- client role: one implementation, one run ------------------------------------------------------
+def run_client(args: argparse.Namespace) -> None:
+    python = args.dynamo_python if args.impl == "dynamo" else sys.executable
+    kv = tempfile.mkdtemp(prefix=f"fbench-{args.impl}-")
+    logdir = os.path.join(kv, "logs")
+    os.makedirs(logdir)
+    env = {**os.environ, "DYN_FILE_KV": os.path.join(kv, "kv"), "DYN_NAMESPACE": NAMESPACE,
+           "DYN_DISCOVERY_BACKEND": "file", "DYN_REQUEST_PLANE": "tcp", "DYN_EVENT_PLANE": "zmq",
+           "DYN_TCP_RPC_HOST": "127.0.0.1", "PYTHONPATH": REPO, "DYN_SYSTEM_ENABLED": "false"}
+    env.pop("DYN_LOG", None)  # each frontend at its default log level (both log each request at info)
+    import uvloop
+
+    result: dict[str, float] = {}
+    procs: list[Proc] = []
+    try:
+        engine, frontend, url = start_deployment(args.impl, python, env, logdir, False, args.profile)
+        procs = [engine, frontend]
+        os.sched_setaffinity(0, {ENGINE_CORE})  # the load generator shares the engine's core
+        # warm up, then idle RSS
+        uvloop.run(load(url, 16, 2.0, 32, frontend.pid, engine.pid))
+        time.sleep(1.0)
+        result["rss_idle_mb"] = _rss_mb(_tree(frontend.pid))
+        for concurrency, max_tokens in ((1, 1), (1, 32), (16, 32), (64, 32)):
+            stats = uvloop.run(load(url, concurrency, args.duration, max_tokens, frontend.pid, engine.pid))
+            suffix = f"c{concurrency}" + ("_1tok" if max_tokens == 1 else "")
+            result.update({f"{key}_{suffix}": value for key, value in stats.items()})
+        token_ids, eos = _prompt_ids()
+        out = subprocess.run([python, __file__, "--role", "direct", "--impl", args.impl, "--duration",
+                              str(args.duration), "--token-ids", json.dumps(token_ids), "--eos", json.dumps(eos)],
+                             env=env, capture_output=True, text=True, timeout=300,
+                             preexec_fn=_pinned(FRONTEND_CORE))
+        if out.returncode == 0 and out.stdout.strip():
+            result.update(json.loads(out.stdout.strip().splitlines()[-1]))
+        else:
+            print(f"{args.impl}: direct calls failed:\n{out.stderr[-2000:]}", file=sys.stderr)
+        for p in reversed(procs):
+            p.stop()
+        procs = []
+        if args.streams:
+            os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
+            engine, frontend, url = start_deployment(args.impl, python, env, logdir, True, None)
+            procs = [engine, frontend]
+            os.sched_setaffinity(0, {ENGINE_CORE})
+            result.update(uvloop.run(hold_streams(url, args.streams, args.stream_tokens, frontend.pid)))
+    except BaseException:
+        for p in procs:
+            print(f"--- {p.name} log ---\n{p.tail()}", file=sys.stderr)
+        raise
+    finally:
+        for p in reversed(procs):
+            p.stop()
+    print(json.dumps(result), flush=True)
+
+
+# -- orchestrator ----------------------------------------------------------------------------------
+def run_impl(impl: str, args: argparse.Namespace) -> dict[str, float]:
+    cmd = [sys.executable, __file__, "--role", "client", "--impl", impl, "--duration", str(args.duration),
+           "--streams", str(args.streams), "--stream-tokens", str(args.stream_tokens),
+           "--dynamo-python", args.dynamo_python]
+    if args.profile:
+        cmd += ["--profile", args.profile]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, preexec_fn=_pinned(None))
+    if out.returncode != 0 or not out.stdout.strip():
+        raise SystemExit(f"{impl} run failed:\n{out.stderr[-5000:]}")
+    if out.stderr.strip():
+        print(out.stderr.strip()[-2000:], file=sys.stderr)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def derive(r: dict[str, float]) -> dict[str, float]:
+    """Added latency per request and per token (when the direct figures exist)."""
+    out = dict(r)
+    out["per_token_frontend_us"] = (r["p50_ms_c1"] - r["p50_ms_c1_1tok"]) / 31 * 1e3
+    if "direct_32_p50_ms" in r:
+        out["added_per_request_us"] = (r["p50_ms_c1"] - r["direct_32_p50_ms"]) * 1e3
+        out["added_per_request_1tok_us"] = (r["p50_ms_c1_1tok"] - r["direct_1_p50_ms"]) * 1e3
+        out["per_token_direct_us"] = (r["direct_32_p50_ms"] - r["direct_1_p50_ms"]) / 31 * 1e3
+        out["added_per_token_us"] = out["per_token_frontend_us"] - out["per_token_direct_us"]
+    out["frontend_capacity_per_s_c64"] = 1e6 / r["frontend_cpu_us_per_req_c64"]
+    return out
+
+
+ROWS = [  # key, label, better: "low" / "high" / None
+    ("rps_c1", "streamed requests/s, concurrency 1", "high"),
+    ("rps_c16", "streamed requests/s, concurrency 16", "high"),
+    ("rps_c64", "streamed requests/s, concurrency 64", "high"),
+    ("tokens_per_s_c64", "streamed tokens/s, concurrency 64", "high"),
+    ("p50_ms_c1", "latency p50, c=1 (ms)", "low"),
+    ("p99_ms_c1", "latency p99, c=1 (ms)", "low"),
+    ("ttft_p50_ms_c1", "time to first token p50, c=1 (ms)", "low"),
+    ("p50_ms_c16", "latency p50, c=16 (ms)", "low"),
+    ("p99_ms_c16", "latency p99, c=16 (ms)", "low"),
+    ("ttft_p50_ms_c16", "time to first token p50, c=16 (ms)", "low"),
+    ("p50_ms_c64", "latency p50, c=64 (ms)", "low"),
+    ("p99_ms_c64", "latency p99, c=64 (ms)", "low"),
+    ("ttft_p50_ms_c64", "time to first token p50, c=64 (ms)", "low"),
+    ("p50_ms_c1_1tok", "latency p50, c=1, max_tokens 1 (ms)", "low"),
+    ("direct_32_p50_ms", "engine called directly, p50, 32 tokens (ms)", "low"),
+    ("direct_1_p50_ms", "engine called directly, p50, 1 token (ms)", "low"),
+    ("added_per_request_us", "added by the frontend per request, p50, 32 tokens (µs)", "low"),
+    ("added_per_request_1tok_us", "added by the frontend per request, p50, 1 token (µs)", "low"),
+    ("per_token_frontend_us", "per token through the frontend (µs)", "low"),
+    ("per_token_direct_us", "per token direct (µs)", "low"),
+    ("added_per_token_us", "added by the frontend per token (µs)", "low"),
+    ("frontend_cpu_us_per_req_c1", "frontend CPU per request, c=1 (µs)", "low"),
+    ("frontend_cpu_us_per_req_c64", "frontend CPU per request, c=64 (µs)", "low"),
+    ("frontend_core_busy_pct_c64", "frontend core busy, c=64 (%)", None),
+    ("frontend_capacity_per_s_c64", "frontend requests/s per core, from its CPU per request, c=64", "high"),
+    ("engine_cpu_us_per_req_c64", "engine CPU per request, c=64 (µs)", None),
+    ("rss_idle_mb", "frontend RSS idle, after warm-up (MB)", "low"),
+    ("rss_streams_peak_mb", "frontend RSS peak, {streams} open streams (MB)", "low"),
+    ("streams_open_max", "streams open at once (of {streams})", None),
+    ("streams_seconds", "time to serve the {streams} streams (s)", None),
+]
+
+
+def _fmt(value: float) -> str:
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    return f"{value:.1f}" if abs(value) >= 10 else f"{value:.2f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--role", choices=["orchestrate", "client", "direct"], default="orchestrate")
+    parser.add_argument("--impl", choices=["tandem", "dynamo", "both"], default="both")
+    parser.add_argument("--duration", type=float, default=4.0, help="seconds per load level")
+    parser.add_argument("--streams", type=int, default=1000, help="streams held open for the RSS test (0: skip)")
+    parser.add_argument("--stream-tokens", type=int, default=100, help="tokens per held stream")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per implementation; the median is reported")
+    parser.add_argument("--profile", default=None, help="(tandem) write a cProfile of the frontend to this file")
+    parser.add_argument("--dynamo-python", default=os.path.join(REPO, ".bench", "dynamo-venv", "bin", "python"))
+    parser.add_argument("--token-ids", default="[]", help=argparse.SUPPRESS)
+    parser.add_argument("--eos", default="[]", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.role == "direct":
+        import uvloop
+
+        result = uvloop.run(direct(args.impl, json.loads(args.token_ids), json.loads(args.eos), args.duration))
+        print(json.dumps(result), flush=True)
+        os._exit(0)  # Dynamo's runtime threads may outlive the loop
+    if args.role == "client":
+        run_client(args)
+        return
+
+    impls = ["tandem"] if args.impl in ("tandem", "both") else []
+    if args.impl in ("dynamo", "both"):
+        check = subprocess.run([args.dynamo_python, "-c", "import dynamo.frontend, dynamo.mocker"],
+                               capture_output=True) if os.path.exists(args.dynamo_python) else None
+        if check is not None and check.returncode == 0:
+            impls.append("dynamo")
+        else:
+            print(f"(no Dynamo baseline: {args.dynamo_python} lacks ai-dynamo; run bash bench/setup_baselines.sh)")
+    results: dict[str, dict[str, float]] = {}
+    for impl in impls:
+        runs = [derive(run_impl(impl, args)) for _ in range(args.repeat)]
+        keys = [k for k in runs[0] if all(k in run for run in runs)]
+        results[impl] = {key: statistics.median(run[key] for run in runs) for key in keys}
+    print(f"\nfrontend_bench: streamed chat completions (max_tokens 32 unless noted), {args.duration:g} s per level, "
+          f"{args.streams} held streams of {args.stream_tokens} tokens, median of {args.repeat} runs; frontend "
+          f"on core {FRONTEND_CORE}, engine + load generator on core {ENGINE_CORE}\n")
+    names = list(results)
+    baseline = "dynamo" in results
+    header = {"tandem": "tandem", "dynamo": "Dynamo 1.6.1"}
+    print("| metric | " + " | ".join(header[n] for n in names) + (" | tandem advantage |" if baseline else " |"))
+    print("|---" * (len(names) + 1 + baseline) + "|")
+    for key, label, better in ROWS:
+        if not any(key in results[n] for n in names):
+            continue
+        row = [_fmt(results[n][key]) if key in results[n] else "n/a" for n in names]
+        advantage = ""
+        if baseline:
+            t, d = results["tandem"].get(key), results["dynamo"].get(key)
+            if better is None or t is None or d is None or t <= 0 or d <= 0:
+                advantage = " | —"
+            else:
+                advantage = f" | {d / t if better == 'low' else t / d:.1f}x"
+        print(f"| {label.format(streams=args.streams)} | " + " | ".join(row) + advantage + " |")
+    print("\n" + json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
