@@ -220,6 +220,8 @@ def test_metrics(deployment):
                  "dynamo_frontend_inflight_requests", "dynamo_frontend_model_context_length"):
         assert f'{name}' in text and f'model="{MODEL}"' in text, name
     assert f'dynamo_frontend_model_workers{{model="{MODEL}"}} 2.0' in text
+    assert f'dynamo_frontend_queued_requests{{model="{MODEL}"}} 0.0' in text  # all answered
+    assert f'dynamo_frontend_inflight_requests{{model="{MODEL}"}} 0.0' in text
 
 
 def test_direct_routing_by_header(deployment):

@@ -206,6 +206,7 @@ class FrontendServer:
         request_type = "stream" if req.stream else "unary"
         status = "error"
         metrics.inflight.labels(model_name).inc()
+        metrics.queued.labels(model_name).inc()  # until the first token
         metrics.isl.labels(model_name).observe(len(prompt_ids))
         response: web.StreamResponse | None = None
         try:
@@ -270,6 +271,8 @@ class FrontendServer:
             await outputs.aclose()
             elapsed = time.perf_counter() - started
             metrics.inflight.labels(model_name).dec()
+            if outcome.first_token_at is None:
+                metrics.queued.labels(model_name).dec()
             metrics.requests.labels(model_name, endpoint, request_type, status).inc()
             metrics.duration.labels(model_name).observe(elapsed)
             metrics.osl.labels(model_name).observe(outcome.completion_tokens)
@@ -288,6 +291,7 @@ class FrontendServer:
                       outcome: Outcome, model: str) -> Any:
         """Engine outputs -> processed deltas worth sending; stops the worker on a local stop."""
         itl = self.metrics.itl.labels(model)
+        queued = self.metrics.queued.labels(model)
         output: dict[str, Any] | None = first
         while output is not None:
             delta = processor.process(output)
@@ -297,6 +301,7 @@ class FrontendServer:
                 now = time.perf_counter()
                 if outcome.first_token_at is None:
                     outcome.first_token_at = now
+                    queued.dec()
                 elif outcome.last_token_at is not None:
                     itl.observe((now - outcome.last_token_at) / len(delta.token_ids))
                 outcome.last_token_at = now
