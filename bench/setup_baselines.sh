@@ -10,7 +10,8 @@ if [ ! -x .bench/dynamo-venv/bin/python ]; then
 fi
 pip_install() {
   .bench/dynamo-venv/bin/python -m pip install -q --disable-pip-version-check "$@" \
-    2> >(grep -v "is ignored: it is neither" >&2)
+    2> >(grep -v -e "is ignored: it is neither" -e "pip's dependency resolver does not currently" \
+             -e "ai-dynamo 1.6.1 requires aisimulate" -e "ai-dynamo 1.6.1 requires certifi" >&2)
 }
 pip_install "ai-dynamo-runtime==1.6.1" uvloop
 # ai-dynamo requires aisimulate, which cannot be installed here (and which the frontend and the

@@ -9,6 +9,7 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "frontend": ("tandem.frontend.main", "the OpenAI-compatible HTTP frontend"),
     "model": ("tandem.models.cli", "prepare and locate models (`tandem model prepare`)"),
+    "vllm": ("tandem.vllm.main", "a vLLM worker (`tandem vllm --model smollm2`)"),
     "discovery": ("tandem.runtime.discovery.cli", "list what is registered in discovery"),
 }
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -73,7 +74,7 @@ class TandemProcess:
         full_env = {**os.environ, "DYN_TCP_RPC_HOST": "127.0.0.1", "PYTHONPATH": str(REPO), **(env or {})}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module, *args], env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, cwd=REPO,
+            text=True, cwd=REPO, start_new_session=True,  # its own process group: stop() takes its children too
         )
         self.stderr_lines: list[str] = []
         threading.Thread(target=self._drain_stderr, daemon=True).start()
@@ -97,8 +98,11 @@ class TandemProcess:
         return "".join(self.stderr_lines[-200:])
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
+        """Kill the process and everything it started (e.g. vLLM's engine core)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         self.proc.wait()
 
 

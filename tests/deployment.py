@@ -17,12 +17,15 @@ MODEL = "SmolLM2-135M-Instruct"
 class Deployment:
     def __init__(self, root: Path, model_path: str, *, engines: list[list[str]] | None = None,
                  frontend_args: list[str] | None = None, env: dict[str, str] | None = None,
-                 engine_module: str = "tandem.testing.engine", verify: bool = True) -> None:
+                 engine_module: str = "tandem.testing.engine", verify: bool = True,
+                 engine_timeout: float = 120, engine_env: dict[str, str] | None = None) -> None:
         kv = root / f"kv-{uuid.uuid4().hex[:6]}"
         kv.mkdir(parents=True)
         self.namespace = f"test-{uuid.uuid4().hex[:8]}"
         self.model_path = model_path
         self.verify = verify
+        self.engine_timeout = engine_timeout
+        self.engine_env = engine_env or {}
         self.engine_module = engine_module
         self.env = {"DYN_FILE_KV": str(kv), "DYN_NAMESPACE": self.namespace, "DYN_DISCOVERY_TTL_SECS": "3",
                     **(env or {})}
@@ -41,7 +44,7 @@ class Deployment:
 
     def add_engine(self, *extra: str) -> TandemProcess:
         engine = TandemProcess(self.engine_module, "--model", self.model_path, "--discovery-backend", "file",
-                               *extra, env=self.env)
+                               *extra, env={**self.env, **self.engine_env}, timeout=self.engine_timeout)
         self.engines.append(engine)
         return engine
 
@@ -57,6 +60,25 @@ class Deployment:
     def client(self, **options: object) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=options.pop("api_key", "none"), max_retries=0,
                              **options)  # type: ignore[arg-type]
+
+    def call(self, path: str, request: object) -> list:
+        """Call a worker endpoint (`ns.component.endpoint` without the namespace) through the runtime."""
+        import asyncio
+
+        from tandem.runtime import DistributedRuntime, RuntimeConfig
+
+        async def go() -> list:
+            runtime = await DistributedRuntime.create(RuntimeConfig(
+                discovery_backend="file", file_kv_root=self.env["DYN_FILE_KV"], tcp_host="127.0.0.1",
+                graceful_shutdown_grace_period=0))
+            try:
+                client = await runtime.endpoint(f"{self.namespace}.{path}").client()
+                await client.wait_for_instances(1, timeout=30)
+                return [item async for item in await client.round_robin(request)]
+            finally:
+                await runtime.shutdown()
+
+        return asyncio.run(go())
 
     def metrics(self) -> str:
         return httpx.get(f"{self.url}/metrics").text

@@ -117,3 +117,21 @@ async def test_taken_system_port_fails_start_and_releases_the_request_plane(name
         with pytest.raises(OSError):
             await runtime.start()
     assert not runtime.request_server._server.is_serving()  # the request plane was released too
+
+
+async def test_leave_and_rejoin_discovery(runtimes, namespace):
+    runtime = await runtimes()
+
+    async def generate(request):
+        yield {}
+
+    endpoint = runtime.namespace(namespace).component("backend").endpoint("generate")
+    served = await endpoint.start_serving(generate)
+    await runtime.register_key(f"v1/mdc/{namespace}/backend/generate/{runtime.instance_id:x}", b"card")
+    prefix = "v1/"
+    before = {k: v for k, v in (await runtime.store.get_prefix(prefix)).items() if namespace in k}
+    assert served.key in before and len(before) == 2
+    await runtime.leave_discovery()
+    assert not [k for k in await runtime.store.get_prefix(prefix) if namespace in k]
+    await runtime.rejoin_discovery()
+    assert {k: v for k, v in (await runtime.store.get_prefix(prefix)).items() if namespace in k} == before

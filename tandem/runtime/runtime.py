@@ -7,7 +7,7 @@ import asyncio
 import logging
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -19,7 +19,7 @@ from tandem.runtime.event_plane import EventPublisher, EventSubscriber
 from tandem.runtime.keys import parse_endpoint_path
 from tandem.runtime.metrics import RuntimeCollector
 from tandem.runtime.request_plane import make_request_plane
-from tandem.runtime.system_server import EngineRoute, SystemHealth, SystemStatusServer
+from tandem.runtime.system_server import EngineRoute, JsonRoute, SystemHealth, SystemStatusServer
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +48,13 @@ class DistributedRuntime:
         self.config_inhibit_seconds = env_number("DYN_RUNTIME_INHIBITED_DURATION_SECS", 10.0)
         self._served: dict[str, ServedEndpoint] = {}
         self._registered_keys: dict[str, bytes] = {}
+        self._in_discovery = True
         self._publishers: list[EventPublisher] = []
         self._subscribers: list[EventSubscriber] = []
         self._background: set[asyncio.Task[Any]] = set()
         self._closed = asyncio.Event()
         self._shutdown_task: asyncio.Task[None] | None = None
+        self._shutdown_hooks: list[Callable[[], Awaitable[None]]] = []
         self._signals = 0
 
     @classmethod
@@ -110,17 +112,38 @@ class DistributedRuntime:
 
     async def register_key(self, key: str, value: bytes) -> None:
         """Write a leased discovery key that shutdown removes first (instances, model cards)."""
-        await self.store.put(key, value)
+        if self._in_discovery:
+            await self.store.put(key, value)
         self._registered_keys[key] = value
 
     async def unregister_key(self, key: str) -> None:
         self._registered_keys.pop(key, None)
         await self.store.delete(key)
 
+    async def leave_discovery(self) -> None:
+        """Withdraw every registration (routers stop sending here) but keep serving and remember them."""
+        self._in_discovery = False
+        for key in self._registered_keys:
+            await self.store.delete(key)
+
+    async def rejoin_discovery(self) -> None:
+        """Publish again what `leave_discovery` withdrew, plus anything registered meanwhile."""
+        self._in_discovery = True
+        for key, value in self._registered_keys.items():
+            await self.store.put(key, value)
+
     def register_engine_route(self, name: str, handler: EngineRoute) -> None:
         """Serve `handler` at `/engine/{name}` on the system status server (if enabled)."""
         if self.system_server is not None:
             self.system_server.register_engine_route(name, handler)
+
+    def register_system_route(self, method: str, path: str, handler: JsonRoute) -> bool:
+        """Serve `handler(json_body_or_None, path_params) -> (status, json)` at `method path` on the
+        system status server (see `SystemStatusServer.register_route`). False when it is not enabled."""
+        if self.system_server is None:
+            return False
+        self.system_server.register_route(method, path, handler)
+        return True
 
     def set_ready(self, ready: bool = True) -> None:
         """Mark the process ready (or not) for the system status server's /health."""
@@ -158,6 +181,11 @@ class DistributedRuntime:
 
     async def wait_closed(self) -> None:
         await self._closed.wait()
+
+    def add_shutdown_hook(self, hook: Callable[[], Awaitable[None]]) -> None:
+        """Run `hook()` during shutdown after the drain and before the planes close (at most 30 s):
+        e.g. a worker aborting what still runs so those streams end as incomplete and migrate."""
+        self._shutdown_hooks.append(hook)
 
     def install_signal_handlers(self) -> None:
         """First SIGTERM/SIGINT: graceful shutdown. A second one: exit at once."""
@@ -204,6 +232,11 @@ class DistributedRuntime:
                     log.warning("graceful shutdown timed out with streams still running")
                     break
                 await asyncio.sleep(0.05)
+            for hook in self._shutdown_hooks:
+                try:
+                    await asyncio.wait_for(hook(), 30)
+                except Exception:
+                    log.exception("shutdown hook failed")
         finally:
             # 5. Close everything.
             for task in list(self._background):

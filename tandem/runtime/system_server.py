@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -16,6 +17,8 @@ from tandem.runtime.config import RuntimeConfig
 log = logging.getLogger(__name__)
 
 EngineRoute = Callable[[Any], Awaitable[Any]]
+# handler(json body or None, path parameters) -> (HTTP status, JSON-serialisable body)
+JsonRoute = Callable[[Any, dict[str, str]], Awaitable[tuple[int, Any]]]
 
 
 class SystemHealth:
@@ -58,12 +61,31 @@ class SystemStatusServer:
         self._health = health
         self._registry = registry
         self._engine_routes: dict[str, EngineRoute] = {}
+        self._routes: dict[tuple[str, str], tuple[re.Pattern[str], JsonRoute]] = {}
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
 
     def register_engine_route(self, name: str, handler: EngineRoute) -> None:
         """Serve `handler(json_body) -> json` at `/engine/{name}`."""
         self._engine_routes[name.strip("/")] = handler
+
+    def register_route(self, method: str, path: str, handler: JsonRoute) -> None:
+        """Serve `handler(json_body_or_None, path_params) -> (status, json)` for `method path`.
+
+        Works before or after `start()`: one catch-all aiohttp route, added last, dispatches to this
+        table, so the built-in routes (health, live, metrics, /engine/...) always win. `path` uses
+        aiohttp's syntax: `{name}` matches one segment, `{name:regex}` a regex (`{name:.+}` may
+        span slashes). `method` is an HTTP method or `*`. Registering the same method and path again
+        replaces the handler; the first registered pattern that matches a request wins.
+        """
+        if not path.startswith("/"):
+            raise ValueError(f"route path must start with '/': {path!r}")
+        if path in self._builtin_paths() or path.startswith("/engine/"):
+            raise ValueError(f"{path!r} is a built-in route of the system status server")
+        self._routes[(method.upper(), path)] = (_compile_path(path), handler)
+
+    def _builtin_paths(self) -> set[str]:
+        return {self._config.system_health_path, self._config.system_live_path, "/metrics"}
 
     async def start(self) -> None:
         app = web.Application(client_max_size=16 * 1024 * 1024)
@@ -72,6 +94,7 @@ class SystemStatusServer:
             app.router.add_get(self._config.system_live_path, self._health_route)
         app.router.add_get("/metrics", self._metrics_route)
         app.router.add_route("*", "/engine/{name:.+}", self._engine_route)
+        app.router.add_route("*", "/{tail:.*}", self._dispatch_route)  # register_route's table; keep last
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self._config.system_host, self._config.system_port or 0)
@@ -107,9 +130,52 @@ class SystemStatusServer:
             return _error(500, f"{type(e).__name__}: {e}")
         return web.json_response(result)
 
+    async def _dispatch_route(self, request: web.Request) -> web.Response:
+        allowed: set[str] = set()
+        for (method, path), (pattern, handler) in list(self._routes.items()):
+            match = pattern.fullmatch(request.path)
+            if match is None:
+                continue
+            if method not in ("*", request.method):
+                allowed.add(method)
+                continue
+            body: Any = None
+            raw = await request.read()
+            if raw:
+                try:
+                    body = json.loads(raw)
+                except (ValueError, UnicodeDecodeError) as e:
+                    return _error(400, f"request body is not valid JSON: {e}")
+            try:
+                status, result = await handler(body, match.groupdict())
+            except Exception as e:
+                log.exception("route %s %s failed", method, path)
+                return _error(500, f"{type(e).__name__}: {e}")
+            return web.json_response(result, status=status)
+        if request.path in self._builtin_paths():
+            allowed.add("GET")  # aiohttp falls through to this catch-all for e.g. POST /health
+        if allowed:
+            return web.json_response(
+                {"error": {"message": f"method {request.method} not allowed", "code": 405}},
+                status=405, headers={"Allow": ", ".join(sorted(allowed))},
+            )
+        return _error(404, f"no route for {request.path}")
+
     async def close(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+
+
+def _compile_path(path: str) -> re.Pattern[str]:
+    """aiohttp-style `/a/{x}/{rest:.+}` -> a regex with named groups (matched against the whole path)."""
+    parts: list[str] = []
+    pos = 0
+    for m in re.finditer(r"\{([A-Za-z_][A-Za-z0-9_]*)(?::([^{}]*(?:\{[^{}]*\}[^{}]*)*))?\}", path):
+        parts.append(re.escape(path[pos:m.start()]))
+        parts.append(f"(?P<{m.group(1)}>{m.group(2) or '[^/]+'})")
+        pos = m.end()
+    parts.append(re.escape(path[pos:]))
+    return re.compile("".join(parts))
 
 
 def _error(status: int, message: str) -> web.Response:

@@ -1,0 +1,5 @@
+import sys
+
+from tandem.vllm.main import main
+
+sys.exit(main())

