@@ -224,12 +224,23 @@ def test_validation_errors_exit_2(smollm2):
         assert out.returncode == 2 and message in out.stderr, (argv, out.stderr[-500:])
 
 
-def test_killing_the_engine_core_makes_the_worker_exit_nonzero(tmp_path_factory, smollm2, vllm):
+def test_text_mode_then_engine_death_exits_nonzero(tmp_path_factory, smollm2, vllm):
+    """A second worker, in text mode (--use-vllm-tokenizer: the engine templates and detokenizes):
+    it answers through the frontend; then its engine core is killed and the worker must exit non-zero."""
     vllm.stop()  # free the cores: this test starts its own engine
-    deployment = Deployment(tmp_path_factory.mktemp("dead"), smollm2, engine_module="tandem.vllm",
+    deployment = Deployment(tmp_path_factory.mktemp("text"), smollm2, engine_module="tandem.vllm",
                             engine_timeout=600,
-                            engines=[["--max-model-len", "512", "--cpu-cores", "0", "--connector", "none"]])
+                            engines=[["--max-model-len", "512", "--cpu-cores", "0", "--connector", "none",
+                                      "--served-model-name", MODEL, "--use-vllm-tokenizer"]])
     try:
+        reply = deployment.client().chat.completions.create(model=MODEL, messages=QUESTION, temperature=0,
+                                                            max_tokens=20)
+        # (Greedy text depends on the engine's kernels: this smaller config need not say "Paris".)
+        assert reply.choices[0].message.content and reply.choices[0].finish_reason in ("stop", "length")
+        stream = deployment.client().chat.completions.create(model=MODEL, messages=QUESTION, temperature=0,
+                                                             max_tokens=20, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == \
+            reply.choices[0].message.content
         worker = deployment.engines[0].proc
         children = _children(worker.pid)
         assert children, "the worker has no engine-core child process"
