@@ -459,6 +459,7 @@ def main() -> None:
     if (os.cpu_count() or 1) < 2:
         raise SystemExit("needs 2 cores: one for the engine, one for the API side and the load generator")
 
+    wait_until_quiet(args.wait_quiet)
     from tandem.models import prepare_model
 
     model_dir = str(prepare_model())

@@ -262,11 +262,14 @@ class FrontendServer:
                                          logprobs=openai.completion_logprobs(outcome.logprobs) if outcome.logprobs else None)
             status = "success"
             return web.Response(body=msgspec.json.encode(body), content_type="application/json")
-        except (asyncio.CancelledError, ConnectionResetError):
+        except (asyncio.CancelledError, ConnectionResetError) as gone:
             context.kill()  # the client went away: stop the worker now
             metrics.cancellations.labels(model_name, endpoint, request_type).inc()
             status = "cancelled"
-            raise
+            if isinstance(gone, asyncio.CancelledError):
+                raise
+            # A write hit the closed connection: nothing to answer, and nothing worth a traceback.
+            return response or web.Response(status=499)
         finally:
             await outputs.aclose()
             elapsed = time.perf_counter() - started
@@ -391,9 +394,11 @@ class FrontendServer:
             return web.json_response(openai.chat_completion(
                 response_id, created, model_name, content="".join(content), finish_reason=finish or "stop",
                 usage=usage or openai.usage(0, 0)))
-        except (asyncio.CancelledError, ConnectionResetError):
+        except (asyncio.CancelledError, ConnectionResetError) as gone:
             context.kill()
-            raise
+            if isinstance(gone, asyncio.CancelledError):
+                raise
+            return response if chat.stream else web.Response(status=499)
         finally:
             await outputs.aclose()
 
