@@ -114,13 +114,9 @@ class SystemStatusServer:
         handler = self._engine_routes.get(name)
         if handler is None:
             return _error(404, f"unknown engine route {name!r}; known: {sorted(self._engine_routes)}")
-        body: Any = None
-        raw = await request.read()
-        if raw:
-            try:
-                body = json.loads(raw)
-            except (ValueError, UnicodeDecodeError) as e:
-                return _error(400, f"request body is not valid JSON: {e}")
+        body, bad = await _json_body(request)
+        if bad is not None:
+            return bad
         try:
             result = await handler(body)
         except ValueError as e:
@@ -139,13 +135,9 @@ class SystemStatusServer:
             if method not in ("*", request.method):
                 allowed.add(method)
                 continue
-            body: Any = None
-            raw = await request.read()
-            if raw:
-                try:
-                    body = json.loads(raw)
-                except (ValueError, UnicodeDecodeError) as e:
-                    return _error(400, f"request body is not valid JSON: {e}")
+            body, bad = await _json_body(request)
+            if bad is not None:
+                return bad
             try:
                 status, result = await handler(body, match.groupdict())
             except Exception as e:
@@ -176,6 +168,17 @@ def _compile_path(path: str) -> re.Pattern[str]:
         pos = m.end()
     parts.append(re.escape(path[pos:]))
     return re.compile("".join(parts))
+
+
+async def _json_body(request: web.Request) -> tuple[Any, web.Response | None]:
+    """The request's JSON body (None when empty), or a 400 response when it is not JSON."""
+    raw = await request.read()
+    if not raw:
+        return None, None
+    try:
+        return json.loads(raw), None
+    except (ValueError, UnicodeDecodeError) as e:
+        return None, _error(400, f"request body is not valid JSON: {e}")
 
 
 def _error(status: int, message: str) -> web.Response:
