@@ -446,10 +446,11 @@ def test_gpu_has_no_cpu_specifics() -> None:
 
 def test_default_alias_resolves_to_prepared_folder(model_dir: str) -> None:
     config = build("--model", "smollm2")
-    assert config.model == "smollm2" and config.served_model_name == "smollm2"
+    # any alias of tandem's default model is served under the model's real name
+    assert config.model == "smollm2" and config.served_model_name == "SmolLM2-135M-Instruct"
     assert config.model_path == model_dir
     assert config.engine_args.model == model_dir
-    assert config.engine_args.served_model_name == "smollm2"
+    assert config.engine_args.served_model_name == "SmolLM2-135M-Instruct"
 
 
 def test_no_model_serves_tandem_default(model_dir: str) -> None:
