@@ -82,6 +82,13 @@ class ModelDeploymentCard(msgspec.Struct, omit_defaults=True):
         }
         return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
 
+    def for_lora(self, name: str, user_data: dict[str, Any] | None = None) -> ModelDeploymentCard:
+        """The card of LoRA adapter `name` served on top of this (base) model."""
+        card = msgspec.structs.replace(self, display_name=name, lora=LoraInfo(name=name, base_model=self.display_name),
+                                       user_data=user_data if user_data is not None else self.user_data)
+        card.mdcsum = card.compute_mdcsum()
+        return card
+
     def to_json(self) -> bytes:
         return msgspec.json.encode(self)
 

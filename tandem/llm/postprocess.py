@@ -118,18 +118,20 @@ class OutputProcessor:
         text = ""
         n = 0
         silent_last = False  # the last accepted token ends the stream and shows no text (EOS, stop id)
-        if engine_text is None:
-            step = self._step
-            for tid in ids:
-                count += 1
-                n += 1
-                if count > min_tokens:
-                    if tid in hidden:
-                        reason, silent_last = "eos", True
-                        break
-                    if tid in stop_ids:
-                        reason, stop_reason, silent_last = "stop", tid, True
-                        break
+        # Text-input engines decode themselves: their text passes through (stop strings still apply)
+        # and the token ids only count and end the stream.
+        step = self._step if engine_text is None else None
+        for tid in ids:
+            count += 1
+            n += 1
+            if count > min_tokens:
+                if tid in hidden:
+                    reason, silent_last = "eos", True
+                    break
+                if tid in stop_ids:
+                    reason, stop_reason, silent_last = "stop", tid, True
+                    break
+            if step is not None:
                 piece = step(tid)
                 if matcher is None:
                     text += piece
@@ -139,25 +141,10 @@ class OutputProcessor:
                     if matched is not None:
                         reason, stop_reason = "stop", matched
                         break
-                if max_tokens is not None and count >= max_tokens:
-                    reason = "length"
-                    break
-        else:
-            # Text-input engines decode themselves: pass the text through (stop strings still apply);
-            # the token ids only count and end the stream.
-            for tid in ids:
-                count += 1
-                n += 1
-                if count > min_tokens:
-                    if tid in hidden:
-                        reason, silent_last = "eos", True
-                        break
-                    if tid in stop_ids:
-                        reason, stop_reason, silent_last = "stop", tid, True
-                        break
-                if max_tokens is not None and count >= max_tokens:
-                    reason = "length"
-                    break
+            if max_tokens is not None and count >= max_tokens:
+                reason = "length"
+                break
+        if engine_text is not None:
             if matcher is None:
                 text = engine_text
             elif engine_text:

@@ -28,10 +28,9 @@ import signal
 import sys
 from typing import Any
 
-import msgspec
 from tokenizers import Tokenizer
 
-from tandem.llm.model_card import LoraInfo, ModelType, build_card, register_model
+from tandem.llm.model_card import ModelType, build_card, register_model
 from tandem.models import resolve_model
 from tandem.runtime import DistributedRuntime, RuntimeConfig, add_runtime_args, configure_logging, run
 
@@ -236,9 +235,7 @@ async def main(argv: list[str] | None = None) -> int:
     )
     await register_model(endpoint, card)
     for name in args.lora:
-        adapter = msgspec.structs.replace(card, display_name=name, lora=LoraInfo(name=name, base_model=card.display_name))
-        adapter.mdcsum = adapter.compute_mdcsum()
-        await register_model(endpoint, adapter)
+        await register_model(endpoint, card.for_lora(name))
     runtime.set_ready()
     print(f"READY {runtime.instance_id:x} {served.path}", flush=True)
     await runtime.wait_closed()

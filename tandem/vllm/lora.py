@@ -23,9 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-import msgspec
-
-from tandem.llm.model_card import LoraInfo, ModelDeploymentCard, register_model
+from tandem.llm.model_card import ModelDeploymentCard, register_model
 from tandem.runtime import keys
 
 log = logging.getLogger(__name__)
@@ -502,13 +500,7 @@ def card_callbacks(
     so the frontend lists the adapter and routes requests for it to this instance."""
 
     async def register(name: str, lora_id: int) -> None:
-        card = msgspec.structs.replace(
-            base_card,
-            display_name=name,
-            lora=LoraInfo(name=name, base_model=base_card.display_name),
-            user_data={**(base_card.user_data or {}), "lora_adapter": True, "lora_id": lora_id},
-        )
-        card.mdcsum = card.compute_mdcsum()
+        card = base_card.for_lora(name, {**(base_card.user_data or {}), "lora_adapter": True, "lora_id": lora_id})
         await register_model(endpoint, card)
 
     async def unregister(name: str) -> None:
