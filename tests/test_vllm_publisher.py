@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import socket
 from types import SimpleNamespace
 from typing import Any
 
@@ -190,15 +191,18 @@ async def test_relay_real_vllm_publisher(runtimes, namespace) -> None:
     rt = await runtimes()
     component = rt.namespace(namespace).component("backend")
     subscriber = await component.subscribe(KV_EVENT_TOPIC)
+    vllm_pub = None
     for _ in range(20):  # a free port, which another process may take before vLLM binds it: retry
-        probe: zmq.Socket = zmq.Context.instance().socket(zmq.PUB)
-        port: int = probe.bind_to_random_port("tcp://127.0.0.1")
-        probe.close(linger=0)
+        # A plain socket releases its port when closed; a ZMQ socket does so later, in its I/O thread.
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port: int = probe.getsockname()[1]
         try:
             vllm_pub = kv_events.ZmqEventPublisher(data_parallel_rank=0, endpoint=f"tcp://*:{port}")
             break
         except zmq.ZMQError:
-            continue
+            await asyncio.sleep(0.05)
+    assert vllm_pub is not None, "vLLM's publisher could not bind a free port"
     relay = await KvEventRelay(
         component, worker_id=rt.instance_id, kv_block_size=BS, zmq_endpoint=f"tcp://*:{port}"
     ).start()
