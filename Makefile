@@ -10,10 +10,10 @@ install: $(STAMP)
 $(STAMP): pyproject.toml scripts/install.sh
 	VENV=$(VENV) bash scripts/install.sh
 
-# Install if needed, prepare the default model, serve it.
-# Serving (`tandem run`) arrives with the frontend and worker; until then this installs and prepares.
+# Install if needed, then serve the model (`tandem run` prepares the default model first if needed).
+# Extra flags: make run RUN_ARGS="--workers 2".
 run: install
-	$(TANDEM) model prepare $(MODEL)
+	$(TANDEM) run --model $(MODEL) $(RUN_ARGS)
 
 test: install
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import httpx
 import openai
 
+from tandem.runtime import DistributedRuntime, RuntimeConfig
 from tests.conftest import TandemProcess
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -18,7 +20,9 @@ class Deployment:
     def __init__(self, root: Path, model_path: str, *, engines: list[list[str]] | None = None,
                  frontend_args: list[str] | None = None, env: dict[str, str] | None = None,
                  engine_module: str = "tandem.testing.engine", verify: bool = True,
-                 engine_timeout: float = 120, engine_env: dict[str, str] | None = None) -> None:
+                 engine_timeout: float = 120, engine_env: dict[str, str] | None = None,
+                 instances: int | None = None) -> None:
+        """`instances`: how many worker instances /health must list before use (default: one per engine)."""
         kv = root / f"kv-{uuid.uuid4().hex[:6]}"
         kv.mkdir(parents=True)
         self.namespace = f"test-{uuid.uuid4().hex[:8]}"
@@ -37,7 +41,7 @@ class Deployment:
             self.frontend = TandemProcess("tandem.frontend", "--http-host", "127.0.0.1", "--http-port", "0",
                                           "--discovery-backend", "file", *(frontend_args or []), env=self.env)
             self.url = self.frontend.ready[0]
-            self.wait_for_instances(len(self.engines))
+            self.wait_for_instances(len(self.engines) if instances is None else instances)
         except BaseException:
             self.stop()
             raise
@@ -61,16 +65,17 @@ class Deployment:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=options.pop("api_key", "none"), max_retries=0,
                              **options)  # type: ignore[arg-type]
 
+    async def runtime(self) -> DistributedRuntime:
+        """A runtime of this process on the deployment's discovery (shut it down when done)."""
+        return await DistributedRuntime.create(RuntimeConfig(
+            discovery_backend="file", file_kv_root=self.env["DYN_FILE_KV"], tcp_host="127.0.0.1",
+            graceful_shutdown_grace_period=0))
+
     def call(self, path: str, request: object) -> list:
         """Call a worker endpoint (`ns.component.endpoint` without the namespace) through the runtime."""
-        import asyncio
-
-        from tandem.runtime import DistributedRuntime, RuntimeConfig
 
         async def go() -> list:
-            runtime = await DistributedRuntime.create(RuntimeConfig(
-                discovery_backend="file", file_kv_root=self.env["DYN_FILE_KV"], tcp_host="127.0.0.1",
-                graceful_shutdown_grace_period=0))
+            runtime = await self.runtime()
             try:
                 client = await runtime.endpoint(f"{self.namespace}.{path}").client()
                 await client.wait_for_instances(1, timeout=30)

@@ -22,13 +22,13 @@ from tandem.router.protocols import (
     active_load_from_builtins,
     router_event_from_builtins,
 )
+from tandem.router.publisher import indexer_query_handler
 from tandem.runtime.event_plane import EventPublisher
 from tandem.vllm.publisher import (
     KvEventRelay,
     KvMetricsStatLogger,
     NullStatLogger,
     StatLoggerFactory,
-    indexer_query_handler,
     normalize_block_hash,
     storage_tier,
 )

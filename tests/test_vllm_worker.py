@@ -104,15 +104,12 @@ def test_clear_kv_blocks_and_cached_tokens(vllm):
 def test_kv_events_reach_the_event_plane(vllm):
     import asyncio
 
-    from tandem.runtime import DistributedRuntime, RuntimeConfig
 
     vllm.call("backend.clear_kv_blocks", {})
     prompt_words = "alpha beta gamma delta epsilon " * 30
 
     async def watch() -> tuple[list[dict], int]:
-        runtime = await DistributedRuntime.create(RuntimeConfig(
-            discovery_backend="file", file_kv_root=vllm.env["DYN_FILE_KV"], tcp_host="127.0.0.1",
-            graceful_shutdown_grace_period=0))
+        runtime = await vllm.runtime()
         events: list[dict] = []
         try:
             subscriber = await runtime.namespace(vllm.namespace).component("backend").subscribe("kv-events")

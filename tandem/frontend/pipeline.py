@@ -102,6 +102,7 @@ class ModelPipeline:
         self.router_mode = router_mode
         self.inflight: dict[int, int] = {}
         self.selector: Selector = make_selector(router_mode, self.inflight)
+        self.prefill_selector: Selector = make_selector("round-robin", self.inflight)
         self.migration_limit = migration_limit or model.card.migration_limit
         self.migration_max_seq_len = migration_max_seq_len
         self.load = load
@@ -205,6 +206,8 @@ class ModelPipeline:
         """
         budget = self.migration_limit
         exclude: set[int] = set()
+        if isinstance(request, PreprocessedRequest) and self.model.prefill_instances and pinned is None:
+            request = await self.prefill(request, context)
         prompt_len = len(request.token_ids) if isinstance(request, PreprocessedRequest) else 0
         while True:
             instance = self.route(request, pinned, exclude)
@@ -262,6 +265,39 @@ class ModelPipeline:
             finally:
                 self.inflight[instance] -= 1
 
+    # -- disaggregated prefill (reference §B.8) ------------------------------------------------
+    async def prefill(self, request: PreprocessedRequest, context: Context) -> PreprocessedRequest:
+        """Run the prompt on a prefill worker (max_tokens 1) and return the decode request carrying
+        its `prefill_result` (the KV transfer parameters). Any failure falls back to aggregated
+        decode: the decode worker then computes the prompt itself."""
+        candidates = sorted(self.model.prefill_instances)
+        instance = self.prefill_selector.select(candidates, request)
+        client = self.manager.clients.get(self.model.prefill_instances[instance])
+        stop = msgspec.structs.replace(request.stop_conditions, max_tokens=1, min_tokens=None)
+        child = Context(context.id())
+        context.link_child(child)
+        last: dict[str, Any] = {}
+        try:
+            if client is None:
+                raise NoInstancesError(f"no client for prefill worker {instance:x}")
+            stream = await client.direct(msgspec.structs.replace(request, stop_conditions=stop), instance, child)
+            async for output in stream:
+                last = output
+            reason = last.get("finish_reason")
+            if isinstance(reason, dict) or str(reason).startswith("error"):
+                raise RuntimeError(f"prefill worker error: {reason}")
+            params = last.get("disaggregated_params")
+            if params is None:
+                raise RuntimeError("the prefill worker returned no disaggregated_params")
+        except Exception as e:  # includes unreachable workers and cut-off streams
+            if not context.is_stopped():
+                log.warning("request %s: prefill on worker %x failed (%s); decoding with local prefill",
+                            context.id(), instance, e)
+            return request
+        details = (last.get("completion_usage") or {}).get("prompt_tokens_details")
+        return msgspec.structs.replace(request, prefill_result={"disaggregated_params": params,
+                                                                "prompt_tokens_details": details})
+
     @staticmethod
     def _continuation(request: PreprocessedRequest, generated: list[int]) -> PreprocessedRequest:
         """The original request, resumed: prompt + tokens so far, limits reduced by what was produced."""
@@ -270,4 +306,6 @@ class ModelPipeline:
             stop.max_tokens = max(stop.max_tokens - len(generated), 1)
         if stop.min_tokens is not None:
             stop.min_tokens = max(stop.min_tokens - len(generated), 0)
-        return msgspec.structs.replace(request, token_ids=request.token_ids + generated, stop_conditions=stop)
+        # The prefill worker's KV hand-off was for the first worker: the next one computes the prompt itself.
+        return msgspec.structs.replace(request, token_ids=request.token_ids + generated, stop_conditions=stop,
+                                       prefill_result=None)

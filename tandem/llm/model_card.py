@@ -4,7 +4,8 @@ model (dynamo-platform.md §B.4). Key: `v1/mdc/{ns}/{component}/{endpoint}/{inst
 A card names the model, says where its tokenizer, chat template and generation config come from
 (a folder plus content checksums, so a frontend can check that its copy is the same), and carries
 the serving configuration (context length, KV block size, model type and input, runtime config).
-`mdcsum` hashes the fields that must agree for two workers to serve the same model.
+`mdcsum` hashes the fields that must agree for two workers to serve the same model (not their role:
+prefill, decode and aggregated workers of one model share it).
 """
 
 from __future__ import annotations
@@ -78,7 +79,6 @@ class ModelDeploymentCard(msgspec.Struct, omit_defaults=True):
             "context_length": self.context_length,
             "kv_cache_block_size": self.kv_cache_block_size,
             "model_input": self.model_input,
-            "worker_type": self.worker_type,
         }
         return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
 

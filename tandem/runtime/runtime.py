@@ -7,7 +7,7 @@ import asyncio
 import logging
 import os
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -55,7 +55,6 @@ class DistributedRuntime:
         self._closed = asyncio.Event()
         self._shutdown_task: asyncio.Task[None] | None = None
         self._shutdown_hooks: list[Callable[[], Awaitable[None]]] = []
-        self._signals = 0
 
     @classmethod
     async def create(cls, config: RuntimeConfig | None = None, **overrides: Any) -> DistributedRuntime:
@@ -189,17 +188,7 @@ class DistributedRuntime:
 
     def install_signal_handlers(self) -> None:
         """First SIGTERM/SIGINT: graceful shutdown. A second one: exit at once."""
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._on_signal, sig)
-
-    def _on_signal(self, sig: signal.Signals) -> None:
-        self._signals += 1
-        if self._signals > 1:
-            log.warning("second %s: exiting now", sig.name)
-            os._exit(1)
-        log.info("%s received: shutting down gracefully (send it again to exit at once)", sig.name)
-        self.begin_shutdown()
+        install_signal_handlers([self])
 
     def begin_shutdown(self) -> asyncio.Task[None]:
         if self._shutdown_task is None:
@@ -252,6 +241,26 @@ class DistributedRuntime:
             await self.store.close()
             self._closed.set()
             log.info("runtime shut down")
+
+
+def install_signal_handlers(runtimes: Sequence[DistributedRuntime]) -> None:
+    """SIGTERM/SIGINT shut down every runtime of this process gracefully (e.g. the mocker's N
+    engines); a second signal exits at once."""
+    loop = asyncio.get_running_loop()
+    received = 0
+
+    def on_signal(sig: signal.Signals) -> None:
+        nonlocal received
+        received += 1
+        if received > 1:
+            log.warning("second %s: exiting now", sig.name)
+            os._exit(1)
+        log.info("%s received: shutting down gracefully (send it again to exit at once)", sig.name)
+        for runtime in runtimes:
+            runtime.begin_shutdown()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
 
 
 def run(main: Any) -> int:

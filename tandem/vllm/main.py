@@ -79,7 +79,8 @@ async def worker(config: Config) -> int:
 
 async def _serve(config: Config, runtime: DistributedRuntime, shutdown_event: asyncio.Event, engine: Any,
                  vllm_config: Any, defaults: Any) -> int:
-    from tandem.vllm.publisher import KvEventRelay, StatLoggerFactory, indexer_query_handler
+    from tandem.router.publisher import indexer_query_handler
+    from tandem.vllm.publisher import KvEventRelay, StatLoggerFactory
 
     component = runtime.namespace(config.namespace).component(config.component)
     generate_endpoint = component.endpoint(config.endpoint)

@@ -27,10 +27,8 @@ import logging
 import threading
 import time
 import weakref
-from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
-from itertools import islice
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import msgspec
 import zmq
@@ -43,12 +41,11 @@ from tandem.router.protocols import (
     WORKER_KV_INDEXER_BUFFER_SIZE,
     ActiveLoad,
     KvBlock,
-    KvCacheEvent,
     KvCacheEventData,
     KvRemoved,
     KvStored,
-    RouterEvent,
 )
+from tandem.router.publisher import KvEventPublisher, SupportsPublish
 from tandem.runtime.event_plane import EventPublisher
 
 log = logging.getLogger(__name__)
@@ -72,12 +69,6 @@ _ARRAY_FIELDS: dict[str, tuple[str, ...]] = {
 }
 
 _decode_msgpack = msgspec.msgpack.Decoder().decode
-
-
-class SupportsPublish(Protocol):
-    """What the relay and the stat logger need of a publisher (an `EventPublisher`)."""
-
-    def publish(self, event: Any) -> bool: ...
 
 
 def normalize_block_hash(value: Any) -> int:
@@ -143,7 +134,7 @@ def _mm_hashes(extra_keys: Any, n_blocks: int) -> list[list[int] | None] | None:
     return out if found else None
 
 
-class KvEventRelay:
+class KvEventRelay(KvEventPublisher):
     """Relay one vLLM engine's (one dp rank's) KV events onto the event plane.
 
     `component` is the worker's component (events go to its `kv-events` topic); `worker_id` is the
@@ -164,19 +155,12 @@ class KvEventRelay:
     ) -> None:
         if kv_block_size <= 0:
             raise ValueError(f"kv_block_size must be positive, got {kv_block_size}")
-        if buffer_size <= 0:
-            raise ValueError(f"buffer_size must be positive, got {buffer_size}")
+        super().__init__(worker_id=worker_id, dp_rank=dp_rank, buffer_size=buffer_size, publisher=publisher)
         self.component = component
-        self.worker_id = worker_id
         self.kv_block_size = kv_block_size
         self.zmq_endpoint = zmq_endpoint.replace("*", "127.0.0.1")
-        self.dp_rank = dp_rank
-        self.buffer_size = buffer_size
         self.zmq_topic = zmq_topic
-        self._publisher: SupportsPublish | None = publisher
         self._owned_publisher: EventPublisher | None = None
-        self._buffer: deque[dict[str, Any]] = deque(maxlen=buffer_size)
-        self._next_event_id = 0
         self._last_seq: int | None = None
         self._socket: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
@@ -294,10 +278,10 @@ class KvEventRelay:
             if not hashes:
                 self.skipped_events += 1
                 return 0
-            self._emit(KvCacheEventData(removed=KvRemoved(hashes)), storage_tier(fields.get("medium")), dp_rank)
+            self.emit(KvCacheEventData(removed=KvRemoved(hashes)), storage_tier(fields.get("medium")), dp_rank)
             return 1
         if tag == "AllBlocksCleared":
-            self._emit("cleared", "device", dp_rank)
+            self.emit("cleared", "device", dp_rank)
             return 1
         raise ValueError(f"unknown event type {tag!r}")
 
@@ -334,7 +318,7 @@ class KvEventRelay:
             # A self-referencing store would create a cycle in the router's tree: Dynamo replaces it
             # with an empty remove (which keeps the event ids contiguous).
             log.warning("self-referencing stored event from %s replaced by an empty remove", self.zmq_endpoint)
-            self._emit(KvCacheEventData(removed=KvRemoved([])), tier, dp_rank)
+            self.emit(KvCacheEventData(removed=KvRemoved([])), tier, dp_rank)
             return 1
         seed = request_seed(fields.get("lora_name"))
         tokens_hashes = local_block_hashes(
@@ -342,85 +326,8 @@ class KvEventRelay:
             mm_hashes=_mm_hashes(fields.get("extra_keys"), n_blocks),
         )
         blocks = [KvBlock(h, t) for h, t in zip(hashes, tokens_hashes, strict=True)]
-        self._emit(KvCacheEventData(stored=KvStored(parent, blocks)), tier, dp_rank)
+        self.emit(KvCacheEventData(stored=KvStored(parent, blocks)), tier, dp_rank)
         return 1
-
-    def _emit(self, data: KvCacheEventData | str, tier: str, dp_rank: int) -> None:
-        event = RouterEvent(
-            self.worker_id, KvCacheEvent(self._next_event_id, data, dp_rank), tier  # type: ignore[arg-type]
-        )
-        self._next_event_id += 1
-        obj = msgspec.to_builtins(event)
-        self._buffer.append(obj)
-        if self._publisher is not None:
-            self._publisher.publish(obj)
-
-    @property
-    def publisher(self) -> SupportsPublish | None:
-        """Where events go (the component's `kv-events` publisher once started)."""
-        return self._publisher
-
-    # -- worker-local indexer --------------------------------------------------------------------
-    @property
-    def last_event_id(self) -> int | None:
-        """Id of the newest event published, None before the first."""
-        return self._next_event_id - 1 if self._next_event_id else None
-
-    @property
-    def oldest_buffered_event_id(self) -> int:
-        return self._next_event_id - len(self._buffer)
-
-    def query(self, start_event_id: int | None = None, end_event_id: int | None = None) -> tuple[list[dict[str, Any]], bool]:
-        """Buffered events with `start_event_id <= event_id <= end_event_id` (None: from the first
-        event ever / to the newest). Returns `(events, complete)`; `complete` is False when part of
-        the range was evicted from the ring buffer (ids beyond the newest are not an error)."""
-        oldest = self.oldest_buffered_event_id
-        newest = self._next_event_id - 1
-        start = 0 if start_event_id is None else max(0, int(start_event_id))
-        end = newest if end_event_id is None else min(int(end_event_id), newest)
-        if end < start:
-            return [], True
-        complete = start >= oldest
-        lo = max(start, oldest) - oldest
-        hi = end - oldest + 1
-        return list(islice(self._buffer, lo, hi)), complete
-
-    async def indexer_query(self, request: Any, context: Any = None) -> AsyncIterator[dict[str, Any]]:
-        """`worker_kv_indexer_query` handler: request `{"start_event_id": int|None,
-        "end_event_id": int|None}` → one `{"events": [...], "complete": bool, ...}`."""
-        yield self._answer(request)
-
-    def _answer(self, request: Any) -> dict[str, Any]:
-        request = request if isinstance(request, dict) else {}
-        try:
-            events, complete = self.query(request.get("start_event_id"), request.get("end_event_id"))
-        except (TypeError, ValueError) as e:
-            return {"events": [], "complete": False, "error": f"bad query: {e}"}
-        return {
-            "events": events,
-            "complete": complete,
-            "worker_id": self.worker_id,
-            "dp_rank": self.dp_rank,
-            "last_event_id": self.last_event_id,
-        }
-
-
-def indexer_query_handler(relays: Sequence[KvEventRelay]) -> Callable[..., AsyncIterator[dict[str, Any]]]:
-    """One `worker_kv_indexer_query` handler for a worker with several dp ranks: the request's
-    `dp_rank` (default: the first relay's) picks the relay."""
-    by_rank = {relay.dp_rank: relay for relay in relays}
-    default = relays[0] if relays else None
-
-    async def handler(request: Any, context: Any = None) -> AsyncIterator[dict[str, Any]]:
-        rank = request.get("dp_rank") if isinstance(request, dict) else None
-        relay = default if rank is None else by_rank.get(rank)
-        if relay is None:
-            yield {"events": [], "complete": False, "error": f"no KV event relay for dp_rank {rank}"}
-            return
-        yield relay._answer(request)
-
-    return handler
-
 
 # -- stat logger ---------------------------------------------------------------------------------
 class KvGauges:
@@ -535,7 +442,10 @@ class KvMetricsStatLogger:
     ) -> None:
         if scheduler_stats is None:
             return
-        usage = float(getattr(scheduler_stats, "kv_cache_usage", 0.0) or 0.0)
+        self.record_usage(float(getattr(scheduler_stats, "kv_cache_usage", 0.0) or 0.0))
+
+    def record_usage(self, usage: float) -> None:
+        """The fraction of KV blocks in use (vLLM's `kv_cache_usage`, or a simulated engine's)."""
         self.kv_cache_usage = usage
         self.active_blocks = int(self.num_gpu_blocks * usage)
         if self._gauges is not None:

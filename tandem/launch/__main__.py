@@ -1,0 +1,5 @@
+import sys
+
+from tandem.launch.main import main
+
+sys.exit(main())

@@ -1,0 +1,245 @@
+"""`tandem run`: a whole deployment (frontend + workers) on one machine from one command.
+
+    tandem run [--model M] [--engine vllm|mocker] [--workers N | --prefill-workers P --decode-workers D]
+               [--router-mode MODE] [--http-port PORT] [-f deploy.yaml] [-- extra worker flags]
+
+Uses the embedded defaults (file discovery in a private directory, TCP request plane, ZMQ events), so no
+external service is needed. Waits until the model is served, prints the URL, relays every process's log
+with a label, and stops everything on Ctrl-C / SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from urllib.parse import urlsplit, urlunsplit
+
+import aiohttp
+
+from tandem.frontend.routing import ROUTER_MODES
+from tandem.launch.cores import format_cores
+from tandem.launch.plan import Plan
+from tandem.launch.spec import ENGINES, DeploymentSpec, SpecError, build_spec, load_file
+from tandem.launch.supervisor import Child, Deployment, LogMux, describe_exit
+from tandem.models.prepare import PrepareError
+from tandem.models.resolve import ModelNotFoundError, resolve_model
+from tandem.runtime.config import env_str
+
+LABEL = "run"  # the launcher's own lines
+_POLL_INTERVAL = 0.25
+
+
+class LaunchError(Exception):
+    """The deployment did not come up; `child` is the process to blame, if one is."""
+
+    def __init__(self, message: str, child: Child | None = None) -> None:
+        super().__init__(message)
+        self.child = child
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # Defaults are SUPPRESSed so that only flags actually given override the deployment file.
+    parser = argparse.ArgumentParser(
+        prog="tandem run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        argument_default=argparse.SUPPRESS,
+        epilog="Everything after `--` is passed to every worker. Explicit flags override the file's values.",
+    )
+    parser.add_argument("-f", "--file", metavar="YAML", help="deployment file (YAML), see docs/launch.md")
+    what = parser.add_argument_group("Deployment")
+    what.add_argument("--model", metavar="M", help="model name, folder or hub id [default smollm2]")
+    what.add_argument("--model-name", metavar="NAME", help="name clients use [default: the model's name]")
+    what.add_argument("--engine", choices=ENGINES, metavar="ENGINE", help="worker engine: vllm or mocker [default vllm]")
+    what.add_argument("--workers", type=int, metavar="N", help="aggregated workers [default 1]")
+    what.add_argument("--prefill-workers", type=int, metavar="P", help="prefill workers (disaggregated; needs --decode-workers)")
+    what.add_argument("--decode-workers", type=int, metavar="D", help="decode workers (disaggregated; needs --prefill-workers)")
+    what.add_argument("--router-mode", choices=ROUTER_MODES, metavar="MODE", help=f"the frontend's routing: {', '.join(ROUTER_MODES)} [round-robin]")
+    what.add_argument("--http-port", type=int, metavar="PORT", help="frontend port; 0 = any free one [default 8000]")
+    what.add_argument("--namespace", metavar="NS", help="discovery namespace [env DYN_NAMESPACE, default dynamo]")
+    what.add_argument("--frontend-args", metavar="FLAGS",
+                      help='extra frontend flags as one string: --frontend-args="--migration-limit 2"')
+    place = parser.add_argument_group("Cores and ports")
+    place.add_argument("--cores-per-worker", type=int, metavar="K", help="cores given to each engine process [default 1]")
+    place.add_argument("--worker-cores", metavar="LISTS", help='explicit cores, one list per worker: "0;1" or "0-1;2-3"')
+    place.add_argument("--system-port-base", type=int, metavar="PORT",
+                       help="worker i serves /health and /metrics on this port + i [default: none]")
+    life = parser.add_argument_group("Lifecycle")
+    life.add_argument("--restart", action="store_true", help="restart a worker that dies (with backoff)")
+    life.add_argument("--ready-timeout", type=float, metavar="S", help="seconds to wait for the model to be served [600]")
+    life.add_argument("--stop-timeout", type=float, metavar="S", help="seconds a process gets to stop before SIGKILL [30]")
+    return parser
+
+
+def frontend_url(announced: str) -> str:
+    """The frontend's READY address, with a wildcard host replaced by one a client can connect to."""
+    parts = urlsplit(announced)
+    if parts.hostname in ("0.0.0.0", "::", None):
+        return urlunsplit(parts._replace(netloc=f"127.0.0.1:{parts.port}"))
+    return announced
+
+
+def curl_example(url: str, model: str) -> str:
+    body = {"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+    return (f"curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' "
+            f"-d {shlex.quote(json.dumps(body))}")
+
+
+async def _probe(http: aiohttp.ClientSession, url: str, model: str, instances: set[int]) -> str | None:
+    """What the frontend still lacks (None: it lists the model and routes to every worker)."""
+    try:
+        async with http.get(f"{url}/v1/models", ssl=False) as response:
+            # 401: the frontend requires an API key; /health below still tells whether the workers are in.
+            if response.status != 401:
+                listed = [entry.get("id") for entry in (await response.json()).get("data", [])]
+                if model not in listed:
+                    return f"the frontend to list model {model!r}"
+        async with http.get(f"{url}/health", ssl=False) as response:
+            seen = set((await response.json()).get("instances", []))
+    except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+        return f"the frontend to answer ({e.__class__.__name__})"
+    missing = instances - seen
+    if missing:
+        return f"the frontend to see {len(missing)} more worker(s) of {len(instances)}"
+    return None
+
+
+async def wait_until_serving(deployment: Deployment, model: str, timeout: float) -> str:
+    """The frontend's URL, once every process printed READY and the frontend serves `model` through every
+    worker. Raises LaunchError when a process ends for good first, or after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
+        while True:
+            for child in deployment.children:
+                if child.done.is_set():
+                    raise LaunchError(f"{child.label} {describe_exit(child.returncode or 0)} before the deployment "
+                                      "was ready", child)
+            pending = next((child for child in deployment.children if child.ready is None), None)
+            if pending is None:
+                assert deployment.frontend.ready
+                url = frontend_url(deployment.frontend.ready[0])
+                waiting = await _probe(http, url, model, deployment.expected_instances())
+                if waiting is None:
+                    return url
+                culprit = deployment.frontend
+            else:
+                waiting, culprit = f"{pending.label} to print READY", pending
+            if time.monotonic() >= deadline:
+                raise LaunchError(f"not serving after {timeout:g} s: still waiting for {waiting}", culprit)
+            await asyncio.sleep(_POLL_INTERVAL)
+
+
+def _describe(spec: DeploymentSpec) -> str:
+    groups = ", ".join(f"{group.count} {'' if group.role == 'agg' else group.role + ' '}"
+                       f"worker{'s' if group.count > 1 else ''}" for group in spec.workers)
+    return f"{groups} ({spec.engine})"
+
+
+async def run_deployment(spec: DeploymentSpec, model_path: str, mux: LogMux | None = None) -> int:
+    """Start the deployment, serve until a signal or the frontend dies, stop everything. Returns the exit code."""
+    mux = mux or LogMux()
+    mux.add_label(LABEL)
+
+    def say(text: str) -> None:
+        mux.line(LABEL, text)
+
+    discovery_dir = env_str("DYN_FILE_KV")
+    own_dir = discovery_dir is None
+    if discovery_dir is None:
+        discovery_dir = tempfile.mkdtemp(prefix="tandem-run-")
+    plan = Plan(spec, model_path, discovery_dir, warn=say)
+    deployment = Deployment(plan, mux)
+    stop = asyncio.Event()
+
+    def on_signal(signum: int) -> None:
+        if stop.is_set():
+            say(f"{signal.Signals(signum).name} again: killing everything now")
+            deployment.kill()
+        else:
+            say(f"{signal.Signals(signum).name}: stopping (again to kill at once)")
+            stop.set()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+    say(f"{plan.served_name} from {model_path}: frontend + {_describe(spec)}")
+    say(f"discovery: {discovery_dir} (namespace {spec.namespace}); cores available: {format_cores(plan.cores)}")
+    try:
+        deployment.start()
+        return await _serve(deployment, plan, stop, mux)
+    except BaseException:
+        deployment.kill()  # whatever went wrong in the launcher, leave no process behind
+        raise
+    finally:
+        await deployment.stop(spec.stop_timeout)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        if own_dir:
+            shutil.rmtree(discovery_dir, ignore_errors=True)
+        say("stopped")
+
+
+async def _serve(deployment: Deployment, plan: Plan, stop: asyncio.Event, mux: LogMux) -> int:
+    stopped = asyncio.create_task(stop.wait())
+    ready = asyncio.create_task(wait_until_serving(deployment, plan.served_name, plan.spec.ready_timeout))
+    frontend_gone = asyncio.create_task(deployment.frontend.done.wait())
+    try:
+        await asyncio.wait({stopped, ready}, return_when=asyncio.FIRST_COMPLETED)
+        if stop.is_set():
+            return 0
+        try:
+            url = ready.result()
+        except LaunchError as e:
+            _report_failure(str(e), e.child)
+            return 1
+        mux.plain(f"\n==> serving {plan.served_name} at {url} (OpenAI API under /v1); Ctrl-C stops everything\n"
+                  f"    {curl_example(url, plan.served_name)}\n")
+        await asyncio.wait({stopped, frontend_gone}, return_when=asyncio.FIRST_COMPLETED)
+        if stop.is_set():
+            return 0
+        _report_failure(f"the frontend {describe_exit(deployment.frontend.returncode or 0)}; stopping everything",
+                        deployment.frontend)
+        return 1
+    finally:
+        for task in (stopped, ready, frontend_gone):
+            task.cancel()
+
+
+def _report_failure(reason: str, child: Child | None) -> None:
+    print(f"tandem run: {reason}", file=sys.stderr)
+    if child is not None and child.tail:
+        print(f"tandem run: last lines of {child.label}:", *("    " + line for line in child.tail),
+              sep="\n", file=sys.stderr)
+    sys.stderr.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    own, worker_args = (args[: args.index("--")], args[args.index("--") + 1 :]) if "--" in args else (args, [])
+    parser = build_parser()
+    flags = vars(parser.parse_args(own))
+    path = flags.pop("file", None)
+    try:
+        spec = build_spec(flags, load_file(path) if path else None, source=path or "", worker_args=worker_args)
+    except SpecError as e:
+        parser.error(str(e))
+    try:
+        model_path = resolve_model(spec.model)  # once here: every process then loads the same folder
+    except ModelNotFoundError as e:
+        print(f"tandem run: {e}", file=sys.stderr)
+        return 2
+    except PrepareError as e:
+        print(f"tandem run: cannot prepare {spec.model}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return asyncio.run(run_deployment(spec, model_path))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

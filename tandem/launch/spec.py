@@ -1,0 +1,318 @@
+"""What `tandem run` deploys: a `DeploymentSpec` built from defaults, then a YAML file, then command-line
+flags (each later source wins). Every value is checked on the way in and a bad one raises `SpecError`
+naming the key or flag, which the CLI turns into exit code 2.
+
+YAML keys are the flag names with underscores, plus `frontend: {args, env}` and
+`workers: [{role, count, args, env, cores}]`; see docs/launch.md.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import yaml
+
+from tandem.frontend.routing import ROUTER_MODES
+from tandem.launch.cores import available_cores as machine_cores
+from tandem.launch.cores import parse_cores
+from tandem.runtime.config import env_str
+
+ROLES = ("agg", "prefill", "decode")
+ENGINES = ("vllm", "mocker")
+DEFAULT_MODEL = "smollm2"
+_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_-]+$")  # it becomes a segment of `ns.component.endpoint`
+
+
+class SpecError(ValueError):
+    """An invalid deployment description; the message names the offending key or flag."""
+
+
+@dataclass
+class FrontendSpec:
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class WorkerGroup:
+    """`count` workers of one role, started with the same extra flags and environment."""
+
+    role: str = "agg"
+    count: int = 1
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    # Explicit cores, one entry per worker (worker k takes entry k mod len); None = round-robin.
+    cores: list[tuple[int, ...]] | None = None
+
+    @property
+    def serves_requests(self) -> bool:
+        """Whether the frontend routes requests to it (prefill workers are reached through decode workers)."""
+        return self.role != "prefill"
+
+
+@dataclass
+class DeploymentSpec:
+    model: str = DEFAULT_MODEL
+    model_name: str | None = None  # served name; None = derived from the model (see plan.served_name)
+    engine: str = "vllm"
+    namespace: str = field(default_factory=lambda: env_str("DYN_NAMESPACE", "dynamo") or "dynamo")
+    http_port: int = 8000
+    router_mode: str | None = None  # None = the frontend's own default
+    restart: bool = False
+    cores_per_worker: int = 1
+    system_port_base: int | None = None
+    ready_timeout: float = 600.0
+    stop_timeout: float = 30.0
+    frontend: FrontendSpec = field(default_factory=FrontendSpec)
+    workers: list[WorkerGroup] = field(default_factory=lambda: [WorkerGroup()])
+
+    @property
+    def disaggregated(self) -> bool:
+        return any(group.role != "agg" for group in self.workers)
+
+    def group(self, role: str) -> WorkerGroup | None:
+        return next((group for group in self.workers if group.role == role), None)
+
+    def validate(self, available_cores: Sequence[int]) -> None:
+        roles = [group.role for group in self.workers]
+        if not roles:
+            raise SpecError("the deployment has no workers")
+        if "agg" in roles and self.disaggregated:
+            raise SpecError("aggregated (agg) workers cannot be mixed with prefill/decode workers")
+        if self.disaggregated and not ("prefill" in roles and "decode" in roles):
+            raise SpecError("a disaggregated deployment needs both prefill and decode workers "
+                            "(--prefill-workers P --decode-workers D, each at least 1)")
+        allowed = set(available_cores)
+        for group in self.workers:
+            for cores in group.cores or []:
+                if not set(cores) <= allowed:
+                    raise SpecError(f"{group.role} worker cores {','.join(map(str, cores))}: this process may only "
+                                    f"use cores {','.join(map(str, sorted(allowed)))}")
+
+
+# -- value checks, shared by the YAML file and the flags ----------------------------------------------------------
+
+Check = Callable[[Any, str], Any]
+
+
+def _text(value: Any, where: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise SpecError(f"{where}: expected a non-empty string, got {value!r}")
+    return value
+
+
+def _integer(low: int, high: int | None = None) -> Check:
+    def check(value: Any, where: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+            bounds = f"between {low} and {high}" if high is not None else f">= {low}"
+            raise SpecError(f"{where}: expected an integer {bounds}, got {value!r}")
+        return value
+    return check
+
+
+def _seconds(minimum: float, inclusive: bool) -> Check:
+    def check(value: Any, where: str) -> float:
+        ok = (not isinstance(value, bool) and isinstance(value, int | float)
+              and (value >= minimum if inclusive else value > minimum))
+        if not ok:
+            raise SpecError(f"{where}: expected a number of seconds {'>=' if inclusive else '>'} {minimum}, "
+                            f"got {value!r}")
+        return float(value)
+    return check
+
+
+def _one_of(choices: Sequence[str]) -> Check:
+    def check(value: Any, where: str) -> str:
+        if value not in choices:
+            raise SpecError(f"{where}: expected one of {', '.join(choices)}, got {value!r}")
+        return str(value)
+    return check
+
+
+def _boolean(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise SpecError(f"{where}: expected true or false, got {value!r}")
+    return value
+
+
+def _namespace(value: Any, where: str) -> str:
+    if not isinstance(value, str) or not _NAMESPACE_RE.match(value):
+        raise SpecError(f"{where}: expected letters, digits, '-' or '_', got {value!r}")
+    return value
+
+
+# Top-level scalar settings: YAML key (= flag dest) -> check.
+_SETTINGS: dict[str, Check] = {
+    "model": _text,
+    "model_name": _text,
+    "engine": _one_of(ENGINES),
+    "namespace": _namespace,
+    "http_port": _integer(0, 65535),
+    "router_mode": _one_of(ROUTER_MODES),
+    "restart": _boolean,
+    "cores_per_worker": _integer(1),
+    "system_port_base": _integer(1, 65535),
+    "ready_timeout": _seconds(0, inclusive=False),
+    "stop_timeout": _seconds(0, inclusive=True),
+}
+_FILE_KEYS = (*_SETTINGS, "frontend", "workers")
+_GROUP_KEYS = ("role", "count", "args", "env", "cores")
+
+
+def _args(value: Any, where: str) -> list[str]:
+    """A list of flags, or one string split like a shell would."""
+    if isinstance(value, str):
+        return shlex.split(value)
+    if isinstance(value, list) and all(isinstance(v, str | int | float) and not isinstance(v, bool) for v in value):
+        return [str(v) for v in value]
+    raise SpecError(f"{where}: expected a list of strings or one string, got {value!r}")
+
+
+def _env(value: Any, where: str) -> dict[str, str]:
+    if not isinstance(value, Mapping):
+        raise SpecError(f"{where}: expected a mapping of variable names to values, got {value!r}")
+    env = {}
+    for name, item in value.items():
+        if not isinstance(name, str) or not name or isinstance(item, Mapping | list) or item is None:
+            raise SpecError(f"{where}.{name}: expected a string, number or boolean value, got {item!r}")
+        env[name] = str(item).lower() if isinstance(item, bool) else str(item)
+    return env
+
+
+def _core_lists(value: Any, where: str) -> list[tuple[int, ...]]:
+    """`"0;1;2-3"` or `["0", 1, "2-3"]`: one core list per worker."""
+    items = value.split(";") if isinstance(value, str) else value
+    if not isinstance(items, list) or not items:
+        raise SpecError(f"{where}: expected one core list per worker, e.g. \"0;1\" or [\"0\", \"2-3\"], got {value!r}")
+    try:
+        return [parse_cores(str(item)) for item in items]
+    except ValueError as e:
+        raise SpecError(f"{where}: {e}") from None
+
+
+def _unknown(mapping: Mapping[Any, Any], known: Sequence[str], where: str) -> None:
+    for key in mapping:
+        if key not in known:
+            raise SpecError(f"{where}: unknown key {key!r} (known keys: {', '.join(known)})")
+
+
+# -- building ------------------------------------------------------------------------------------------------------
+
+
+def load_file(path: str) -> dict[str, Any]:
+    """Read a deployment file; its top level must be a mapping."""
+    try:
+        with open(path) as f:
+            document = yaml.safe_load(f)
+    except OSError as e:
+        raise SpecError(f"{path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise SpecError(f"{path}: not valid YAML: {e}") from None
+    if document is None:
+        return {}
+    if not isinstance(document, dict):
+        raise SpecError(f"{path}: expected a mapping of settings at the top level")
+    return document
+
+
+def _apply_document(spec: DeploymentSpec, document: Mapping[str, Any], source: str) -> None:
+    _unknown(document, _FILE_KEYS, source)
+    for key, check in _SETTINGS.items():
+        if document.get(key) is not None:  # `key: null` means "not set"
+            setattr(spec, key, check(document[key], f"{source}: {key}"))
+    frontend = document.get("frontend")
+    if frontend is not None:
+        where = f"{source}: frontend"
+        if not isinstance(frontend, Mapping):
+            raise SpecError(f"{where}: expected a mapping with args and env")
+        _unknown(frontend, ("args", "env"), where)
+        spec.frontend = FrontendSpec(args=_args(frontend.get("args", []), f"{where}.args"),
+                                     env=_env(frontend.get("env", {}), f"{where}.env"))
+    workers = document.get("workers")
+    if workers is not None:
+        if not isinstance(workers, list) or not workers:
+            raise SpecError(f"{source}: workers: expected a non-empty list of worker groups")
+        spec.workers = [_group(item, f"{source}: workers[{n}]") for n, item in enumerate(workers)]
+        roles = [group.role for group in spec.workers]
+        for n, role in enumerate(roles):
+            if role in roles[:n]:
+                raise SpecError(f"{source}: workers[{n}].role: a second group of role {role!r}; "
+                                "give one group per role")
+
+
+def _group(item: Any, where: str) -> WorkerGroup:
+    if not isinstance(item, Mapping):
+        raise SpecError(f"{where}: expected a mapping with role, count, args, env, cores")
+    _unknown(item, _GROUP_KEYS, where)
+    cores = item.get("cores")
+    return WorkerGroup(
+        role=_one_of(ROLES)(item.get("role", "agg"), f"{where}.role"),
+        count=_integer(1)(item.get("count", 1), f"{where}.count"),
+        args=_args(item.get("args", []), f"{where}.args"),
+        env=_env(item.get("env", {}), f"{where}.env"),
+        cores=_core_lists(cores, f"{where}.cores") if cores is not None else None,
+    )
+
+
+def _apply_counts(spec: DeploymentSpec, counts: Mapping[str, int]) -> None:
+    """Worker counts from flags. They choose the shape (aggregated or disaggregated); a group the file
+    describes for a kept role keeps its args, env and cores."""
+    roles = ("agg",) if "agg" in counts else ("prefill", "decode")
+    groups = []
+    for role in roles:
+        group = spec.group(role)
+        if role in counts:
+            groups.append(replace(group or WorkerGroup(role=role), count=counts[role]))
+        elif group is not None:
+            groups.append(group)
+    spec.workers = groups
+
+
+def _split_cores(spec: DeploymentSpec, text: str) -> None:
+    """`--worker-cores "0;1;2-3"`: one entry per worker, in group order."""
+    lists = _core_lists(text, "--worker-cores")
+    total = sum(group.count for group in spec.workers)
+    if len(lists) != total:
+        raise SpecError(f"--worker-cores: {len(lists)} core lists for {total} workers; give one per worker")
+    for group in spec.workers:
+        group.cores, lists = lists[: group.count], lists[group.count :]
+
+
+def build_spec(flags: Mapping[str, Any], document: Mapping[str, Any] | None = None, *,
+               source: str = "deployment file", worker_args: Sequence[str] = (),
+               available_cores: Sequence[int] | None = None) -> DeploymentSpec:
+    """Defaults, then the file's `document`, then the flags that were given (argparse dests; absent = not given).
+
+    `worker_args` (what followed `--`) go to every worker after the file's own args. Explicit cores must be
+    among `available_cores` (default: this process's affinity)."""
+    spec = DeploymentSpec()
+    if document is not None:
+        _apply_document(spec, document, source)
+    for key, check in _SETTINGS.items():
+        if key in flags:
+            setattr(spec, key, check(flags[key], "--" + key.replace("_", "-")))
+    if "workers" in flags and ("prefill_workers" in flags or "decode_workers" in flags):
+        raise SpecError("--workers cannot be combined with --prefill-workers/--decode-workers")
+    counts = {role: flags[dest] for role, dest in (("agg", "workers"), ("prefill", "prefill_workers"),
+                                                   ("decode", "decode_workers")) if dest in flags}
+    for role, count in counts.items():
+        flag = "--workers" if role == "agg" else f"--{role}-workers"
+        _integer(1)(count, flag)
+    if counts:
+        _apply_counts(spec, counts)
+    if "worker_cores" in flags:
+        _split_cores(spec, flags["worker_cores"])
+    if "frontend_args" in flags:
+        spec.frontend.args = [*spec.frontend.args, *shlex.split(flags["frontend_args"])]
+    for group in spec.workers:
+        group.args = [*group.args, *worker_args]
+    spec.validate(machine_cores() if available_cores is None else available_cores)
+    return spec
+
+
+__all__ = ["DEFAULT_MODEL", "ENGINES", "ROLES", "DeploymentSpec", "FrontendSpec", "SpecError",
+           "WorkerGroup", "build_spec", "load_file"]

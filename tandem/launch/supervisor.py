@@ -1,0 +1,301 @@
+"""Child processes of `tandem run`: start, relay their output with a label, restart, stop.
+
+Each child runs in its own session, so a Ctrl-C at the terminal reaches only the launcher, and the child's
+process group holds whatever it starts itself (vLLM's engine core), which is killed with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TextIO
+
+from tandem.launch.cores import format_cores
+from tandem.launch.plan import Plan, ProcessSpec, worker_label
+from tandem.runtime import keys
+from tandem.runtime.discovery import FileStore
+
+RESTART_BACKOFF = (1.0, 30.0)  # first and longest wait before restarting a dead worker, seconds
+RESTART_RESET_AFTER = 60.0  # a worker up this long counts as healthy: the next restart waits the shortest time
+LOG_TAIL_LINES = 40
+_READ_LIMIT = 1 << 20  # longest line kept whole
+_PR_SET_PDEATHSIG = 1
+_COLORS = (36, 33, 32, 35, 34, 31, 96, 93, 92, 95, 94)
+
+
+class LogMux:
+    """Writes lines from many processes to one stream, each prefixed with its label padded to a common width
+    (coloured on a terminal)."""
+
+    def __init__(self, out: TextIO | None = None, *, color: bool | None = None) -> None:
+        self.out = out if out is not None else sys.stdout
+        if color is None:
+            color = self.out.isatty() and not os.environ.get("NO_COLOR")
+        self.color = color
+        self.width = 0
+        self._colors: dict[str, int] = {}
+
+    def add_label(self, label: str) -> None:
+        self.width = max(self.width, len(label))
+        self._colors.setdefault(label, _COLORS[len(self._colors) % len(_COLORS)])
+
+    def format(self, label: str, text: str) -> str:
+        self.add_label(label)
+        prefix = f"{label:<{self.width}} |"
+        if self.color:
+            prefix = f"\x1b[{self._colors[label]}m{prefix}\x1b[0m"
+        return f"{prefix} {text}" if text else prefix
+
+    def line(self, label: str, text: str) -> None:
+        self.out.write(self.format(label, text) + "\n")
+        self.out.flush()
+
+    def plain(self, text: str) -> None:
+        self.out.write(text + "\n")
+        self.out.flush()
+
+
+def _libc_prctl() -> Callable[..., int] | None:
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None
+
+
+_prctl = _libc_prctl()  # looked up here: the forked child should not load libraries
+
+
+def _child_setup(cores: tuple[int, ...] | None) -> Callable[[], None]:
+    """Runs in the forked child before exec."""
+
+    def setup() -> None:
+        if _prctl is not None:
+            # If the launcher is killed outright (no chance to stop its children), the child still gets SIGTERM.
+            _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if cores:
+            os.sched_setaffinity(0, cores)
+
+    return setup
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+async def _lines(stream: asyncio.StreamReader) -> AsyncIterator[str]:
+    while True:
+        try:
+            raw = await stream.readline()
+        except ValueError:  # longer than _READ_LIMIT: asyncio dropped it
+            yield "[a line too long to show]"
+            continue
+        if not raw:
+            return
+        yield raw.decode(errors="replace").rstrip("\r\n")
+
+
+class Child:
+    """One supervised process. `ready` holds the words after `READY` on its stdout once it printed that line,
+    and is None again when it exits. With `restart`, it is started again after it dies, until `stop`."""
+
+    def __init__(self, spec: ProcessSpec, mux: LogMux, *, restart: bool = False,
+                 on_exit: Callable[[Child, list[str] | None], Awaitable[None]] | None = None) -> None:
+        self.spec = spec
+        self.mux = mux
+        self.restart = restart
+        self.on_exit = on_exit
+        self.proc: asyncio.subprocess.Process | None = None
+        self.ready: list[str] | None = None
+        self.returncode: int | None = None
+        self.tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
+        self.done = asyncio.Event()  # set when it exited and will not be restarted
+        self.stopping = False
+        self._wake = asyncio.Event()  # cuts a restart backoff short when stopping
+        self._task: asyncio.Task[None] | None = None
+        mux.add_label(spec.label)
+
+    @property
+    def label(self) -> str:
+        return self.spec.label
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._supervise(), name=f"tandem-run-{self.label}")
+
+    async def _supervise(self) -> None:
+        backoff = RESTART_BACKOFF[0]
+        try:
+            while not self.stopping:
+                started = time.monotonic()
+                self.returncode = await self._run_once()
+                if self.stopping or not self.restart:
+                    break
+                if time.monotonic() - started >= RESTART_RESET_AFTER:
+                    backoff = RESTART_BACKOFF[0]
+                self.mux.line(self.label, f"restarting in {backoff:g} s")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), backoff)
+                backoff = min(backoff * 2, RESTART_BACKOFF[1])
+        finally:
+            self.done.set()
+
+    async def _run_once(self) -> int:
+        spec = self.spec
+        where = f" on cores {format_cores(spec.cores)}" if spec.cores else ""
+        self.mux.line(self.label, f"starting{where}: {shlex.join(['python', *spec.argv[1:]])}")
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *spec.argv, env=dict(spec.env), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT, start_new_session=True, preexec_fn=_child_setup(spec.cores),
+                limit=_READ_LIMIT,
+            )
+        except (OSError, subprocess.SubprocessError) as e:
+            self.mux.line(self.label, f"cannot start: {e}")
+            return 127
+        self.proc = proc
+        relay = asyncio.create_task(self._relay(proc))
+        try:
+            code = await proc.wait()
+        finally:
+            # Whatever it left in its group (an engine core) goes with it; that also closes the pipe.
+            _killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(relay, 5)
+            ready, self.ready, self.proc = self.ready, None, None
+        self.mux.line(self.label, describe_exit(code))
+        if self.on_exit is not None:
+            await self.on_exit(self, ready)
+        return code
+
+    async def _relay(self, proc: asyncio.subprocess.Process) -> None:
+        assert proc.stdout is not None
+        async for line in _lines(proc.stdout):
+            if line.startswith("READY ") and self.ready is None:
+                self.ready = line.split()[1:]
+            self.tail.append(line)
+            self.mux.line(self.label, line)
+
+    def send(self, sig: int) -> None:
+        """SIGTERM goes to the child alone (it stops its own children in order); SIGKILL to its whole group."""
+        proc = self.proc
+        if proc is None or proc.returncode is not None:
+            return
+        if sig == signal.SIGKILL:
+            _killpg(proc.pid, sig)
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(sig)
+
+    async def stop(self, grace: float) -> None:
+        """SIGTERM, then SIGKILL to the group if it is still running after `grace` seconds."""
+        self.stopping = True
+        self._wake.set()
+        if self._task is None:  # never started
+            self.done.set()
+        self.send(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(self.done.wait(), grace)
+        except TimeoutError:
+            self.mux.line(self.label, f"still running after {grace:g} s: killing it")
+            self.send(signal.SIGKILL)
+            await self.done.wait()
+
+    def kill(self) -> None:
+        """SIGKILL at once, without waiting (second Ctrl-C, or the launcher failing)."""
+        self.stopping = True
+        self._wake.set()
+        self.send(signal.SIGKILL)
+
+
+class Deployment:
+    """The frontend and the worker groups of one run. Worker groups can grow and shrink while it runs (`scale`),
+    which is how a planner adds and removes workers."""
+
+    def __init__(self, plan: Plan, mux: LogMux) -> None:
+        self.plan = plan
+        self.mux = mux
+        self.frontend = Child(plan.frontend(), mux)
+        self.groups = {group.role: group for group in plan.spec.workers}
+        self.workers: dict[str, list[Child]] = {role: [] for role in self.groups}
+        self._slots: dict[Child, int] = {}
+        for group in self.groups.values():  # the padding fits every label from the first line on
+            for index in range(group.count):
+                mux.add_label(worker_label(group.role, index))
+
+    @property
+    def children(self) -> list[Child]:
+        return [self.frontend, *(child for role in self.workers for child in self.workers[role])]
+
+    def start(self) -> None:
+        self.frontend.start()
+        for role, group in self.groups.items():
+            self._grow(role, group.count)
+
+    def _grow(self, role: str, count: int) -> None:
+        group, children = self.groups[role], self.workers[role]
+        while len(children) < count:
+            taken = set(self._slots.values())
+            slot = next(n for n in range(len(taken) + 1) if n not in taken)
+            child = Child(self.plan.worker(group, len(children), slot), self.mux, restart=self.plan.spec.restart,
+                          on_exit=self._forget_instance)
+            self._slots[child] = slot
+            children.append(child)
+            child.start()
+
+    async def scale(self, role: str, count: int) -> None:
+        """Run `count` workers of `role`: start new ones, or stop the newest ones."""
+        if role not in self.groups or count < 0:
+            raise ValueError(f"cannot scale {role!r} workers to {count}: roles here are {', '.join(self.groups)}")
+        self._grow(role, count)
+        children = self.workers[role]
+        surplus, self.workers[role] = children[count:], children[:count]
+        await asyncio.gather(*(child.stop(self.plan.spec.stop_timeout) for child in surplus))
+        for child in surplus:
+            del self._slots[child]
+
+    def expected_instances(self) -> set[int]:
+        """Instance ids the frontend should route to: the ready workers that serve requests (not prefill)."""
+        return {int(child.ready[0], 16) for role, children in self.workers.items() if self.groups[role].serves_requests
+                for child in children if child.ready}
+
+    async def _forget_instance(self, child: Child, ready: list[str] | None) -> None:
+        """The process is gone, so its discovery entries are stale: remove them now rather than letting the
+        frontend route to it until their lease runs out."""
+        if ready:
+            with contextlib.suppress(OSError):  # at worst the entries expire with their lease
+                await forget_instance(self.plan.common_env["DYN_FILE_KV"], self.plan.spec.namespace, ready[0])
+
+    async def stop(self, grace: float) -> None:
+        await asyncio.gather(*(child.stop(grace) for child in self.children))
+
+    def kill(self) -> None:
+        for child in self.children:
+            child.kill()
+
+
+async def forget_instance(root: str, namespace: str, instance_hex: str) -> None:
+    """Delete the instance and model-card keys of one instance (keys: `v1/<bucket>/ns/component/endpoint/<id>...`)."""
+    store = FileStore(root)
+    for bucket in (keys.INSTANCES, keys.MODELS):
+        for key in await store.get_prefix(f"{bucket}/{namespace}/"):
+            parts = key.split("/")
+            if len(parts) > 5 and parts[5] == instance_hex:
+                await store.delete(key)

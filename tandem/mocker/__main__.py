@@ -1,0 +1,5 @@
+import sys
+
+from tandem.mocker.main import main
+
+sys.exit(main())

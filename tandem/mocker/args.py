@@ -1,0 +1,226 @@
+"""Flags of `tandem mocker` (Dynamo's `python -m dynamo.mocker`, dynamo-platform.md §D).
+
+Engine flags carry vLLM's names and defaults where vLLM has them; `--extra-engine-args` takes a JSON
+file of the same options (underscored names) for values not given on the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass, field
+
+from tandem.mocker.scheduler import SchedulerConfig
+from tandem.models import resolve_model
+from tandem.runtime import RuntimeConfig, add_runtime_args
+from tandem.runtime.config import env_str
+from tandem.runtime.keys import parse_endpoint_path
+
+DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1,
+               "fp8_e5m2": 1, "int8": 1}
+
+
+@dataclass
+class MockerConfig:
+    model_path: str
+    served_model_name: str
+    namespace: str
+    component: str
+    endpoint: str
+    num_workers: int = 1
+    engine: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speedup_ratio: float = 1.0
+    decode_speedup_ratio: float = 1.0
+    startup_time: float = 0.0
+    planner_profile_data: str | None = None
+    disaggregation_mode: str = "agg"
+    kv_transfer_bandwidth: float = 64.0  # GB/s; 0 disables the simulated transfer delay
+    kv_bytes_per_token: int = 0
+    context_length: int = 8192
+    seed: int = 0
+    migration_limit: int = 0
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.disaggregation_mode == "prefill"
+
+    def kv_transfer_seconds(self, num_tokens: int) -> float:
+        """Simulated NIXL transfer of a prompt's KV from a prefill to a decode worker."""
+        if self.kv_transfer_bandwidth <= 0:
+            return 0.0
+        return num_tokens * self.kv_bytes_per_token / (self.kv_transfer_bandwidth * 1e9)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tandem mocker", description="A simulated vLLM worker: real registration, tokenizer, KV events "
+        "and load metrics; simulated scheduling and timing. Defaults match Dynamo's mocker.",
+    )
+    model = parser.add_argument_group("Model and serving")
+    model.add_argument("--model-path", "--model", dest="model_path", default=env_str("DYN_MODEL_PATH", "smollm2"),
+                       help="model folder (tokenizer, config.json), hub id or `smollm2` [default smollm2]")
+    model.add_argument("--model-name", "--served-model-name", dest="model_name", default=None,
+                       help="served model name [default: the folder's name]")
+    model.add_argument("--endpoint", default=env_str("DYN_ENDPOINT"),
+                       help="dyn://namespace.component.endpoint to serve [default dyn://<namespace>.backend.generate, "
+                       "prefill workers: .prefill.generate]")
+    model.add_argument("--num-workers", type=int, default=1, help="simulated engines in this process, each its own "
+                       "worker instance [default 1]")
+    model.add_argument("--migration-limit", type=int, default=int(env_str("DYN_MIGRATION_LIMIT", "0") or 0))
+    model.add_argument("--context-length", "--max-model-len", dest="context_length", type=int, default=None,
+                       help="maximum sequence length [default: the model's max_position_embeddings]")
+    engine = parser.add_argument_group("Simulated engine")
+    engine.add_argument("--num-gpu-blocks-override", dest="num_gpu_blocks", type=int, default=None,
+                        help="KV cache blocks per engine [16384]")
+    engine.add_argument("--block-size", type=int, default=None, help="tokens per KV block [64]")
+    engine.add_argument("--max-num-seqs", type=int, default=None, help="running requests per step [256]")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step [8192]")
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                        help="[on]")
+    engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                        help="[on]")
+    engine.add_argument("--watermark", type=float, default=None, help="fraction of blocks kept free at admission [0.01]")
+    engine.add_argument("--preemption-mode", choices=["lifo", "fifo"], default=None, help="[lifo]")
+    engine.add_argument("--seed", type=int, default=None,
+                        help="seed of the synthetic output tokens (a request's own seed wins) [0]")
+    timing = parser.add_argument_group("Timing")
+    timing.add_argument("--speedup-ratio", type=float, default=None, help="run the timing model this many times "
+                        "faster than real time [1.0]")
+    timing.add_argument("--decode-speedup-ratio", type=float, default=None,
+                        help="extra speedup of decode steps only, e.g. speculative decoding [1.0]")
+    timing.add_argument("--startup-time", type=float, default=None, help="simulated engine start-up, seconds [0]")
+    timing.add_argument("--planner-profile-data", default=None,
+                        help="measured timings to interpolate (.npz as Dynamo's profiler writes, or .json with "
+                        "the same keys) instead of the polynomial default")
+    disagg = parser.add_argument_group("Disaggregation")
+    disagg.add_argument("--disaggregation-mode", choices=["agg", "prefill", "decode"], default=None, help="[agg]")
+    disagg.add_argument("--is-prefill-worker", action="store_true", help="same as --disaggregation-mode prefill")
+    disagg.add_argument("--is-decode-worker", action="store_true", help="same as --disaggregation-mode decode")
+    disagg.add_argument("--kv-transfer-bandwidth", type=float, default=None,
+                        help="simulated KV transfer bandwidth, GB/s; 0 disables the delay [64]")
+    disagg.add_argument("--kv-bytes-per-token", type=int, default=None,
+                        help="KV bytes per token [from config.json: layers*2*kv_heads*head_dim*dtype bytes]")
+    disagg.add_argument("--kv-cache-dtype", default="auto", help="dtype of the simulated KV cache [the model's]")
+    parser.add_argument("--extra-engine-args", default=None,
+                        help="JSON file of engine options (e.g. {\"speedup_ratio\": 10}) for those not given as flags")
+    add_runtime_args(parser)
+    return parser
+
+
+# Options `--extra-engine-args` may set, with the defaults used when neither it nor a flag does.
+ENGINE_DEFAULTS: dict[str, object] = {
+    "num_gpu_blocks": 16384, "block_size": 64, "max_num_seqs": 256, "max_num_batched_tokens": 8192,
+    "enable_prefix_caching": True, "enable_chunked_prefill": True, "watermark": 0.01, "preemption_mode": "lifo",
+    "seed": 0, "speedup_ratio": 1.0, "decode_speedup_ratio": 1.0, "startup_time": 0.0,
+    "planner_profile_data": None, "disaggregation_mode": "agg", "kv_transfer_bandwidth": 64.0,
+    "kv_bytes_per_token": None,
+}
+SCHEDULER_OPTIONS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
+                     "enable_chunked_prefill", "watermark", "preemption_mode")
+_ALIASES = {"num_gpu_blocks_override": "num_gpu_blocks", "dp_size": None}
+
+
+def parse_args(argv: list[str] | None = None) -> MockerConfig:
+    """Flags → MockerConfig; invalid input exits 2 with a message naming the option."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return _config(args)
+    except ValueError as e:
+        parser.error(str(e))
+        raise  # unreachable: parser.error exits
+
+
+def _config(args: argparse.Namespace) -> MockerConfig:
+    if args.is_prefill_worker and args.is_decode_worker:
+        raise ValueError("--is-prefill-worker and --is-decode-worker are mutually exclusive")
+    if args.is_prefill_worker or args.is_decode_worker:
+        mode = "prefill" if args.is_prefill_worker else "decode"
+        if args.disaggregation_mode not in (None, mode):
+            raise ValueError(f"--disaggregation-mode {args.disaggregation_mode} contradicts --is-{mode}-worker")
+        args.disaggregation_mode = mode
+    options = dict(ENGINE_DEFAULTS)
+    options.update(_extra_engine_args(args.extra_engine_args))
+    options.update({k: getattr(args, k) for k in ENGINE_DEFAULTS if getattr(args, k) is not None})
+    for name in ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+        if int(options[name]) <= 0:  # type: ignore[call-overload]
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {options[name]}")
+    for name in ("speedup_ratio", "decode_speedup_ratio"):
+        if float(options[name]) <= 0:  # type: ignore[arg-type]
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {options[name]}")
+    if not 0 <= float(options["watermark"]) < 1:  # type: ignore[arg-type]
+        raise ValueError(f"--watermark must be in [0, 1), got {options['watermark']}")
+    if args.num_workers < 1:
+        raise ValueError(f"--num-workers must be at least 1, got {args.num_workers}")
+    if options["disaggregation_mode"] not in ("agg", "prefill", "decode"):
+        raise ValueError(f"disaggregation_mode must be agg, prefill or decode, got {options['disaggregation_mode']!r}")
+    if options["planner_profile_data"] and not os.path.isfile(str(options["planner_profile_data"])):
+        raise ValueError(f"--planner-profile-data {options['planner_profile_data']}: no such file")
+
+    model_path = resolve_model(args.model_path)
+    model_config = _read_model_config(model_path)
+    context_length = args.context_length or int(model_config.get("max_position_embeddings") or 8192)
+    kv_bytes = options.pop("kv_bytes_per_token") or kv_bytes_per_token(model_config, args.kv_cache_dtype)
+    engine = SchedulerConfig(num_blocks=int(options.pop("num_gpu_blocks")),  # type: ignore[call-overload]
+                             **{name: options.pop(name) for name in SCHEDULER_OPTIONS})  # type: ignore[arg-type]
+
+    runtime = RuntimeConfig.from_args(args)
+    default_component = "prefill" if options["disaggregation_mode"] == "prefill" else "backend"
+    endpoint = args.endpoint or f"dyn://{runtime.namespace}.{default_component}.generate"
+    namespace, component, endpoint_name = parse_endpoint_path(endpoint)
+    return MockerConfig(
+        model_path=model_path,
+        served_model_name=args.model_name or os.path.basename(model_path.rstrip("/")),
+        namespace=namespace, component=component, endpoint=endpoint_name,
+        num_workers=args.num_workers, migration_limit=args.migration_limit, context_length=context_length,
+        kv_bytes_per_token=int(kv_bytes), runtime=runtime.replace(namespace=namespace), engine=engine,
+        **options,  # type: ignore[arg-type]
+    )
+
+
+def _extra_engine_args(path: str | None) -> dict[str, object]:
+    if not path:
+        return {}
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--extra-engine-args {path}: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"--extra-engine-args {path}: expected a JSON object")
+    options: dict[str, object] = {}
+    for key, value in raw.items():
+        name = _ALIASES.get(key, key)
+        if name is None:
+            continue  # accepted for compatibility, not simulated
+        if name not in ENGINE_DEFAULTS:
+            raise ValueError(f"--extra-engine-args {path}: unknown option {key!r}")
+        options[name] = value
+    return options
+
+
+def _read_model_config(folder: str) -> dict[str, object]:
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            return dict(json.load(f))
+    except (OSError, ValueError):
+        return {}
+
+
+def kv_bytes_per_token(model_config: dict[str, object], kv_cache_dtype: str = "auto") -> int:
+    """layers * 2 (K and V) * kv heads * head dim * bytes per element, as Dynamo computes it."""
+    def number(key: str, default: int) -> int:
+        value = model_config.get(key)
+        return int(value) if isinstance(value, int | float) else default  # type: ignore[arg-type]
+
+    layers = number("num_hidden_layers", 32)
+    heads = number("num_attention_heads", 32)
+    kv_heads = number("num_key_value_heads", heads)
+    head_dim = number("head_dim", number("hidden_size", 4096) // max(heads, 1))
+    dtype = str(model_config.get("torch_dtype") or model_config.get("dtype") or "bfloat16") \
+        if kv_cache_dtype == "auto" else kv_cache_dtype
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"--kv-cache-dtype {dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
+    return layers * 2 * kv_heads * head_dim * DTYPE_BYTES[dtype]

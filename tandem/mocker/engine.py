@@ -1,0 +1,134 @@
+"""One simulated engine: the scheduler driven by an asyncio step loop in (scaled) real time, and the
+synthetic tokens it emits."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Callable, Sequence
+
+from tandem.llm.tokenizer import Tokenizer
+from tandem.mocker.scheduler import Scheduler, SchedulerLoad, SimRequest, StepOutput, StepResult
+from tandem.router.hashing import tokens_to_bytes
+
+log = logging.getLogger(__name__)
+
+# Words the synthetic output is drawn from, so that streamed text reads as text.
+_CATALOG_TEXT = (
+    " the of and to in is was for on that with as by at from his her it an were are which this be or "
+    "has had one their not but new first after also have other they two its who been more all when time "
+    "there would into she may where world city work through under part most over during year made game "
+    "state about later used known many called between people each three well then both while these some "
+    "could river season around before team war company north found however since being music film "
+    "station against government number series such high school early built club system because"
+)
+
+
+class SyntheticTokens:
+    """Deterministic output tokens: words of the model's vocabulary picked by a PRNG seeded from the
+    engine seed (or the request's own), and the prompt, so the same request always gets the same
+    sequence on any worker."""
+
+    def __init__(self, tokenizer: Tokenizer, seed: int = 0) -> None:
+        excluded = set(tokenizer.eos_token_ids) | set(tokenizer.special_token_ids)
+        ids = [i for i in tokenizer.encode(_CATALOG_TEXT) if i not in excluded]
+        self.catalog: list[int] = list(dict.fromkeys(ids))
+        if not self.catalog:
+            raise ValueError("the tokenizer produced no usable tokens for synthetic output")
+        self.seed = seed
+
+    def for_request(self, prompt: Sequence[int], seed: int | None = None) -> Callable[[int], int]:
+        """`token(i)`: the request's i-th generated token."""
+        from xxhash import xxh3_64_intdigest
+
+        rng = random.Random(xxh3_64_intdigest(tokens_to_bytes(prompt), seed=(self.seed if seed is None else seed)
+                                              & 0xFFFFFFFFFFFFFFFF))
+        catalog, tokens = self.catalog, []
+
+        def token(i: int) -> int:
+            while len(tokens) <= i:
+                tokens.append(catalog[rng.randrange(len(catalog))])
+            return tokens[i]
+
+        return token
+
+
+class MockEngine:
+    """Runs `scheduler.step()` back to back while there is work, sleeping each step's simulated
+    duration divided by the speedup ratios, then hands each request its new token."""
+
+    def __init__(self, scheduler: Scheduler, *, speedup_ratio: float = 1.0, decode_speedup_ratio: float = 1.0,
+                 on_load: Callable[[SchedulerLoad], None] | None = None) -> None:
+        self.scheduler = scheduler
+        self.speedup_ratio = speedup_ratio
+        self.decode_speedup_ratio = decode_speedup_ratio
+        self.on_load = on_load
+        self.steps = 0
+        self._reported_blocks: int | None = None
+        self._outputs: dict[str, asyncio.Queue[StepOutput | None]] = {}
+        self._work = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="mock-engine")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def submit(self, request: SimRequest) -> asyncio.Queue[StepOutput | None]:
+        """Queue a request; its outputs arrive on the returned queue (None = the request is gone).
+        Raises ValueError when it can never fit this engine."""
+        if request.request_id in self._outputs:
+            raise ValueError(f"request id {request.request_id} is already running")
+        self.scheduler.add(request)
+        queue: asyncio.Queue[StepOutput | None] = asyncio.Queue()
+        self._outputs[request.request_id] = queue
+        self._work.set()
+        return queue
+
+    def release(self, request_id: str) -> None:
+        """Forget a request: aborted in the scheduler if it has not finished."""
+        if self._outputs.pop(request_id, None) is not None:
+            self.scheduler.abort(request_id)
+            self._report_load()  # the engine may go idle now: no later step would report the freed blocks
+
+    def step_seconds(self, result: StepResult) -> float:
+        return (result.prefill_ms / self.speedup_ratio
+                + result.decode_ms / (self.speedup_ratio * self.decode_speedup_ratio)) / 1000.0
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self.scheduler.has_work:
+                self._work.clear()
+                await self._work.wait()
+            started = loop.time()
+            result = self.scheduler.step()
+            self.steps += 1
+            # Sleep until the step's simulated end, net of the time this process spent scheduling.
+            await asyncio.sleep(max(0.0, started + self.step_seconds(result) - loop.time()))
+            for output in result.outputs:
+                queue = self._outputs.get(output.request_id)
+                if queue is not None:
+                    queue.put_nowait(output)
+                    if output.finished:
+                        del self._outputs[output.request_id]
+            self._report_load()
+
+    def _report_load(self) -> None:
+        # Only when the used blocks changed: at high speedups steps are back to back, and a report
+        # per step would cost more than the step.
+        used = self.scheduler.kv.num_active
+        if self.on_load is not None and used != self._reported_blocks:
+            self._reported_blocks = used
+            try:
+                self.on_load(self.scheduler.load())
+            except Exception:  # metrics must never stop the engine
+                log.exception("publishing the mocker's load failed")

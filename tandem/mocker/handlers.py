@@ -1,0 +1,96 @@
+"""The mocker's endpoint handlers: `generate` for aggregated, prefill and decode workers (the same
+wire format as the vLLM worker's, see `tandem.vllm.handlers`) and `clear_kv_blocks`."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from tandem.mocker.args import MockerConfig
+from tandem.mocker.engine import MockEngine, SyntheticTokens
+from tandem.mocker.scheduler import SimRequest, StepOutput
+from tandem.router.hashing import request_seed
+
+
+class MockerHandler:
+    def __init__(self, config: MockerConfig, engine: MockEngine, tokens: SyntheticTokens, worker_id: int) -> None:
+        self.config = config
+        self.engine = engine
+        self.tokens = tokens
+        self.worker_id = worker_id
+
+    async def generate(self, request: dict[str, Any], context: Any) -> AsyncIterator[dict[str, Any]]:
+        try:
+            sim = self._sim_request(request, context.id())
+            queue = self.engine.submit(sim)
+        except (KeyError, TypeError, ValueError) as e:
+            yield {"token_ids": [], "finish_reason": f"error: {e}"}
+            return
+        unsubscribe = context.on_signal(lambda killed: queue.put_nowait(None))
+        prompt_len = len(sim.prompt)
+        cached: int | None = None
+        generated = 0
+        try:
+            while True:
+                output: StepOutput | None = await queue.get()
+                if output is None:  # stopped by the caller
+                    yield {"token_ids": [], "finish_reason": "cancelled",
+                           "completion_usage": _usage(prompt_len, generated, cached, request)}
+                    return
+                generated += 1
+                if output.cached_tokens is not None:
+                    cached = output.cached_tokens
+                item: dict[str, Any] = {"token_ids": [output.token_id]}
+                if output.finished:
+                    item["finish_reason"] = "length"
+                    item["completion_usage"] = _usage(prompt_len, generated, cached, request)
+                    if self.config.is_prefill:
+                        await asyncio.sleep(self.config.kv_transfer_seconds(prompt_len))
+                        item["disaggregated_params"] = {"kv_transfer_params": self._transfer_params(context.id(), prompt_len)}
+                yield item
+                if output.finished:
+                    return
+        finally:
+            unsubscribe()
+            self.engine.release(sim.request_id)
+
+    def _sim_request(self, request: dict[str, Any], request_id: str) -> SimRequest:
+        token_ids = request["token_ids"]
+        if not isinstance(token_ids, list) or not token_ids:
+            raise ValueError("the request has no prompt tokens")
+        prompt_len = len(token_ids)
+        room = self.config.context_length - prompt_len
+        if room < 1:
+            raise ValueError(f"the prompt ({prompt_len} tokens) does not fit the context length "
+                             f"({self.config.context_length} tokens)")
+        max_tokens = (request.get("stop_conditions") or {}).get("max_tokens")
+        max_tokens = room if max_tokens is None else min(int(max_tokens), room)
+        if self.config.is_prefill:
+            max_tokens = 1
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        seed = (request.get("sampling_options") or {}).get("seed")
+        salt = (request.get("routing") or {}).get("cache_salt")
+        transfer = ((request.get("prefill_result") or {}).get("disaggregated_params") or {}).get("kv_transfer_params")
+        return SimRequest(
+            request_id=request_id, prompt=token_ids, max_tokens=max_tokens,
+            output_token=self.tokens.for_request(token_ids, seed), hash_seed=request_seed(None, salt),
+            prefilled=self.config.disaggregation_mode == "decode" and bool(transfer),
+        )
+
+    def _transfer_params(self, request_id: str, prompt_len: int) -> dict[str, Any]:
+        """What a decode worker needs to 'pull' the KV (nothing real moves in the mocker)."""
+        return {"do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": f"{self.worker_id:x}",
+                "remote_request_id": request_id, "num_prompt_tokens": prompt_len}
+
+    async def clear_kv_blocks(self, request: Any = None, context: Any = None) -> AsyncIterator[dict[str, Any]]:
+        self.engine.scheduler.kv.clear()
+        yield {"status": "success", "message": "KV cache cleared"}
+
+
+def _usage(prompt_len: int, generated: int, cached: int | None, request: dict[str, Any]) -> dict[str, Any]:
+    details = ((request.get("prefill_result") or {}).get("prompt_tokens_details")
+               or ({"cached_tokens": cached} if cached is not None else None))
+    return {"prompt_tokens": prompt_len, "completion_tokens": generated, "total_tokens": prompt_len + generated,
+            "prompt_tokens_details": details}

@@ -1,0 +1,239 @@
+"""Simulated KV block pool with prefix caching (Dynamo mocker's vLLM KV manager).
+
+The pool has `num_blocks` blocks of `block_size` tokens. Each sequence holds a list of blocks:
+first its *registered* full blocks, then *private* ones (the partial tail, or full blocks whose
+tokens are not computed yet; with prefix caching disabled every block stays private).
+
+* A registered block is keyed by its sequence hash (`tandem.router.hashing`, so the router's
+  hashes match ours) and records its local (tokens) hash and its parent's sequence hash.
+  Sequences sharing a prefix share its blocks, ref-counted.
+* When its last reference goes, a registered block becomes *inactive*: still cached, reusable by a
+  later prefix hit, evictable. Private blocks are freed at once.
+* Eviction ("Lineage", Dynamo's default): only inactive blocks without cached children are
+  candidates, least recently released first, so a leaf always goes before its parent.
+* Events: a block registered under a hash not yet cached emits `stored` (consecutive blocks of one
+  registration are batched in one event); evictions emit `removed`; `clear()` emits `"cleared"`.
+  Reusing a cached block emits nothing.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from tandem.router.protocols import KvBlock, KvCacheEventData, KvRemoved, KvStored
+
+KvEvent = KvCacheEventData | Literal["cleared"]
+"""What `on_event` receives: the `data` of a router `KvCacheEvent`."""
+
+
+@dataclass
+class _CachedBlock:
+    seq_hash: int
+    local_hash: int
+    parent: int | None
+    refs: int = 0
+    children: int = 0  # cached blocks whose parent is this one
+    released_at: int = 0  # tick at which refs last dropped to 0 (LRU key)
+
+
+@dataclass
+class _SeqBlocks:
+    registered: list[int] = field(default_factory=list)  # sequence hashes, in order
+    private: int = 0  # blocks held after the registered ones
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.registered) + self.private
+
+
+class KvManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_prefix_caching: bool = True,
+        on_event: Callable[[KvEvent], None] | None = None,
+    ) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks} and {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._on_event = on_event
+        self._cached: dict[int, _CachedBlock] = {}
+        self._seqs: dict[str, _SeqBlocks] = {}
+        self._num_private = 0
+        self._num_inactive = 0
+        # (released_at, seq_hash) of inactive leaves; stale entries are skipped when popped.
+        self._leaves: list[tuple[int, int]] = []
+        self._tick = 0
+
+    # -- queries ---------------------------------------------------------------------------------
+    @property
+    def num_active(self) -> int:
+        """Blocks referenced by at least one sequence."""
+        return len(self._cached) - self._num_inactive + self._num_private
+
+    @property
+    def num_inactive(self) -> int:
+        """Cached blocks no sequence references (evictable)."""
+        return self._num_inactive
+
+    @property
+    def num_free(self) -> int:
+        """Blocks available to a new allocation: free plus evictable."""
+        return self.num_blocks - self.num_active
+
+    @property
+    def usage(self) -> float:
+        """Active blocks / pool size."""
+        return self.num_active / self.num_blocks
+
+    def match_prefix(self, seq_hashes: Sequence[int]) -> int:
+        """How many leading blocks of `seq_hashes` are cached (active or inactive)."""
+        if not self.enable_prefix_caching:
+            return 0
+        n = 0
+        for h in seq_hashes:
+            if h not in self._cached:
+                break
+            n += 1
+        return n
+
+    def num_blocks_of(self, seq_id: str) -> int:
+        """Blocks the sequence holds."""
+        seq = self._seqs.get(seq_id)
+        return seq.num_blocks if seq else 0
+
+    # -- per-sequence operations -----------------------------------------------------------------
+    def allocate(self, seq_id: str, num_tokens: int, prefix: Sequence[int] = (), *, reserve: int = 0) -> bool:
+        """Make `seq_id` hold enough blocks for its first `num_tokens` tokens.
+
+        `prefix` (only on a sequence's first allocation) = sequence hashes of its leading blocks to
+        reuse from the cache, as found by `match_prefix`. The allocation must leave at least
+        `reserve` blocks free (the admission watermark). All or nothing: returns False, changing
+        nothing, if the pool cannot provide the blocks even after evicting.
+        """
+        seq = self._seqs.get(seq_id)
+        if prefix and seq is not None and seq.num_blocks:
+            raise ValueError(
+                f"sequence {seq_id!r} already holds blocks: a prefix is only for its first allocation"
+            )
+        held = seq.num_blocks if seq else 0
+        fresh = max(0, -(-num_tokens // self.block_size) - held - len(prefix))
+        # Reactivated inactive hits leave the evictable pool, like fresh blocks.
+        inactive_hits = sum(1 for h in prefix if self._cached[h].refs == 0)
+        if fresh + inactive_hits > self.num_free - reserve:
+            return False
+        if seq is None:
+            seq = self._seqs[seq_id] = _SeqBlocks()
+        for h in prefix:  # before evicting, so that the hits are not evicted
+            self._acquire(self._cached[h])
+            seq.registered.append(h)
+        free = self.num_blocks - len(self._cached) - self._num_private
+        evicted = [self._evict_one() for _ in range(fresh - free)]
+        if evicted:
+            self._emit(KvCacheEventData(removed=KvRemoved(evicted)))
+        seq.private += fresh
+        self._num_private += fresh
+        return True
+
+    def register(
+        self, seq_id: str, num_full: int, seq_hashes: Sequence[int], local_hashes: Sequence[int]
+    ) -> None:
+        """The sequence's first `num_full` blocks are full and computed: cache those still private.
+        `seq_hashes` and `local_hashes` hold (at least) their hashes.
+
+        A block whose hash is already cached (another sequence computed the same prefix) is
+        dropped in favour of the cached one.
+        """
+        if not self.enable_prefix_caching:
+            return
+        seq = self._seqs[seq_id]
+        run: list[KvBlock] = []  # freshly stored blocks, consecutive
+        run_parent: int | None = None
+        for i in range(len(seq.registered), num_full):
+            if seq.private == 0:
+                raise ValueError(f"sequence {seq_id!r} has no block {i} to register")
+            h = seq_hashes[i]
+            parent = seq_hashes[i - 1] if i else None
+            seq.private -= 1
+            self._num_private -= 1
+            seq.registered.append(h)
+            block = self._cached.get(h)
+            if block is not None:
+                self._acquire(block)
+                if run:
+                    self._emit(KvCacheEventData(stored=KvStored(run_parent, run)))
+                    run = []
+                continue
+            self._cached[h] = _CachedBlock(h, local_hashes[i], parent, refs=1)
+            if parent is not None:
+                self._cached[parent].children += 1
+            if not run:
+                run_parent = parent
+            run.append(KvBlock(block_hash=h, tokens_hash=local_hashes[i]))
+        if run:
+            self._emit(KvCacheEventData(stored=KvStored(run_parent, run)))
+
+    def free(self, seq_id: str) -> None:
+        """Release every block of the sequence (unknown id: no-op)."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            return
+        self._num_private -= seq.private
+        # Tail first, as vLLM frees them: a child is released (and so evicted) before its parent.
+        for h in reversed(seq.registered):
+            block = self._cached[h]
+            block.refs -= 1
+            if block.refs == 0:
+                self._tick += 1
+                block.released_at = self._tick
+                self._num_inactive += 1
+                if block.children == 0:
+                    heapq.heappush(self._leaves, (block.released_at, h))
+
+    def clear(self) -> None:
+        """Drop every inactive block (the worker's clear_kv_blocks); active blocks stay."""
+        for h in [h for h, b in self._cached.items() if b.refs == 0]:
+            self._drop(h)
+        self._leaves.clear()
+        self._emit("cleared")
+
+    # -- internals -------------------------------------------------------------------------------
+    def _acquire(self, block: _CachedBlock) -> None:
+        if block.refs == 0:
+            self._num_inactive -= 1  # its heap entry goes stale
+        block.refs += 1
+
+    def _evict_one(self) -> int:
+        while True:
+            released_at, h = heapq.heappop(self._leaves)
+            block = self._cached.get(h)
+            if (
+                block is not None
+                and block.refs == 0
+                and block.children == 0
+                and block.released_at == released_at
+            ):
+                parent = self._drop(h)
+                if parent is not None and parent.refs == 0 and parent.children == 0:
+                    heapq.heappush(self._leaves, (parent.released_at, parent.seq_hash))
+                return h
+
+    def _drop(self, h: int) -> _CachedBlock | None:
+        """Remove an inactive block from the cache; returns its parent if still cached."""
+        block = self._cached.pop(h)
+        self._num_inactive -= 1
+        parent = self._cached.get(block.parent) if block.parent is not None else None
+        if parent is not None:
+            parent.children -= 1
+        return parent
+
+    def _emit(self, event: KvEvent) -> None:
+        if self._on_event is not None:
+            self._on_event(event)

@@ -1,0 +1,108 @@
+"""`tandem mocker` / `python -m tandem.mocker`: simulated vLLM workers (dynamo-platform.md §D).
+
+Each of the `--num-workers` engines is its own worker instance (own runtime, lease, endpoints, KV
+event stream and load metrics) in this one process; only the first serves DYN_SYSTEM_PORT. To the
+frontend and routers a mocker worker looks like the vLLM worker: same model card (real tokenizer),
+same endpoints (`generate`, `clear_kv_blocks`, `worker_kv_indexer_query`), same events on
+`kv-events` and `kv_metrics`, same `READY <instance id> <endpoint>` line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+from tandem.llm.model_card import ModelType, build_card, register_model
+from tandem.llm.tokenizer import Tokenizer
+from tandem.mocker.args import MockerConfig, parse_args
+from tandem.mocker.engine import MockEngine, SyntheticTokens
+from tandem.mocker.handlers import MockerHandler
+from tandem.mocker.perf_model import load_perf_model
+from tandem.mocker.scheduler import Scheduler
+from tandem.router.protocols import KV_EVENT_TOPIC, KV_METRICS_TOPIC, WORKER_KV_INDEXER_QUERY_ENDPOINT
+from tandem.router.publisher import KvEventPublisher
+from tandem.runtime import DistributedRuntime, configure_logging, run
+from tandem.runtime.runtime import install_signal_handlers
+from tandem.vllm.health_check import health_check_payload
+from tandem.vllm.publisher import KvMetricsStatLogger
+
+log = logging.getLogger("tandem.mocker")
+
+
+async def start_worker(config: MockerConfig, runtime: DistributedRuntime, tokenizer: Tokenizer) -> MockEngine:
+    """One simulated engine served as one worker instance on `runtime`."""
+    component = runtime.namespace(config.namespace).component(config.component)
+    endpoint = component.endpoint(config.endpoint)
+    worker_id = runtime.instance_id
+    events = None
+    engine_config = config.engine
+    if engine_config.enable_prefix_caching:
+        events = KvEventPublisher(worker_id=worker_id, publisher=await component.event_publisher(KV_EVENT_TOPIC))
+    load = KvMetricsStatLogger(worker_id=worker_id, registry=runtime.registry,
+                               publisher=await component.event_publisher(KV_METRICS_TOPIC))
+    load.set_num_gpu_blocks(engine_config.num_blocks)
+    load.init_publish()
+    scheduler = Scheduler(config.engine, load_perf_model(config.planner_profile_data),
+                          kv_events=events.emit if events is not None else None)
+    engine = MockEngine(scheduler, speedup_ratio=config.speedup_ratio,
+                        decode_speedup_ratio=config.decode_speedup_ratio,
+                        on_load=lambda state: load.record_usage(state.gpu_cache_usage))
+    engine.start()
+    handler = MockerHandler(config, engine, SyntheticTokens(tokenizer, config.seed), worker_id)
+    labels = {"model": config.served_model_name}
+    bos = tokenizer.token_to_id(tokenizer.bos_token) if tokenizer.bos_token else None
+    served = await endpoint.start_serving(handler.generate, graceful_shutdown=config.migration_limit <= 0,
+                                          metrics_labels=labels, health_check_payload=health_check_payload(bos))
+    await component.endpoint("clear_kv_blocks").start_serving(handler.clear_kv_blocks, metrics_labels=labels)
+    if events is not None:
+        await component.endpoint(WORKER_KV_INDEXER_QUERY_ENDPOINT).start_serving(events.indexer_query,
+                                                                               metrics_labels=labels)
+    card = build_card(
+        config.model_path, config.served_model_name,
+        model_type=ModelType.Prefill if config.is_prefill else ModelType.parse("chat,completions"),
+        model_input="Tokens",
+        worker_type={"agg": "Aggregated", "prefill": "Prefill", "decode": "Decode"}[config.disaggregation_mode],
+        context_length=config.context_length, kv_cache_block_size=engine_config.block_size,
+        migration_limit=0 if config.is_prefill else config.migration_limit,
+        runtime_config={
+            "total_kv_blocks": engine_config.num_blocks, "max_num_seqs": engine_config.max_num_seqs,
+            "max_num_batched_tokens": engine_config.max_num_batched_tokens, "context_length": config.context_length,
+            "enable_local_indexer": events is not None, "data_parallel_size": 1,
+        },
+    )
+    await register_model(endpoint, card)
+    runtime.set_ready()
+    log.info("mocker serving %s as dyn://%s (%d blocks of %d tokens, speedup %g)", config.served_model_name,
+             served.path, engine_config.num_blocks, engine_config.block_size, config.speedup_ratio)
+    print(f"READY {worker_id:x} {served.path}", flush=True)
+    return engine
+
+
+async def worker(config: MockerConfig) -> int:
+    tokenizer = Tokenizer.from_folder(config.model_path)
+    runtimes = [await DistributedRuntime.create(config.runtime if i == 0 else config.runtime.replace(system_port=None))
+                for i in range(config.num_workers)]
+    install_signal_handlers(runtimes)
+    engines: list[MockEngine] = []
+    try:
+        if config.startup_time > 0:
+            await asyncio.sleep(config.startup_time)
+        for runtime in runtimes:
+            engines.append(await start_worker(config, runtime, tokenizer))
+        await asyncio.gather(*(runtime.wait_closed() for runtime in runtimes))
+        return 0
+    finally:
+        for engine in engines:
+            await engine.stop()
+        await asyncio.gather(*(runtime.shutdown() for runtime in runtimes if not runtime.is_shutting_down))
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_args(sys.argv[1:] if argv is None else argv)
+    configure_logging()
+    return run(lambda: worker(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,521 @@
+"""`tandem run`: the deployment spec (flags, YAML, validation), core assignment, command lines, log prefixes,
+and end to end through the real `tandem run` process with the deterministic test engine standing in for vLLM."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tandem.launch.cores import format_cores, parse_cores, round_robin
+from tandem.launch.main import curl_example, frontend_url, main, wait_until_serving
+from tandem.launch.plan import Plan, served_name
+from tandem.launch.spec import DeploymentSpec, SpecError, build_spec, load_file
+from tandem.launch.supervisor import Deployment, LogMux
+from tests.conftest import REPO
+
+MODEL = "SmolLM2-135M-Instruct"
+CORES = [0, 1, 2, 3]
+
+
+def spec_of(flags: dict | None = None, document: dict | None = None, worker_args: tuple[str, ...] = (),
+            cores: list[int] = CORES) -> DeploymentSpec:
+    return build_spec(flags or {}, document, source="deploy.yaml", worker_args=worker_args, available_cores=cores)
+
+
+# -- spec -------------------------------------------------------------------------------------------------------
+
+
+def test_defaults_are_one_aggregated_vllm_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DYN_NAMESPACE", raising=False)
+    spec = spec_of()
+    assert (spec.model, spec.engine, spec.http_port, spec.namespace, spec.restart) == ("smollm2", "vllm", 8000,
+                                                                                       "dynamo", False)
+    assert [(g.role, g.count) for g in spec.workers] == [("agg", 1)]
+    assert not spec.disaggregated
+
+
+def test_flags_override_the_file_and_keep_group_settings() -> None:
+    document = {"model": "smollm2", "engine": "mocker", "http_port": 9000, "restart": True, "namespace": "ns1",
+                "frontend": {"args": "--migration-limit 2", "env": {"A": 1}},
+                "workers": [{"role": "agg", "count": 2, "args": ["--speedup-ratio", 10], "env": {"B": True},
+                             "cores": "0;1"}]}
+    spec = spec_of({"http_port": 0, "workers": 3, "router_mode": "random", "frontend_args": "--api-key k"},
+                   document, worker_args=("--seed", "1"))
+    assert (spec.engine, spec.http_port, spec.restart, spec.namespace, spec.router_mode) == ("mocker", 0, True,
+                                                                                             "ns1", "random")
+    (group,) = spec.workers
+    assert (group.role, group.count, group.env, group.cores) == ("agg", 3, {"B": "true"}, [(0,), (1,)])
+    assert group.args == ["--speedup-ratio", "10", "--seed", "1"]
+    assert spec.frontend.args == ["--migration-limit", "2", "--api-key", "k"]
+    assert spec.frontend.env == {"A": "1"}
+
+
+def test_disaggregated_from_flags_and_from_file() -> None:
+    spec = spec_of({"prefill_workers": 1, "decode_workers": 2})
+    assert [(g.role, g.count) for g in spec.workers] == [("prefill", 1), ("decode", 2)]
+    assert spec.disaggregated and not spec.group("prefill").serves_requests  # type: ignore[union-attr]
+    document = {"workers": [{"role": "prefill", "args": ["--x"]}, {"role": "decode", "count": 1}]}
+    spec = spec_of({"decode_workers": 3}, document)
+    assert [(g.role, g.count, g.args) for g in spec.workers] == [("prefill", 1, ["--x"]), ("decode", 3, [])]
+    # --workers turns a disaggregated file into an aggregated deployment
+    assert [(g.role, g.count) for g in spec_of({"workers": 2}, document).workers] == [("agg", 2)]
+
+
+@pytest.mark.parametrize(("flags", "document", "message"), [
+    ({"workers": 2, "prefill_workers": 1}, None, "--workers cannot be combined"),
+    ({"prefill_workers": 1}, None, "needs both prefill and decode"),
+    ({"decode_workers": 0, "prefill_workers": 1}, None, "--decode-workers: expected an integer >= 1"),
+    ({}, {"modle": "x"}, "deploy.yaml: unknown key 'modle'"),
+    ({}, {"http_port": "80"}, "deploy.yaml: http_port: expected an integer"),
+    ({}, {"restart": "yes please"}, "deploy.yaml: restart: expected true or false"),
+    ({}, {"engine": "sglang"}, "deploy.yaml: engine: expected one of vllm, mocker"),
+    ({}, {"namespace": "a.b"}, "deploy.yaml: namespace"),
+    ({}, {"frontend": {"argz": []}}, "deploy.yaml: frontend: unknown key 'argz'"),
+    ({}, {"workers": [{"role": "agg", "count": 0}]}, "workers[0].count: expected an integer >= 1"),
+    ({}, {"workers": [{"role": "agg"}, {"role": "agg"}]}, "workers[1].role: a second group"),
+    ({}, {"workers": [{"role": "mixed"}]}, "workers[0].role: expected one of agg, prefill, decode"),
+    ({}, {"workers": [{"role": "agg"}, {"role": "decode"}]}, "cannot be mixed"),
+    ({}, {"workers": [{"cores": "0;x"}]}, "workers[0].cores"),
+    ({}, {"workers": [{"env": {"A": [1]}}]}, "workers[0].env.A"),
+    ({"worker_cores": "0;9"}, {"workers": [{"count": 2}]}, "may only use cores 0,1,2,3"),
+    ({"worker_cores": "0"}, {"workers": [{"count": 2}]}, "--worker-cores: 1 core lists for 2 workers"),
+    ({"ready_timeout": 0}, None, "--ready-timeout"),
+])
+def test_invalid_deployments_name_the_key(flags: dict, document: dict | None, message: str) -> None:
+    with pytest.raises(SpecError, match=re.escape(message)):
+        spec_of(flags, document)
+
+
+def test_worker_cores_flag_is_split_over_the_groups() -> None:
+    spec = spec_of({"prefill_workers": 1, "decode_workers": 2, "worker_cores": "3;0-1;2"})
+    assert [g.cores for g in spec.workers] == [[(3,)], [(0, 1), (2,)]]
+
+
+def test_cli_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["--workers", "2", "--decode-workers", "1"])
+    assert e.value.code == 2 and "--workers cannot be combined" in capsys.readouterr().err
+    bad = tmp_path / "deploy.yaml"
+    bad.write_text("model: smollm2\nworkers:\n  - role: agg\n    replicas: 2\n")
+    with pytest.raises(SystemExit) as e:
+        main(["-f", str(bad)])
+    assert e.value.code == 2 and "workers[0]: unknown key 'replicas'" in capsys.readouterr().err
+    bad.write_text("[1, 2]")
+    with pytest.raises(SpecError, match="mapping"):
+        load_file(str(bad))
+    with pytest.raises(SystemExit) as e:
+        main(["--engine", "sglang"])
+    assert e.value.code == 2
+
+
+# -- cores, command lines, environment ------------------------------------------------------------------------------
+
+
+def test_core_lists() -> None:
+    assert parse_cores("0,2-3, 5") == (0, 2, 3, 5)
+    assert format_cores((5, 0, 1, 2)) == "0-2,5"
+    for bad in ("", "a", "3-1", "1;2"):
+        with pytest.raises(ValueError):
+            parse_cores(bad)
+    assert round_robin(0, 1, [4, 5]) == ((4,), False)
+    assert round_robin(1, 2, [0, 1, 2, 3]) == ((2, 3), False)
+    assert round_robin(2, 1, [0, 1]) == ((0,), True)  # a third engine on two cores wraps around
+    assert round_robin(0, 3, [0, 1]) == ((0, 1), True)
+
+
+def plan_of(spec: DeploymentSpec, environ: dict[str, str] | None = None, warnings: list[str] | None = None) -> Plan:
+    return Plan(spec, "/models/SmolLM2-135M-Instruct", "/tmp/kv", environ=environ or {}, cores=[0, 1],
+                warn=(warnings if warnings is not None else []).append)
+
+
+def test_vllm_worker_commands_cores_and_ports() -> None:
+    warnings: list[str] = []
+    spec = spec_of({"workers": 3, "system_port_base": 9100}, worker_args=("--enforce-eager",))
+    plan = plan_of(spec, {"DYN_SYSTEM_PORT": "9000", "DYN_TCP_RPC_PORT": "7000", "KEEP": "1"}, warnings)
+    workers = [plan.worker(spec.workers[0], n, n) for n in range(3)]
+    assert workers[0].label == "worker-0"
+    assert workers[0].argv[1:] == ("-m", "tandem.vllm", "--model", "/models/SmolLM2-135M-Instruct",
+                                   "--served-model-name", MODEL, "--cpu-cores", "0", "--connector", "none",
+                                   "--enforce-eager")
+    assert workers[0].argv[0] == sys.executable
+    assert [w.cores for w in workers] == [(0,), (1,), (0,)]
+    assert len(warnings) == 1 and "worker-2 shares cores 0" in warnings[0]
+    assert len({w.env["DYN_VLLM_KV_EVENT_PORT"] for w in workers}) == 3
+    assert [w.env["DYN_SYSTEM_PORT"] for w in workers] == ["9100", "9101", "9102"]
+    env = workers[0].env
+    assert (env["DYN_DISCOVERY_BACKEND"], env["DYN_REQUEST_PLANE"], env["DYN_EVENT_PLANE"], env["DYN_FILE_KV"],
+            env["DYN_NAMESPACE"], env["KEEP"]) == ("file", "tcp", "zmq", "/tmp/kv", spec.namespace, "1")
+    assert "DYN_TCP_RPC_PORT" not in env
+    assert plan.worker(spec.workers[0], 0, 0).env["DYN_VLLM_KV_EVENT_PORT"] == env["DYN_VLLM_KV_EVENT_PORT"]
+    frontend = plan.frontend()
+    assert frontend.argv[1:] == ("-m", "tandem.frontend", "--http-port", "8000")
+    assert frontend.cores is None and "DYN_SYSTEM_PORT" not in frontend.env
+
+
+def test_disaggregated_and_mocker_commands() -> None:
+    document = {"workers": [{"role": "prefill", "env": {"X": "1"}},
+                            {"role": "decode", "args": ["--connector", "nixl"], "cores": ["1"]}]}
+    spec = spec_of({"router_mode": "kv", "model_name": "smol"}, document)
+    plan = plan_of(spec)
+    prefill, decode = plan.worker(spec.workers[0], 0, 0), plan.worker(spec.workers[1], 0, 1)
+    assert (prefill.label, decode.label) == ("prefill-0", "decode-0")
+    assert "--is-prefill-worker" in prefill.argv and "--connector" not in prefill.argv and prefill.env["X"] == "1"
+    assert "--is-decode-worker" in decode.argv and decode.argv[-2:] == ("--connector", "nixl")
+    assert decode.argv.count("--connector") == 1 and decode.cores == (1,) and "smol" in decode.argv
+    assert plan.frontend().argv[-2:] == ("--router-mode", "kv")
+    mocker = spec_of({"engine": "mocker", "prefill_workers": 1, "decode_workers": 1})
+    argv = plan_of(mocker).worker(mocker.workers[1], 0, 1).argv
+    assert argv[1:] == ("-m", "tandem.mocker", "--model-path", "/models/SmolLM2-135M-Instruct", "--model-name",
+                        MODEL, "--disaggregation-mode", "decode")
+
+
+def test_served_name(tmp_path: Path) -> None:
+    assert served_name("smollm2", "/cache/SmolLM2-135M-Instruct") == MODEL
+    assert served_name(str(tmp_path), str(tmp_path)) == tmp_path.name
+    assert served_name("org/model", "/hf/snapshots/abc") == "org/model"
+    assert served_name("smollm2", "/x", "mine") == "mine"
+
+
+def test_log_prefix_is_padded_and_coloured_only_when_asked() -> None:
+    out = io.StringIO()
+    mux = LogMux(out, color=False)
+    for label in ("frontend", "worker-0", "prefill-10"):
+        mux.add_label(label)
+    mux.line("frontend", "READY http://0.0.0.0:8000")
+    mux.line("prefill-10", "hello")
+    assert out.getvalue().splitlines() == ["frontend   | READY http://0.0.0.0:8000", "prefill-10 | hello"]
+    assert LogMux(io.StringIO()).color is False  # not a terminal
+    coloured = LogMux(io.StringIO(), color=True).format("worker-0", "x")
+    assert coloured.startswith("\x1b[") and coloured.endswith("\x1b[0m x")
+
+
+def test_url_and_curl_example() -> None:
+    assert frontend_url("http://0.0.0.0:8000") == "http://127.0.0.1:8000"
+    assert frontend_url("https://10.0.0.5:443") == "https://10.0.0.5:443"
+    example = curl_example("http://127.0.0.1:8000", MODEL)
+    assert example.startswith("curl -s http://127.0.0.1:8000/v1/chat/completions") and f'"model": "{MODEL}"' in example
+
+
+# -- end to end -----------------------------------------------------------------------------------------------------
+
+
+def _sessions() -> dict[int, int]:
+    """pid -> session id of every process (from /proc)."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            found[int(entry)] = int(fields[3])  # after the name: state, ppid, pgrp, session
+    return found
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+
+
+class Run:
+    """A `tandem run` process driven with the test engine; `lines` collects its stdout."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        full_env = {**os.environ, "PYTHONPATH": str(REPO),
+                    "DYN_TCP_RPC_HOST": "127.0.0.1", "DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS": "0", **(env or {})}
+        full_env.pop("DYN_FILE_KV", None)
+        self.proc = subprocess.Popen([sys.executable, "-m", "tandem.launch", "--http-port", "0", *args],
+                                     env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     cwd=REPO, start_new_session=True)
+        self.lines: list[str] = []
+        self.sessions: set[int] = set()  # the children's sessions (= their pids), seen while it runs
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:  # type: ignore[union-attr]
+            self.lines.append(line.rstrip("\n"))
+
+    def _watch(self) -> None:
+        while self.proc.poll() is None:
+            self.sessions = self.sessions | set(_children(self.proc.pid))  # a new set: readers never see it change
+            time.sleep(0.02)
+
+    def wait_for(self, pattern: str, count: int = 1, timeout: float = 30) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        while True:
+            ended = self.proc.poll() is not None
+            if ended:
+                self._reader.join(5)  # everything it printed is in `lines`
+            matches = [m for line in list(self.lines) if (m := re.search(pattern, line))]
+            if len(matches) >= count:
+                return matches[count - 1]
+            if ended or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"no {pattern!r} (x{count}) in the output:\n" + "\n".join(self.lines[-60:]))
+
+    def serving(self) -> str:
+        return self.wait_for(r"==> serving \S+ at (\S+)").group(1)
+
+    def client(self, url: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+
+    def stop(self, sig: int = signal.SIGINT, timeout: float = 20) -> int:
+        self.proc.send_signal(sig)
+        return self.proc.wait(timeout)
+
+    def leftovers(self) -> list[int]:
+        return [pid for pid, sid in _sessions().items() if sid in self.sessions]
+
+    def kill(self) -> None:
+        for pid in [self.proc.pid, *self.sessions]:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait()
+
+
+@pytest.fixture
+def launch(smollm2: str) -> Iterator:
+    """`tandem run` with mocker workers, 100x faster than the timing model's real time."""
+    started: list[Run] = []
+
+    def start(*args: str, env: dict[str, str] | None = None) -> Run:
+        worker_args = ["--speedup-ratio", "100"]
+        if "--" in args:
+            split = args.index("--")
+            args, worker_args = args[:split], worker_args + list(args[split + 1:])
+        run = Run("--model", smollm2, "--engine", "mocker", *args, "--", *worker_args, env=env)
+        started.append(run)
+        return run
+
+    yield start
+    for run in started:
+        run.kill()
+
+
+def _text(client: openai.OpenAI, prompt: str, max_tokens: int = 8) -> str:
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                           max_tokens=max_tokens)
+    assert reply.usage is not None and reply.usage.completion_tokens == max_tokens
+    return reply.choices[0].message.content or ""
+
+
+def _health(url: str) -> dict:
+    return httpx.get(f"{url}/health").json()
+
+
+def _wait_instances(url: str, count: int, timeout: float = 15) -> set[int]:
+    deadline = time.monotonic() + timeout
+    while True:
+        instances = set(_health(url)["instances"])
+        if len(instances) == count:
+            return instances
+        assert time.monotonic() < deadline, f"the frontend sees {len(instances)} workers, not {count}"
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(60)
+def test_two_workers_serve_and_sigint_stops_everything(launch) -> None:  # type: ignore[no-untyped-def]
+    run = launch("--workers", "2")
+    url = run.serving()
+    assert len(_health(url)["instances"]) == 2
+    cores = [run.wait_for(rf"worker-{n} +\| starting on cores (\S+):").group(1) for n in (0, 1)]
+    assert cores[0] != cores[1]
+    assert run.wait_for(r"^    (curl -s .*)").group(1).startswith(f"curl -s {url}/v1/chat/completions")
+    client = run.client(url)
+    assert len({_text(client, "The same prompt, on either worker") for _ in range(4)}) == 1  # deterministic output
+    discovery = run.wait_for(r"discovery: (\S+) ").group(1)
+    assert len(run.sessions) == 3 and run.leftovers()
+    # Without --restart a dead worker stays dead and the other one keeps serving.
+    victim = next(pid for pid in run.sessions if _is_worker(pid))
+    os.killpg(victim, signal.SIGKILL)
+    run.wait_for(r"worker-\d +\| killed by SIGKILL")
+    _wait_instances(url, 1)
+    assert _text(client, "still here")
+    assert not any("restarting" in line for line in run.lines)
+    assert run.stop(signal.SIGINT) == 0
+    assert run.leftovers() == []
+    assert not os.path.exists(discovery)
+    assert run.lines[-1].endswith("| stopped")
+
+
+@pytest.mark.timeout(60)
+def test_restart_brings_a_killed_worker_back(launch) -> None:  # type: ignore[no-untyped-def]
+    run = launch("--workers", "2", "--restart")
+    url = run.serving()
+    os.killpg(next(pid for pid in run.sessions if _is_worker(pid)), signal.SIGKILL)
+    label = run.wait_for(r"(worker-\d) +\| killed by SIGKILL").group(1)
+    old = int(run.wait_for(rf"{label} +\| READY (\w+)").group(1), 16)
+    new = int(run.wait_for(rf"{label} +\| READY (\w+)", count=2).group(1), 16)
+    instances = _wait_instances(url, 2)
+    assert new in instances and old not in instances
+    client = run.client(url)
+    pinned = client.with_options(default_headers={"x-worker-instance-id": str(new)})
+    assert _text(pinned, "served by the restarted worker")
+    assert all(_text(client, f"back again {n}") for n in range(4))
+    assert run.stop(signal.SIGTERM) == 0
+
+
+@pytest.mark.timeout(120)
+def test_four_mocker_workers_answer_200_concurrent_streams(launch) -> None:  # type: ignore[no-untyped-def]
+    run = launch("--workers", "4")
+    url = run.serving()
+    assert len(_health(url)["instances"]) == 4
+
+    async def stream(client: openai.AsyncOpenAI, n: int) -> tuple[int, str | None]:
+        chunks = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"request {n}: " + "tell me more " * 20}],
+            max_tokens=24, stream=True, stream_options={"include_usage": True})
+        tokens, reason = 0, None
+        async for chunk in chunks:
+            if chunk.choices and chunk.choices[0].finish_reason:
+                reason = chunk.choices[0].finish_reason
+            if chunk.usage:
+                tokens = chunk.usage.completion_tokens
+        return tokens, reason
+
+    async def burst() -> list[tuple[int, str | None] | BaseException]:
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60) as client:
+            return await asyncio.gather(*(stream(client, n) for n in range(200)), return_exceptions=True)
+
+    results = asyncio.run(burst())
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert not errors, errors[:3]
+    assert results == [(24, "length")] * 200
+    assert run.stop() == 0
+    assert run.leftovers() == []
+
+
+def _is_worker(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"tandem.mocker" in f.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(60)
+def test_yaml_deployment_with_flag_override(launch, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    deploy = tmp_path / "deploy.yaml"
+    deploy.write_text("namespace: yamltest\nrestart: false\nfrontend:\n  args: [--migration-limit, '1']\n"
+                      "workers:\n  - role: agg\n    count: 3\n    args: [--block-size, '32']\n")
+    run = launch("-f", str(deploy), "--workers", "2")
+    url = run.serving()
+    health = _health(url)
+    assert health["endpoints"] == ["yamltest.backend.generate"] and len(health["instances"]) == 2
+    assert "--migration-limit 1" in run.wait_for(r"frontend \| starting: (.*)").group(1)
+    assert _text(run.client(url), "from yaml")
+    assert run.stop() == 0
+
+
+@pytest.mark.timeout(60)
+def test_frontend_death_stops_everything(launch) -> None:  # type: ignore[no-untyped-def]
+    run = launch("--workers", "1")
+    run.serving()
+    frontend = next(pid for pid in run.sessions if not _is_worker(pid))
+    os.killpg(frontend, signal.SIGKILL)
+    assert run.proc.wait(20) == 1
+    assert "the frontend killed by SIGKILL; stopping everything" in run.proc.stderr.read()  # type: ignore[union-attr]
+    assert run.leftovers() == []
+
+
+@pytest.mark.timeout(60)
+def test_slow_stop_is_cut_short(launch) -> None:  # type: ignore[no-untyped-def]
+    """Workers that drain for 30 s: --stop-timeout kills them after 1 s, a second SIGINT at once."""
+    slow = {"DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS": "30"}
+    run = launch("--workers", "1", "--stop-timeout", "1", env=slow)
+    run.serving()
+    started = time.monotonic()
+    assert run.stop() == 0 and time.monotonic() - started < 10
+    run.wait_for(r"worker-0 +\| still running after 1 s: killing it")
+    assert run.leftovers() == []
+    run = launch("--workers", "1", env=slow)
+    run.serving()
+    started = time.monotonic()
+    run.proc.send_signal(signal.SIGINT)
+    run.wait_for(r"SIGINT: stopping")
+    assert run.stop() == 0 and time.monotonic() - started < 10
+    assert run.leftovers() == []
+
+
+@pytest.mark.timeout(60)
+def test_worker_that_cannot_start_fails_the_launch(launch) -> None:  # type: ignore[no-untyped-def]
+    run = launch("--workers", "1", "--", "--no-such-flag")
+    assert run.proc.wait(30) == 1
+    err = run.proc.stderr.read()  # type: ignore[union-attr]
+    assert run.sessions  # the frontend at least
+    assert "worker-0 exited with code 2 before the deployment was ready" in err
+    assert "unrecognized arguments: --no-such-flag" in err
+    assert run.leftovers() == []
+
+
+@pytest.mark.timeout(60)
+def test_ready_timeout(launch) -> None:  # type: ignore[no-untyped-def]
+    run = launch("--ready-timeout", "2", "--", "--model-name", "other")  # served under a name nobody waits for
+    assert run.proc.wait(30) == 1
+    err = run.proc.stderr.read()  # type: ignore[union-attr]
+    assert f"not serving after 2 s: still waiting for the frontend to list model {MODEL!r}" in err
+    assert "last lines of frontend" in err
+    assert len(run.sessions) == 2 and run.leftovers() == []
+
+
+@pytest.mark.timeout(60)
+def test_mocker_engine(launch) -> None:  # type: ignore[no-untyped-def]
+    run = launch("--engine", "mocker", "--prefill-workers", "1", "--decode-workers", "1", "--",
+                 "--speedup-ratio", "100")
+    url = run.serving()
+    reply = run.client(url).chat.completions.create(model=MODEL, max_tokens=5,
+                                                    messages=[{"role": "user", "content": "hi"}])
+    assert reply.usage is not None and reply.usage.completion_tokens == 5
+    assert run.stop() == 0
+
+
+@pytest.mark.timeout(60)
+async def test_scale_adds_and_removes_workers(smollm2: str, tmp_path: Path) -> None:
+    environ = {**os.environ, "PYTHONPATH": str(REPO),
+               "DYN_TCP_RPC_HOST": "127.0.0.1", "DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS": "0"}
+    spec = spec_of({"http_port": 0, "model": smollm2, "engine": "mocker"}, cores=[0, 1])
+    out = io.StringIO()
+    deployment = Deployment(Plan(spec, smollm2, str(tmp_path), environ=environ), LogMux(out))
+    try:
+        deployment.start()
+        url = await wait_until_serving(deployment, MODEL, 30)
+        await deployment.scale("agg", 3)
+        await wait_until_serving(deployment, MODEL, 30)
+        assert [child.label for child in deployment.workers["agg"]] == ["worker-0", "worker-1", "worker-2"]
+        assert len(deployment.expected_instances()) == 3
+        assert [child.spec.cores for child in deployment.workers["agg"]] == [(0,), (1,), (0,)]
+        await deployment.scale("agg", 1)
+        assert len(deployment.children) == 2 and "worker-2 | exited with code 0" in out.getvalue()
+        async with httpx.AsyncClient() as http:
+            for _ in range(100):
+                if len((await http.get(f"{url}/health")).json()["instances"]) == 1:
+                    break
+                await asyncio.sleep(0.1)
+            assert (await http.get(f"{url}/health")).json()["instances"] == sorted(deployment.expected_instances())
+        with pytest.raises(ValueError):
+            await deployment.scale("decode", 1)
+    finally:
+        await deployment.stop(5)
+    assert all(child.done.is_set() for child in deployment.children)

@@ -1,0 +1,199 @@
+"""The mocker as a worker: real processes (frontend + `python -m tandem.mocker`), the official
+openai client, the runtime's event plane."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tandem.router.hashing import XXH3_SEED, local_block_hashes, sequence_hashes
+from tests.deployment import MODEL, Deployment
+
+BLOCK = 16
+MOCKER = ["--block-size", str(BLOCK), "--speedup-ratio", "50", "--num-gpu-blocks-override", "4096"]
+
+
+@pytest.fixture(scope="module")
+def mocker(tmp_path_factory: pytest.TempPathFactory, smollm2: str) -> Iterator[Deployment]:
+    deployment = Deployment(tmp_path_factory.mktemp("mocker"), smollm2, engine_module="tandem.mocker",
+                            engines=[MOCKER], engine_env={"DYN_SYSTEM_PORT": str(free_port())})
+    deployment.system_url = f"http://127.0.0.1:{deployment.engine_env['DYN_SYSTEM_PORT']}"  # type: ignore[attr-defined]
+    yield deployment
+    deployment.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _prompt(n_words: int, tag: str) -> str:
+    return f"{tag} " + " ".join(f"word{i}" for i in range(n_words))
+
+
+def test_output_is_deterministic_and_has_max_tokens(mocker: Deployment) -> None:
+    client = mocker.client()
+    first = client.completions.create(model=MODEL, prompt="Tell me a story", max_tokens=12)
+    second = client.completions.create(model=MODEL, prompt="Tell me a story", max_tokens=12)
+    assert first.choices[0].text == second.choices[0].text
+    assert first.choices[0].text.strip()
+    assert first.usage.completion_tokens == 12
+    assert first.choices[0].finish_reason == "length"
+    other_seed = client.completions.create(model=MODEL, prompt="Tell me a story", max_tokens=12, seed=7)
+    assert other_seed.choices[0].text != first.choices[0].text
+
+
+def test_stream_equals_non_stream(mocker: Deployment) -> None:
+    client = mocker.client()
+    messages = [{"role": "user", "content": "Hello there"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20)
+    chunks = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, stream=True,
+                                            stream_options={"include_usage": True})
+    parts, usage = [], None
+    for chunk in chunks:
+        if chunk.choices:
+            parts.append(chunk.choices[0].delta.content or "")
+        if chunk.usage:
+            usage = chunk.usage
+    assert "".join(parts) == whole.choices[0].message.content
+    assert usage is not None and usage.completion_tokens == 20
+
+
+def test_prefix_cache_hits_are_reported_as_cached_tokens(mocker: Deployment) -> None:
+    client = mocker.client()
+    prompt = _prompt(120, "cache")
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    n = first.usage.prompt_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    # vLLM's rule: the last prompt token is never a hit, so full blocks of the first n-1 tokens.
+    assert second.usage.prompt_tokens_details.cached_tokens == (n - 1) // BLOCK * BLOCK
+
+
+def test_kv_events_carry_the_routers_block_hashes(mocker: Deployment, tok) -> None:  # type: ignore[no-untyped-def]
+    prompt = _prompt(90, "events")
+    token_ids = tok.encode(prompt)
+
+    async def watch() -> list[dict]:
+        runtime = await mocker.runtime()
+        events: list[dict] = []
+        try:
+            subscriber = await runtime.namespace(mocker.namespace).component("backend").subscribe("kv-events")
+            await asyncio.sleep(1.0)  # let the subscription reach the worker's publisher
+            await asyncio.to_thread(lambda: mocker.client().completions.create(
+                model=MODEL, prompt=token_ids, max_tokens=1))
+            async with asyncio.timeout(15):
+                while sum(len(e["event"]["data"]["stored"]["blocks"]) for e in events) < len(token_ids) // BLOCK:
+                    event = await subscriber.__anext__()
+                    if isinstance(event["event"]["data"], dict) and "stored" in event["event"]["data"]:
+                        events.append(event)
+            return events
+        finally:
+            await runtime.shutdown()
+
+    events = asyncio.run(watch())
+    stored = [b for e in events for b in e["event"]["data"]["stored"]["blocks"]]
+    local = local_block_hashes(token_ids, BLOCK, XXH3_SEED)
+    assert [b["tokens_hash"] for b in stored] == local[: len(stored)]
+    assert [b["block_hash"] for b in stored] == sequence_hashes(local)[: len(stored)]
+    assert events[0]["event"]["data"]["stored"]["parent_hash"] is None
+
+
+def test_clear_kv_blocks_empties_the_prefix_cache(mocker: Deployment) -> None:
+    client = mocker.client()
+    prompt = _prompt(80, "clear")
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    assert mocker.call("backend.clear_kv_blocks", {})[0]["status"] == "success"
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    assert again.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def _kv_usage(mocker: Deployment) -> float:
+    text = httpx.get(f"{mocker.system_url}/metrics").text  # type: ignore[attr-defined]
+    line = next(line for line in text.splitlines()
+                if line.startswith("dynamo_component_kvstats_gpu_cache_usage_percent{"))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_cancelled_stream_frees_the_engine(mocker: Deployment) -> None:
+    client = mocker.client()
+    stream = client.completions.create(model=MODEL, prompt=_prompt(200, "forever"), max_tokens=5000, stream=True)
+    next(iter(stream))
+    assert _kv_usage(mocker) > 0
+    stream.close()
+    deadline = time.monotonic() + 10
+    while _kv_usage(mocker) > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _kv_usage(mocker) == 0  # the request was aborted in the engine, its blocks released
+    reply = client.completions.create(model=MODEL, prompt="after the cancel", max_tokens=3)
+    assert reply.usage.completion_tokens == 3
+
+
+def _requests_served(system_url: str) -> float:
+    text = httpx.get(f"{system_url}/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("dynamo_component_requests_total{") and 'endpoint="generate"' in line)
+
+
+def test_prefill_and_decode_workers(tmp_path: Path, smollm2: str) -> None:
+    deployment = Deployment(tmp_path, smollm2, engine_module="tandem.mocker",
+                            engines=[[*MOCKER, "--disaggregation-mode", "decode"]])
+    try:
+        port = free_port()
+        deployment.engine_env = {"DYN_SYSTEM_PORT": str(port)}
+        deployment.add_engine(*MOCKER, "--disaggregation-mode", "prefill", "--kv-transfer-bandwidth", "0")
+        prefill_url = f"http://127.0.0.1:{port}"
+        # The worker endpoints directly: one token and the KV hand-off, then decode from it.
+        request = {"model": MODEL, "token_ids": list(range(100, 180)), "stop_conditions": {"max_tokens": 8}}
+        prefill = deployment.call("prefill.generate", request)
+        assert len(prefill) == 1 and len(prefill[0]["token_ids"]) == 1
+        params = prefill[0]["disaggregated_params"]["kv_transfer_params"]
+        assert params["do_remote_prefill"] is True and params["num_prompt_tokens"] == 80
+        decoded = deployment.call("backend.generate", {**request, "prefill_result": {
+            "disaggregated_params": prefill[0]["disaggregated_params"],
+            "prompt_tokens_details": {"cached_tokens": 0}}})
+        assert sum(len(item["token_ids"]) for item in decoded) == 8
+        assert decoded[-1]["finish_reason"] == "length"
+        assert decoded[-1]["completion_usage"]["prompt_tokens"] == 80
+        # Through the frontend: once it knows the prefill worker, every request prefills there first.
+        before = _requests_served(prefill_url)
+        client = deployment.client()
+        deadline = time.monotonic() + 10
+        while _requests_served(prefill_url) == before and time.monotonic() < deadline:
+            reply = client.completions.create(model=MODEL, prompt=_prompt(60, "disagg"), max_tokens=5)
+            assert reply.usage.completion_tokens == 5
+        served = _requests_served(prefill_url)
+        assert served > before
+        client.completions.create(model=MODEL, prompt=_prompt(60, "disagg again"), max_tokens=5)
+        assert _requests_served(prefill_url) == served + 1
+    finally:
+        deployment.stop()
+
+
+def test_num_workers_are_separate_instances(tmp_path: Path, smollm2: str) -> None:
+    deployment = Deployment(tmp_path, smollm2, engine_module="tandem.mocker",
+                            engines=[[*MOCKER, "--num-workers", "3"]], instances=3)
+    try:
+        assert len(set(httpx.get(f"{deployment.url}/health").json()["instances"])) == 3
+        client = deployment.client()
+        replies = [client.completions.create(model=MODEL, prompt=f"hi {i}", max_tokens=2) for i in range(6)]
+        assert all(r.usage.completion_tokens == 2 for r in replies)
+    finally:
+        deployment.stop()
+
+
+def test_invalid_flags_exit_2(smollm2: str) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "tandem.mocker", "--model-path", smollm2, "--block-size", "0"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "--block-size must be positive" in proc.stderr
