@@ -158,7 +158,7 @@ def test_single_request_step_by_step() -> None:
     r1 = s.step()
     assert r1.outputs == [StepOutput("a", 1000, False, cached_tokens=0)]
     assert (r1.num_prefill_tokens, r1.num_prefill_requests, r1.num_decode_requests) == (10, 1, 0)
-    assert (r1.prefill_ms, r1.decode_ms) == (10.0, 1.0)
+    assert (r1.prefill_ms, r1.decode_ms) == (10.0, 0.0)  # the first token comes with its prefill
     r2 = s.step()
     assert r2.outputs == [StepOutput("a", 1001, False)]
     assert (r2.num_prefill_tokens, r2.num_decode_requests, r2.prefill_ms) == (0, 1, 0.0)
@@ -166,7 +166,7 @@ def test_single_request_step_by_step() -> None:
     assert r3.outputs == [StepOutput("a", 1002, True)]
     assert not s.has_work
     # 3 active blocks (10, 11, 12 tokens) out of 100 * 4; context = the length before sampling.
-    assert perf.decode == [(12, 400, 10.0), (12, 400, 11.0), (12, 400, 12.0)]
+    assert perf.decode == [(12, 400, 11.0), (12, 400, 12.0)]
     assert perf.prefill == [10]
     # Blocks 0-1 are cached at prefill; block 2 once its last token (output 1001) is fed back in step 3.
     seq, local = hashes(prompt + [1000, 1001], 4)
@@ -179,7 +179,7 @@ def test_single_request_polynomial_timing() -> None:
     s.add(req("a", list(range(10)), 2))
     r1, r2 = s.step(), s.step()
     assert r1.prefill_ms == pytest.approx(16.65329649989)  # T = 10
-    assert r1.decode_ms == pytest.approx(7.337134)  # p = 12 / 400
+    assert r1.decode_ms == 0.0  # the first token comes with its prefill
     assert (r2.prefill_ms, r2.decode_ms) == (0.0, pytest.approx(7.337134))
 
 
@@ -199,7 +199,7 @@ def test_chunked_prefill() -> None:
         [StepOutput("a", 1000, False, cached_tokens=0)],
         [StepOutput("a", 1001, True)],
     ]
-    assert [r.decode_ms for r in results] == [0.0, 0.0, 0.0, 1.0, 1.0]
+    assert [r.decode_ms for r in results] == [0.0, 0.0, 0.0, 0.0, 1.0]
 
 
 def test_without_chunked_prefill() -> None:
@@ -213,7 +213,7 @@ def test_without_chunked_prefill() -> None:
     assert (s.load().num_running, s.load().num_waiting) == (1, 1)
     r2 = s.step()  # a decodes 1 token, b's 20 fit the 31 left
     assert (outputs(r2), r2.num_prefill_tokens, r2.num_decode_requests) == ([("a", 1001), ("b", 2000)], 20, 1)
-    assert perf.decode[-1][2] == 20.5  # mean of 21 and 20 tokens
+    assert perf.decode[-1][2] == 21.0  # only a decodes: b's first token comes with its prefill
     assert outputs(s.step()) == [("b", 2001)]
 
 

@@ -30,6 +30,7 @@ from tandem.runtime import Context, DistributedRuntime, RemoteError, StreamIncom
 
 log = logging.getLogger("tandem.frontend")
 
+SSE_BATCH = 16  # most SSE events held back for one write while the worker's outputs are already here
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
 
 
@@ -218,30 +219,39 @@ class FrontendServer:
             if req.stream:
                 response = web.StreamResponse(headers=SSE_HEADERS)
                 await response.prepare(request)
-                write = response.write
+                # Events wait in `pending` while the worker's next output is already here, so a burst
+                # goes out in one write; the first content, and any event before a wait, go out at once.
+                pending: list[bytes] = []
                 if isinstance(chunks, openai.ChatStream):
-                    await write(openai.sse(chunks.start()))
+                    pending.append(openai.sse(chunks.start()))
                 text_offset = 0
+                flushed = False
                 try:
                     async for delta in self._deltas(first, outputs, processor, context, outcome, model_name):
                         if delta.text or delta.logprobs:
                             if isinstance(chunks, openai.ChatStream):
                                 logprobs = openai.chat_logprobs(delta.logprobs) if delta.logprobs else None
-                                await write(openai.sse(chunks.content(delta.text, logprobs)))
+                                pending.append(openai.sse(chunks.content(delta.text, logprobs)))
                             else:
                                 logprobs = (openai.completion_logprobs(delta.logprobs, text_offset)
                                             if delta.logprobs else None)
-                                await write(openai.sse(chunks.text(delta.text, logprobs)))
+                                pending.append(openai.sse(chunks.text(delta.text, logprobs)))
                                 text_offset += len(delta.text)
+                        if pending and (not flushed or not attempt.output_ready or len(pending) >= SSE_BATCH):
+                            await response.write(b"".join(pending))
+                            pending.clear()
+                            flushed = True
                 except (StreamIncompleteError, RemoteError, NoWorkerError) as e:
                     log.warning("request %s failed mid-stream: %s", request_id, e)
-                    await write(openai.sse_error(_status_of(e), str(e)))
+                    pending.append(openai.sse_error(_status_of(e), str(e)))
+                    await response.write(b"".join(pending))
                     await response.write_eof()
                     return response
-                await write(openai.sse(chunks.finish(openai.finish_reason(outcome.finish_reason) or "stop")))
+                pending.append(openai.sse(chunks.finish(openai.finish_reason(outcome.finish_reason) or "stop")))
                 if req.include_usage:
-                    await write(openai.sse(chunks.usage(self._usage(prompt_ids, outcome))))
-                await write(openai.SSE_DONE)
+                    pending.append(openai.sse(chunks.usage(self._usage(prompt_ids, outcome))))
+                pending.append(openai.SSE_DONE)
+                await response.write(b"".join(pending))
                 await response.write_eof()
                 status = "success"
                 return response
@@ -292,7 +302,7 @@ class FrontendServer:
 
     async def _deltas(self, first: dict[str, Any], outputs: Any, processor: OutputProcessor, context: Context,
                       outcome: Outcome, model: str) -> Any:
-        """Engine outputs -> processed deltas worth sending; stops the worker on a local stop."""
+        """Engine outputs -> processed deltas, one per output; stops the worker on a local stop."""
         itl = self.metrics.itl.labels(model)
         queued = self.metrics.queued.labels(model)
         output: dict[str, Any] | None = first
@@ -311,12 +321,11 @@ class FrontendServer:
             outcome.completion_tokens = delta.completion_tokens
             if delta.error:
                 raise RemoteError(delta.error, 500)
-            if delta.text or delta.logprobs or delta.finish_reason:
-                if delta.text:
-                    outcome.text.append(delta.text)
-                if delta.logprobs:
-                    outcome.logprobs.extend(delta.logprobs)
-                yield delta
+            if delta.text:
+                outcome.text.append(delta.text)
+            if delta.logprobs:
+                outcome.logprobs.extend(delta.logprobs)
+            yield delta  # even an empty one: the caller may have events to flush before the next wait
             if delta.finish_reason:
                 outcome.finish_reason = delta.finish_reason
                 if output.get("finish_reason") is None:

@@ -21,6 +21,7 @@ from tandem.llm.chat_template import ChatTemplate
 from tandem.llm.protocols import PreprocessedRequest, RoutingHints
 from tandem.llm.tokenizer import Tokenizer
 from tandem.runtime import Client, Context, InstanceUnreachableError, NoInstancesError, StreamIncompleteError
+from tandem.runtime.request_plane import ResponseStream
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,12 @@ class Attempt:
     instance_id: int | None = None
     generated: list[int] = field(default_factory=list)
     migrations: int = 0
+    stream: ResponseStream | None = None  # the current worker stream
+
+    @property
+    def output_ready(self) -> bool:
+        """The worker's next output has already arrived."""
+        return self.stream is not None and self.stream.buffered
 
 
 class ModelPipeline:
@@ -221,7 +228,7 @@ class ModelPipeline:
             client = self.manager.clients[self.model.instances[instance]]
             try:
                 try:
-                    stream = await client.direct(outgoing, instance, child)
+                    stream = attempt.stream = await client.direct(outgoing, instance, child)
                 except (InstanceUnreachableError, NoInstancesError) as e:
                     if budget > 0 and pinned is None and not attempt.generated:
                         budget -= 1

@@ -105,15 +105,22 @@ class MockEngine:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
+        deadline = loop.time()
         while True:
             if not self.scheduler.has_work:
                 self._work.clear()
                 await self._work.wait()
-            started = loop.time()
+                deadline = loop.time()
             result = self.scheduler.step()
             self.steps += 1
-            # Sleep until the step's simulated end, net of the time this process spent scheduling.
-            await asyncio.sleep(max(0.0, started + self.step_seconds(result) - loop.time()))
+            # Steps end on a running deadline, so a late wake-up and the work between steps shorten
+            # the next sleep instead of adding up; more than a step behind (overloaded), restart from now.
+            seconds = self.step_seconds(result)
+            now = loop.time()
+            deadline += seconds
+            if deadline < now - seconds:
+                deadline = now
+            await asyncio.sleep(max(0.0, deadline - now))
             for output in result.outputs:
                 queue = self._outputs.get(output.request_id)
                 if queue is not None:

@@ -24,10 +24,10 @@ are registered in the prefix cache (stored events) when scheduled, so the block 
 sampled token is registered in the next step, when that token is fed back; a request's last token
 is never fed back and needs no slot.
 
-Timing (Dynamo): `prefill_ms(uncached tokens computed in the step, recomputation included)` plus,
-if any request samples a token, `decode_ms(active blocks * block_size, num_blocks * block_size,
-mean length of the sampling requests)`: the sampling pass counts as a decode over every request
-that emits a token, including a first token.
+Timing (Dynamo 1.6): `prefill_ms(uncached tokens computed in the step, recomputation included)` plus,
+if any request decodes (samples a token without computing prompt tokens in this step),
+`decode_ms(active blocks * block_size, num_blocks * block_size, mean length of the decoding
+requests)`. A first token comes at the end of its prefill step, at the prefill's cost alone.
 
 Disaggregated decode (`SimRequest.prefilled`): on its first admission the prompt's blocks are
 allocated and registered at once (stored events for those not already cached, as vLLM does after
@@ -98,7 +98,7 @@ class StepResult:
     prefill_ms: float
     """`prefill_ms(num_prefill_tokens)`, 0 if none."""
     decode_ms: float
-    """`decode_ms(...)` over the requests that sampled a token (`outputs`), 0 if none."""
+    """`decode_ms(...)` over the requests that decoded (sampled without prefill work), 0 if none."""
     outputs: list[StepOutput]
     num_prefill_tokens: int
     """Uncached tokens computed by requests in (chunked) prefill or recomputation."""
@@ -256,15 +256,16 @@ class Scheduler:
             self._schedule_waiting(batch)
 
         sampling = [s for s in self._running if s.num_computed == len(s.tokens)]
+        decoding = [s for s in sampling if s.id not in batch.prefill]
         cfg = self.config
         num_prefill_tokens = batch.num_prefill_tokens
         prefill_ms = self.perf_model.prefill_ms(num_prefill_tokens) if num_prefill_tokens else 0.0
         decode_ms = 0.0
-        if sampling:
+        if decoding:
             decode_ms = self.perf_model.decode_ms(
                 self.kv.num_active * cfg.block_size,
                 cfg.num_blocks * cfg.block_size,
-                sum(len(s.tokens) for s in sampling) / len(sampling),
+                sum(len(s.tokens) for s in decoding) / len(decoding),
             )
         outputs = [self._sample(s) for s in sampling]
         return StepResult(
@@ -272,7 +273,7 @@ class Scheduler:
             decode_ms=decode_ms,
             outputs=outputs,
             num_prefill_tokens=num_prefill_tokens,
-            num_decode_requests=len(sampling) - len(batch.prefill & {s.id for s in sampling}),
+            num_decode_requests=len(decoding),
             preempted=preempted,
             num_prefill_requests=len(batch.prefill),
         )

@@ -73,6 +73,12 @@ class ResponseStream(ABC):
     def completed(self) -> bool:
         """True once the server's end marker arrived."""
 
+    @property
+    def buffered(self) -> bool:
+        """True when the next item is already here (`__anext__` will not wait): lets a consumer
+        batch its own writes."""
+        return False
+
 
 class RequestPlaneClient(ABC):
     @abstractmethod

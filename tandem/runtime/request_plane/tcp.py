@@ -344,6 +344,10 @@ class TcpResponseStream(ResponseStream):
     def completed(self) -> bool:
         return self._state == _ENDED
 
+    @property
+    def buffered(self) -> bool:
+        return bool(self._items)
+
     def _on_signal(self, killed: bool) -> None:
         if self._state != _OPEN:
             return
