@@ -29,12 +29,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import json
 import os
 import re
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -43,8 +41,17 @@ import tempfile
 import time
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
+from _common import REPO, Proc, comparison_table, wait_serving
+from _common import cpu_seconds as _cpu_seconds
+from _common import free_port as _free_port
+from _common import machine_busy_seconds as _machine_busy_seconds
+from _common import model_path as _model_path
+from _common import pct as _pct
+from _common import pinned as _pinned
+from _common import rss_mb as _rss_mb
+from _common import tree as _tree
+from _common import wait_quiet as _wait_quiet
+
 MODEL_NAME = "SmolLM2-135M-Instruct"
 NAMESPACE = "bench"
 ENDPOINT = f"{NAMESPACE}.backend.generate"
@@ -53,110 +60,7 @@ FRONTEND_CORE, ENGINE_CORE = 0, 1
 _CONTENT = re.compile(rb'"content":\s*"(?!")')  # a chunk carrying text (not the empty role chunk)
 
 
-# -- process helpers ------------------------------------------------------------------------------
-def _pinned(core: int | None):  # type: ignore[no-untyped-def]
-    """preexec_fn: pin to `core` and die with the parent (no orphans if the bench is killed)."""
-    def setup() -> None:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if core is not None and core < (os.cpu_count() or 1):
-            os.sched_setaffinity(0, {core})
-    return setup
-
-
-def _cpu_seconds(pid: int) -> float:
-    """user + system CPU time of a process (all its threads) and its reaped children."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
-
-
-def _machine_busy_seconds() -> float:
-    """CPU time spent by everything on the machine (all cores), from /proc/stat."""
-    with open("/proc/stat") as f:
-        fields = f.readline().split()[1:]
-    user, nice, system, _idle, _iowait, _irq, _softirq, steal = (int(x) for x in fields[:8])
-    return (user + nice + system + steal) / os.sysconf("SC_CLK_TCK")  # (interrupt time: loopback traffic)
-
-
-def _tree(pid: int) -> list[int]:
-    import psutil
-
-    try:
-        return [pid] + [c.pid for c in psutil.Process(pid).children(recursive=True)]
-    except psutil.Error:
-        return [pid]
-
-
-def _rss_mb(pids: list[int]) -> float:
-    total = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1])
-        except OSError:
-            pass
-    return total / 1024
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Proc:
-    """A server process with its output in a log file; killed (with its group) on stop()."""
-
-    def __init__(self, name: str, cmd: list[str], env: dict[str, str], logdir: str, core: int | None) -> None:
-        self.name = name
-        self.log_path = os.path.join(logdir, f"{name}.log")
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO,
-                                     preexec_fn=_pinned(core), start_new_session=True)
-        self.pid = self.proc.pid
-
-    def wait_line(self, prefix: str, timeout: float = 120) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with open(self.log_path) as f:
-                for line in f:
-                    if line.startswith(prefix):
-                        return line.strip()
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        raise RuntimeError(f"{self.name} did not print {prefix!r}:\n{self.tail()}")
-
-    def tail(self, n: int = 3000) -> str:
-        with open(self.log_path, errors="replace") as f:
-            return f.read()[-n:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.pid, signal.SIGTERM)
-                self.proc.wait(10)
-            except (subprocess.TimeoutExpired, ProcessLookupError):
-                pass
-        if self.proc.poll() is None:
-            os.killpg(self.pid, signal.SIGKILL)
-            self.proc.wait()
-        try:  # a process of the group that outlived its leader
-            os.killpg(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.log.close()
-
-
 # -- the deployments ---------------------------------------------------------------------------
-def _model_path() -> str:
-    from tandem.models import prepare_model
-
-    return str(prepare_model())
-
-
 def start_deployment(impl: str, python: str, env: dict[str, str], logdir: str, slow: bool,
                      profile: str | None) -> tuple[Proc, Proc, str]:
     """(engine, frontend, base url); the engine answers at once unless `slow` (the RSS test)."""
@@ -187,27 +91,9 @@ def start_deployment(impl: str, python: str, env: dict[str, str], logdir: str, s
     return engine, frontend, url
 
 
-def _wait_serving(url: str, procs: list[Proc], timeout: float = 180) -> None:
-    """Until a streamed chat request through the frontend succeeds."""
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    last = ""
-    while time.monotonic() < deadline:
-        for p in procs:
-            if p.proc.poll() is not None:
-                raise RuntimeError(f"{p.name} exited ({p.proc.returncode}):\n{p.tail()}")
-        try:
-            r = httpx.post(f"{url}/v1/chat/completions", timeout=10, json={
-                "model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 2, "stream": True})
-            if r.status_code == 200 and len(_CONTENT.findall(r.content)) == 2:
-                return
-            last = f"{r.status_code} {r.text[:300]}"
-        except httpx.HTTPError as e:
-            last = repr(e)
-        time.sleep(0.2)
-    raise RuntimeError(f"the frontend at {url} never served a request ({last}):\n" +
-                       "\n".join(p.tail(1500) for p in procs))
+def _wait_serving(url: str, procs: list[Proc]) -> None:
+    """Until a streamed chat request through the frontend succeeds (with its 2 tokens)."""
+    wait_serving(url, procs, MODEL_NAME, min_chunks=2)
 
 
 # -- load generator (raw HTTP/1.1, keep-alive, one connection per concurrent stream) --------------
@@ -292,10 +178,6 @@ class Conn:
 
 def _body(max_tokens: int) -> bytes:
     return json.dumps({"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": max_tokens, "stream": True}).encode()
-
-
-def _pct(sorted_values: list[float], q: float) -> float:
-    return sorted_values[min(int(len(sorted_values) * q), len(sorted_values) - 1)]
 
 
 async def load(url: str, concurrency: int, duration: float, max_tokens: int, frontend: int,
@@ -490,16 +372,6 @@ def run_client(args: argparse.Namespace) -> None:
 
 
 # -- orchestrator ----------------------------------------------------------------------------------
-def _wait_quiet(limit_pct: float, timeout: float = 120) -> None:
-    """Until the machine has been (nearly) idle for 3 s, or `timeout`."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        busy = _machine_busy_seconds()
-        time.sleep(3)
-        if (_machine_busy_seconds() - busy) / 3 * 100 < limit_pct:
-            return
-
-
 def run_impl(impl: str, args: argparse.Namespace) -> dict[str, float]:
     """One run; on a shared machine, a run during which other processes used more than
     --max-others % of a core is discarded and repeated (up to --attempts runs; else the least
@@ -585,12 +457,6 @@ ROWS = [  # key, label, better: "low" / "high" / None
 ]
 
 
-def _fmt(value: float) -> str:
-    if abs(value) >= 100:
-        return f"{value:,.0f}"
-    return f"{value:.1f}" if abs(value) >= 10 else f"{value:.2f}"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--role", choices=["orchestrate", "client", "direct"], default="orchestrate")
@@ -636,23 +502,9 @@ def main() -> None:
     print(f"\nfrontend_bench: streamed chat completions (max_tokens 32 unless noted), {args.duration:g} s per level, "
           f"{args.streams} held streams of {args.stream_tokens} tokens, median of {args.repeat} runs; frontend "
           f"on core {FRONTEND_CORE}, engine + load generator on core {ENGINE_CORE}\n")
-    names = list(results)
-    baseline = "dynamo" in results and "tandem" in results
-    header = {"tandem": "tandem", "dynamo": "Dynamo 1.6.1"}
-    print("| metric | " + " | ".join(header[n] for n in names) + (" | tandem advantage |" if baseline else " |"))
-    print("|---" * (len(names) + 1 + baseline) + "|")
-    for key, label, better in ROWS:
-        if not any(key in results[n] for n in names):
-            continue
-        row = [_fmt(results[n][key]) if key in results[n] else "n/a" for n in names]
-        advantage = ""
-        if baseline:
-            t, d = results["tandem"].get(key), results["dynamo"].get(key)
-            if better is None or t is None or d is None or t <= 0 or d <= 0:
-                advantage = " | —"
-            else:
-                advantage = f" | {d / t if better == 'low' else t / d:.1f}x"
-        print(f"| {label.format(streams=args.streams)} | " + " | ".join(row) + advantage + " |")
+    rows = [(key, label.format(streams=args.streams), better) for key, label, better in ROWS]
+    print("\n".join(comparison_table(results, rows, "tandem advantage",
+                                     lambda t, d, better: f"{d / t if better == 'low' else t / d:.1f}x")))
     print("\n" + json.dumps(results))
 
 
