@@ -11,6 +11,8 @@ from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.models import ModelManager, ServedModel
 from tandem.frontend.pipeline import ModelPipeline
 from tandem.frontend.routing import ROUTER_MODES, LoadMonitor, LoadThresholds
+from tandem.router.config import add_router_args, config_from_args
+from tandem.router.kv_router import KvRouter, RouterMetrics
 from tandem.runtime import DistributedRuntime, RuntimeConfig, add_runtime_args, configure_logging, run
 from tandem.runtime.config import env_number, env_str
 
@@ -54,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--active-prefill-tokens-threshold-frac", type=float,
                       default=_optional_float("DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD_FRAC"),
                       help="... or above this fraction of its max_num_batched_tokens")
+    add_router_args(parser)
     add_runtime_args(parser)
     return parser
 
@@ -73,9 +76,17 @@ async def serve(args: argparse.Namespace) -> int:
     subscribed: set[str] = set()
     manager: ModelManager
 
+    router_config = args.router_config if args.router_mode == "kv" else None
+    router_metrics = RouterMetrics(runtime.registry) if router_config is not None else None
+
     def build(model: ServedModel) -> ModelPipeline:
+        kv_router = None
+        if router_config is not None and model.card.model_input == "Tokens":
+            kv_router = KvRouter(runtime, model.name, block_size=model.card.kv_cache_block_size, config=router_config,
+                                 metrics=router_metrics)
         return ModelPipeline(model, manager, router_mode=args.router_mode, migration_limit=args.migration_limit,
-                             migration_max_seq_len=args.migration_max_seq_len, load=load, metrics=metrics)
+                             migration_max_seq_len=args.migration_max_seq_len, load=load, metrics=metrics,
+                             kv_router=kv_router)
 
     def on_change() -> None:
         for model in manager.served():
@@ -87,6 +98,8 @@ async def serve(args: argparse.Namespace) -> int:
                 "migration_limit": model.pipeline.migration_limit if model.pipeline else None,
                 "workers": len(model.instances),
             })
+            if model.pipeline is not None and model.pipeline.kv_router is not None:
+                model.pipeline.kv_router.sync_workers(model.instances)
             if load.thresholds.enabled:
                 for path in set(model.instances.values()) - subscribed:
                     subscribed.add(path)
@@ -119,7 +132,12 @@ async def _follow_load(runtime: DistributedRuntime, endpoint_path: str, load: Lo
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        args.router_config = config_from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
     configure_logging()
     return run(lambda: serve(args))
 

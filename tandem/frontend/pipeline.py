@@ -20,6 +20,7 @@ from tandem.frontend.routing import LoadMonitor, NoWorkerError, Selector, make_s
 from tandem.llm.chat_template import ChatTemplate
 from tandem.llm.protocols import PreprocessedRequest, RoutingHints
 from tandem.llm.tokenizer import Tokenizer
+from tandem.router.kv_router import KvRouter
 from tandem.runtime import Client, Context, InstanceUnreachableError, NoInstancesError, StreamIncompleteError
 from tandem.runtime.request_plane import ResponseStream
 
@@ -102,13 +103,16 @@ class ModelPipeline:
         migration_max_seq_len: int | None,
         load: LoadMonitor,
         metrics: FrontendMetrics,
+        kv_router: KvRouter | None = None,
     ) -> None:
         self.model = model
         self.manager = manager
         self.preprocessor = Preprocessor(model) if model.card.model_input == "Tokens" else None
         self.router_mode = router_mode
         self.inflight: dict[int, int] = {}
-        self.selector: Selector = make_selector(router_mode, self.inflight)
+        # `kv` routes token requests with the KV router; text-input requests (no tokens here) round robin.
+        self.kv_router = kv_router if router_mode == "kv" else None
+        self.selector: Selector = make_selector("round-robin" if router_mode == "kv" else router_mode, self.inflight)
         self.prefill_selector: Selector = make_selector("round-robin", self.inflight)
         self.migration_limit = migration_limit or model.card.migration_limit
         self.migration_max_seq_len = migration_max_seq_len
@@ -188,18 +192,27 @@ class ModelPipeline:
         client = self._client_of(instance_id)
         return client is not None and client.transport_of(instance_id) is not None
 
-    def route(self, request: Any, pinned: int | None, exclude: set[int]) -> int:
+    def route(self, request: Any, pinned: int | None, exclude: set[int], request_id: str = "") -> tuple[int, bool]:
+        """(instance, whether the KV router now tracks the request there)."""
         if pinned is not None:
             if pinned not in self.model.instances:
                 raise NoWorkerError(f"worker instance {pinned} does not serve model {self.model.name!r}")
-            return pinned
+            return pinned, False
         if self.router_mode == "direct":
             raise openai.RequestError(
                 "the frontend runs with --router-mode direct: name the worker in the x-worker-instance-id header",
                 param="x-worker-instance-id",
             )
         candidates = sorted(self.candidates(exclude))
-        return self.selector.select(candidates, request)
+        if self.kv_router is not None and isinstance(request, PreprocessedRequest):
+            lora = self.model.card.lora
+            instance, _ = self.kv_router.select(
+                request_id, request.token_ids, candidates, lora_name=lora.name if lora else None,
+                cache_salt=request.routing.cache_salt if request.routing else None,
+                override=request.router_config_override,
+            )
+            return instance, True
+        return self.selector.select(candidates, request), False
 
     # -- generation with migration -------------------------------------------------------------
     async def generate(self, request: PreprocessedRequest | dict[str, Any], context: Context,
@@ -217,7 +230,7 @@ class ModelPipeline:
             request = await self.prefill(request, context)
         prompt_len = len(request.token_ids) if isinstance(request, PreprocessedRequest) else 0
         while True:
-            instance = self.route(request, pinned, exclude)
+            instance, prefill_pending = self.route(request, pinned, exclude, context.id())
             attempt.instance_id = instance
             outgoing: Any = request
             if attempt.generated and isinstance(request, PreprocessedRequest):
@@ -243,6 +256,9 @@ class ModelPipeline:
                     async for output in stream:
                         ids = output.get("token_ids")
                         if ids:
+                            if prefill_pending:  # the KV router stops counting its prompt as load
+                                prefill_pending = False
+                                self.kv_router.prefill_done(context.id())  # type: ignore[union-attr]
                             attempt.generated.extend(ids)
                         yield output
                         if _finished(output):
@@ -271,6 +287,8 @@ class ModelPipeline:
                                 context.id(), instance, len(attempt.generated), e)
             finally:
                 self.inflight[instance] -= 1
+                if self.kv_router is not None:
+                    self.kv_router.free(context.id())
 
     # -- disaggregated prefill (reference §B.8) ------------------------------------------------
     async def prefill(self, request: PreprocessedRequest, context: Context) -> PreprocessedRequest:

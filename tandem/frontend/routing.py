@@ -3,7 +3,8 @@
 Modes (`--router-mode`): round-robin (default), random, power-of-two (two random instances, the
 one with fewer requests in flight from this frontend), least-loaded (fewest in flight), direct (the
 caller names the instance: header `x-worker-instance-id` or `nvext.backend_instance_id`).
-`kv` is the seam for the KV-aware router (later issue): any object with `select(...)` fits.
+`kv` routes token requests with the KV-aware router (`tandem.router.kv_router`, used by the
+pipeline); the selectors here cover the other modes.
 """
 
 from __future__ import annotations

@@ -1,0 +1,184 @@
+"""KV router configuration (Dynamo §C.6): the flags we support, their env fallbacks, per-request overrides.
+
+Precedence is CLI over env over default. Flags default to None so `config_from_args` can tell "not
+given" (fall back to the env, then the default) from "given"; invalid values raise ValueError naming
+the flag and its env var.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.runtime.config import env_bool, env_str
+
+
+@dataclass
+class KvRouterConfig:
+    overlap_score_credit: float = 1.0
+    overlap_score_credit_decay: float = 0.0
+    # Legacy (0.x) weight: when set, the legacy cost formula is used; 0 disables overlap.
+    overlap_score_weight: float | None = None
+    prefill_load_scale: float = 1.0
+    decode_active_request_weight: float = 0.0
+    temperature: float = 0.0
+    use_kv_events: bool = True
+    ttl_secs: float = 120.0  # approximate mode: lifetime of predicted blocks
+    max_tree_size: int = 2**20  # approximate mode: prune the index above this many nodes
+    replica_sync: bool = False
+    track_active_blocks: bool = True
+    assume_kv_reuse: bool = True
+    track_prefill_tokens: bool = True
+    active_request_expiry_secs: float = 300.0
+
+    def with_overrides(self, override: dict[str, Any] | None) -> KvRouterConfig:
+        """This config with a request's `router_config_override` applied. Unknown keys and null values
+        are ignored; a value that is not a non-negative finite number raises ValueError naming the key."""
+        if not override:
+            return self
+        changes: dict[str, Any] = {}
+        for key, field_name in _OVERRIDE_KEYS.items():
+            value = override.get(key)
+            if value is None:
+                continue
+            # bool is an int subclass, but `true` is never a meaningful weight
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"router_config_override.{key} must be a non-negative number, got {value!r}")
+            changes[field_name] = float(value)
+        return dataclasses.replace(self, **changes) if changes else self
+
+
+# router_config_override key -> config field
+_OVERRIDE_KEYS = {
+    "overlap_score_weight": "overlap_score_weight",
+    "overlap_score_credit": "overlap_score_credit",
+    "router_temperature": "temperature",
+    "temperature": "temperature",
+    "prefill_load_scale": "prefill_load_scale",
+}
+
+
+@dataclass(frozen=True)
+class _Option:
+    """One config field: its flags (first is canonical, the rest legacy aliases) and env vars."""
+
+    field: str
+    flags: tuple[str, ...]
+    envs: tuple[str, ...]
+    help: str
+    kind: type = float  # float, int or bool
+    minimum: float | None = None  # inclusive lower bound
+    positive: bool = False  # strictly > 0
+
+    @property
+    def dest(self) -> str:
+        return self.flags[0].lstrip("-").replace("-", "_")
+
+    def describe(self) -> str:
+        """How errors name this setting: the canonical flag and env var, whichever exist."""
+        if not self.flags:
+            return self.envs[0]
+        return f"{self.flags[0]} ({self.envs[0]})" if self.envs else self.flags[0]
+
+
+_OPTIONS: tuple[_Option, ...] = (
+    _Option("overlap_score_credit", ("--router-kv-overlap-score-credit",), ("DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT",),
+            "blocks of prefill credit per cached prefix block", minimum=0.0),
+    _Option("overlap_score_credit_decay", ("--router-kv-overlap-score-credit-decay",),
+            ("DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT_DECAY",),
+            "shrink the overlap credit of workers with more queued prefill than the least loaded one "
+            "(0 = never)", minimum=0.0),
+    _Option("overlap_score_weight", ("--router-kv-overlap-score-weight", "--kv-overlap-score-weight"),
+            ("DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT", "DYN_OVERLAP_SCORE_WEIGHT", "DYN_KV_OVERLAP_SCORE_WEIGHT"),
+            "deprecated: use the legacy cost weight * prefill_blocks + decode_blocks (0 ignores cache "
+            "overlap)", minimum=0.0),
+    _Option("prefill_load_scale", ("--router-prefill-load-scale",), ("DYN_ROUTER_PREFILL_LOAD_SCALE",),
+            "weight of a worker's prefill blocks against its decode blocks", minimum=0.0),
+    _Option("decode_active_request_weight", ("--router-decode-active-request-weight",),
+            ("DYN_ROUTER_DECODE_ACTIVE_REQUEST_WEIGHT",), "cost in blocks of each request active on a worker",
+            minimum=0.0),
+    _Option("temperature", ("--router-temperature",), ("DYN_ROUTER_TEMPERATURE",),
+            "0 picks the cheapest worker; higher values sample workers by softmax of their cost", minimum=0.0),
+    _Option("use_kv_events", ("--router-kv-events", "--kv-events"), ("DYN_ROUTER_USE_KV_EVENTS", "DYN_KV_EVENTS"),
+            "follow the workers' KV cache events; --no-router-kv-events predicts the caches from routing "
+            "decisions instead", kind=bool),
+    _Option("ttl_secs", ("--router-ttl-secs", "--router-ttl"), ("DYN_ROUTER_TTL_SECS",),
+            "without KV events: how long a predicted cached block lives", positive=True),
+    _Option("replica_sync", ("--router-replica-sync",), ("DYN_ROUTER_REPLICA_SYNC",),
+            "share active-request load with other router replicas", kind=bool),
+    _Option("track_active_blocks", ("--router-track-active-blocks", "--track-active-blocks"),
+            ("DYN_ROUTER_TRACK_ACTIVE_BLOCKS",), "count the KV blocks of requests in flight as decode load",
+            kind=bool),
+    _Option("assume_kv_reuse", ("--router-assume-kv-reuse", "--assume-kv-reuse"), ("DYN_ROUTER_ASSUME_KV_REUSE",),
+            "assume requests in flight on a worker share their common prefix blocks", kind=bool),
+    _Option("track_prefill_tokens", ("--router-track-prefill-tokens",), ("DYN_ROUTER_TRACK_PREFILL_TOKENS",),
+            "count prompt tokens waiting for prefill as load", kind=bool),
+)
+
+# Env-only settings (no Dynamo flag).
+_ENV_ONLY: tuple[_Option, ...] = (
+    _Option("active_request_expiry_secs", (), ("DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS",),
+            "forget requests in flight for longer than this", positive=True),
+)
+
+
+def add_router_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The KV router flags (§C.6) with their legacy aliases; defaults are resolved by `config_from_args`."""
+    group = parser.add_argument_group("KV router options (--router-mode kv)")
+    defaults = KvRouterConfig()
+    for option in _OPTIONS:
+        default = getattr(defaults, option.field)
+        envs = " or ".join(option.envs)
+        if option.kind is bool:
+            # BooleanOptionalAction also adds --no-<flag> for each alias, e.g. the legacy --no-kv-events.
+            group.add_argument(*option.flags, dest=option.dest, action=argparse.BooleanOptionalAction,
+                               default=None, help=f"{option.help} [env {envs}, default {str(default).lower()}]")
+        else:
+            shown = "unset" if default is None else default
+            group.add_argument(*option.flags, dest=option.dest, type=option.kind, default=None,
+                               metavar=option.kind.__name__.upper(),
+                               help=f"{option.help} [env {envs}, default {shown}]")
+    return group
+
+
+def config_from_args(args: argparse.Namespace) -> KvRouterConfig:
+    """The router config from parsed `add_router_args` flags, env fallbacks and defaults, validated."""
+    config = KvRouterConfig()
+    for option in _OPTIONS + _ENV_ONLY:
+        value = getattr(args, option.dest, None) if option.flags else None
+        if value is None:
+            value = _from_env(option)
+        if value is None:
+            continue
+        _validate(option, value)
+        setattr(config, option.field, value)
+    return config
+
+
+def _from_env(option: _Option) -> Any:
+    for name in option.envs:
+        raw = env_str(name)
+        if raw is None:
+            continue
+        if option.kind is bool:
+            return env_bool(name)
+        try:
+            return option.kind(raw)
+        except ValueError:
+            raise ValueError(f"{name}={raw!r} is not a valid {option.kind.__name__} "
+                             f"(for {option.describe()})") from None
+    return None
+
+
+def _validate(option: _Option, value: Any) -> None:
+    if option.kind is bool:
+        return
+    if not math.isfinite(value):
+        raise ValueError(f"{option.describe()} must be a finite number, got {value}")
+    if option.positive and value <= 0:
+        raise ValueError(f"{option.describe()} must be > 0, got {value}")
+    if option.minimum is not None and value < option.minimum:
+        raise ValueError(f"{option.describe()} must be >= {option.minimum:g}, got {value}")

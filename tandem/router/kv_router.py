@@ -1,0 +1,201 @@
+"""The KV-aware router of one model (reference §C): pick the worker whose cache holds the longest
+prefix of a request, weighed against the load this router has put on each worker.
+
+* Prefix index: fed by the workers' KV events on their components' `kv-events` topics (event ids
+  checked per worker; a gap is filled from the worker's `worker_kv_indexer_query` ring buffer, and a
+  worker that appears is dumped the same way), or, with `use_kv_events` off, by the router's own
+  decisions with a TTL (approximate mode).
+* Active sequences: the blocks and outstanding prefill tokens of the requests this router sent.
+* Cost and selection: `tandem.router.selector`.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from tandem.router.config import KvRouterConfig
+from tandem.router.hashing import local_block_hashes, request_seed, sequence_hashes
+from tandem.router.indexer import ApproxIndexer, EventGap, KvIndexer, OverlapScores, WorkerKey
+from tandem.router.protocols import (
+    KV_EVENT_TOPIC,
+    WORKER_KV_INDEXER_QUERY_ENDPOINT,
+    router_event_from_builtins,
+)
+from tandem.router.selector import WorkerLoad, select_worker, worker_costs
+from tandem.router.sequences import ActiveSequences
+
+log = logging.getLogger(__name__)
+
+_OVERLAP_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+_DECISION_BUCKETS = (25e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 50e-3)
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        labels = ["model"]
+        self.decision_seconds = Histogram("dynamo_router_decision_seconds", "Time to choose a worker",
+                                          labels, buckets=_DECISION_BUCKETS, registry=registry)
+        self.overlap_blocks = Histogram("dynamo_component_router_overlap_blocks",
+                                        "Prefix blocks already cached on the chosen worker", labels,
+                                        buckets=_OVERLAP_BUCKETS, registry=registry)
+        self.prompt_blocks = Counter("dynamo_component_router_prompt_blocks",
+                                     "Full prompt blocks of routed requests", labels, registry=registry)
+        self.hit_blocks = Counter("dynamo_component_router_estimated_hit_blocks",
+                                  "Prompt blocks estimated to hit the chosen worker's cache", labels, registry=registry)
+        self.events_applied = Counter("dynamo_component_kv_cache_events_applied",
+                                      "KV cache events applied to the router's index", labels, registry=registry)
+        self.gaps_recovered = Counter("dynamo_router_event_gaps_recovered",
+                                      "Missing KV event ranges fetched from workers", labels, registry=registry)
+
+
+class KvRouter:
+    """One per served model. `sync_workers` follows the model's instances (call it on every
+    discovery change, on the event loop); `select` routes; `prefill_done` / `free` end a request's
+    load."""
+
+    def __init__(self, runtime: Any, model: str, *, block_size: int, config: KvRouterConfig,
+                 metrics: RouterMetrics | None = None, rng: random.Random | None = None) -> None:
+        self.runtime = runtime
+        self.model = model
+        self.block_size = block_size
+        self.config = config
+        self.rng = rng or random.Random()
+        self.indexer = KvIndexer()
+        self.approx = ApproxIndexer(config.ttl_secs, config.max_tree_size) if not config.use_kv_events else None
+        self.sequences = ActiveSequences(block_size)
+        self.metrics = metrics or RouterMetrics(None)
+        self._workers: dict[int, str] = {}  # instance id -> endpoint path
+        self._subscribed: set[str] = set()  # component scopes
+        self._first_live: dict[WorkerKey, int] = {}  # first event id received live, per worker and dp rank
+        self._last_sweep = time.monotonic()
+
+    # -- workers and events --------------------------------------------------------------------
+    def sync_workers(self, instances: Mapping[int, str]) -> None:
+        """The model's current instances (id -> `ns.component.endpoint`)."""
+        for worker_id in set(self._workers) - set(instances):
+            self.indexer.remove_worker(worker_id)
+            if self.approx is not None:
+                self.approx.remove_worker(worker_id)
+            self.sequences.remove_worker(worker_id)
+            del self._workers[worker_id]
+            for key in [k for k in self._first_live if k[0] == worker_id]:
+                del self._first_live[key]
+        for worker_id, path in instances.items():
+            if worker_id in self._workers:
+                continue
+            self._workers[worker_id] = path
+            if self.config.use_kv_events:
+                namespace, component, _ = path.split(".")
+                scope = f"{namespace}/{component}"
+                if scope not in self._subscribed:
+                    self._subscribed.add(scope)
+                    self.runtime.spawn(self._follow_events(namespace, component))
+                self.runtime.spawn(self._recover(worker_id, None))
+
+    async def _follow_events(self, namespace: str, component: str) -> None:
+        subscriber = await self.runtime.namespace(namespace).component(component).subscribe(KV_EVENT_TOPIC)
+        applied = self.metrics.events_applied.labels(self.model)
+        async for raw in subscriber:
+            try:
+                event = router_event_from_builtins(raw)
+            except Exception as e:  # a malformed event must not stop the router
+                log.warning("ignoring malformed KV event from %s.%s: %s", namespace, component, e)
+                continue
+            if event.worker_id not in self._workers:
+                continue  # not (or no longer) a worker of this model
+            self._first_live.setdefault((event.worker_id, event.event.dp_rank), event.event.event_id)
+            gap = self.indexer.apply_event(event)
+            applied.inc()
+            if gap is not None:
+                self.runtime.spawn(self._recover(event.worker_id, gap))
+
+    async def _recover(self, worker_id: int, gap: EventGap | None) -> None:
+        """Fetch missing events from the worker's ring buffer: a gap, or everything it still has
+        (a worker just seen)."""
+        path = self._workers.get(worker_id)
+        if path is None:
+            return
+        namespace, component, _ = path.split(".")
+        query: dict[str, Any] = {"start_event_id": None, "end_event_id": None}
+        if gap is not None:
+            query = {"start_event_id": gap.first_missing, "end_event_id": gap.last_missing, "dp_rank": gap.worker[1]}
+        try:
+            endpoint = self.runtime.namespace(namespace).component(component).endpoint(WORKER_KV_INDEXER_QUERY_ENDPOINT)
+            client = await endpoint.client()
+            await client.wait_for_instances(1, timeout=5)
+            answers = [a async for a in await client.direct(query, worker_id)]
+        except Exception as e:
+            log.info("no KV event recovery from worker %x (%s): its index fills from new events", worker_id, e)
+            return
+        events = [router_event_from_builtins(raw) for answer in answers for raw in answer.get("events", [])]
+        if gap is None:
+            # A dump: only what precedes the live events already applied (an old `removed` must not
+            # undo a newer `stored`).
+            events = [e for e in events
+                      if e.event.event_id < self._first_live.get((e.worker_id, e.event.dp_rank), 1 << 63)]
+        applied = self.indexer.apply_recovered(events)
+        if gap is not None:
+            self.metrics.gaps_recovered.labels(self.model).inc()
+            if not all(answer.get("complete", True) for answer in answers):
+                log.warning("KV events %d-%d of worker %x are gone from its buffer: its index may miss blocks",
+                            gap.first_missing, gap.last_missing, worker_id)
+        log.debug("recovered %d KV events from worker %x", applied, worker_id)
+
+    # -- routing -------------------------------------------------------------------------------
+    def overlaps(self, token_ids: Sequence[int], seed: int) -> tuple[list[int], list[int], OverlapScores]:
+        local = local_block_hashes(token_ids, self.block_size, seed)
+        index = self.approx if self.approx is not None else self.indexer.tree
+        return local, sequence_hashes(local), index.find_matches(local)
+
+    def select(self, request_id: str, token_ids: Sequence[int], candidates: Sequence[int], *,
+               lora_name: str | None = None, cache_salt: str | None = None,
+               override: Mapping[str, Any] | None = None) -> tuple[int, int]:
+        """Choose among `candidates` (instance ids) and start tracking the request there.
+        Returns (instance id, overlap blocks)."""
+        started = time.perf_counter()
+        config = self.config.with_overrides(dict(override)) if override else self.config
+        local, seq, scores = self.overlaps(token_ids, request_seed(lora_name, cache_salt))
+        use_overlap = config.overlap_score_weight != 0
+        loads = []
+        for worker_id in candidates:
+            worker: WorkerKey = (worker_id, 0)
+            decode = self.sequences.active_blocks(worker)
+            if config.track_active_blocks:
+                decode += self.sequences.new_blocks(worker, seq)
+            loads.append(WorkerLoad(worker, scores.scores.get(worker, 0) if use_overlap else 0,
+                                    self.sequences.active_prefill_tokens(worker), decode,
+                                    self.sequences.active_requests(worker)))
+        chosen = select_worker(worker_costs(loads, len(token_ids), self.block_size, config), config.temperature, self.rng)
+        overlap = scores.scores.get(chosen, 0) if use_overlap else 0
+        self.sequences.add_request(request_id, chosen, seq if config.track_active_blocks else None,
+                                   len(token_ids) if config.track_prefill_tokens else 0, overlap)
+        if self.approx is not None:
+            self.approx.process_routing_decision(chosen, local, seq)
+        labels = self.model
+        self.metrics.decision_seconds.labels(labels).observe(time.perf_counter() - started)
+        self.metrics.overlap_blocks.labels(labels).observe(overlap)
+        self.metrics.prompt_blocks.labels(labels).inc(len(local))
+        self.metrics.hit_blocks.labels(labels).inc(overlap)
+        self._maybe_sweep()
+        return chosen[0], overlap
+
+    def prefill_done(self, request_id: str) -> None:
+        self.sequences.mark_prefill_completed(request_id)
+
+    def free(self, request_id: str) -> None:
+        self.sequences.free(request_id)
+
+    def _maybe_sweep(self) -> None:
+        now = time.monotonic()
+        if now - self._last_sweep >= 60:
+            self._last_sweep = now
+            stale = self.sequences.sweep(self.config.active_request_expiry_secs)
+            if stale:
+                log.warning("freed %d routed requests with no end seen for %.0f s", len(stale),
+                            self.config.active_request_expiry_secs)

@@ -1,0 +1,104 @@
+"""Worker cost and selection for KV-aware routing (Dynamo §C.5).
+
+Costs are in blocks: the prefill a worker would still have to do for this request (on top of the
+prompts already queued on it) plus the decode blocks it holds. The current formula credits each cached
+prefix block against prefill; the legacy 0.x formula (`overlap_score_weight` set) weights prefill.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from tandem.router.config import KvRouterConfig
+from tandem.router.sequences import WorkerKey
+
+
+@dataclass
+class WorkerLoad:
+    worker: WorkerKey
+    overlap_blocks: int  # prefix blocks of the request the worker has cached (from the indexer)
+    active_prefill_tokens: int  # prompt tokens queued for prefill (from ActiveSequences)
+    decode_blocks: int  # active blocks + this request's new blocks on the worker
+    active_requests: int = 0
+
+
+def legacy_cost(prefill_blocks: float, decode_blocks: float, overlap_score_weight: float = 1.0) -> float:
+    """The 0.x logit: `overlap_score_weight * prefill_blocks + decode_blocks`."""
+    return overlap_score_weight * prefill_blocks + decode_blocks
+
+
+def worker_costs(
+    loads: Sequence[WorkerLoad], isl_tokens: int, block_size: int, config: KvRouterConfig
+) -> dict[WorkerKey, float]:
+    """Cost of sending a request of `isl_tokens` prompt tokens to each candidate; lower is better.
+
+    Queued prefill on a worker counts only when `config.track_prefill_tokens` is on.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    track_prefill = config.track_prefill_tokens
+
+    def queued(load: WorkerLoad) -> int:
+        return load.active_prefill_tokens if track_prefill else 0
+
+    if config.overlap_score_weight is not None:
+        weight = config.overlap_score_weight
+        costs = {}
+        for load in loads:
+            # weight 0 ignores overlap altogether (the legacy "no indexer" setting)
+            uncached = max(isl_tokens - load.overlap_blocks * block_size, 0)
+            costs[load.worker] = legacy_cost((queued(load) + uncached) / block_size, load.decode_blocks, weight)
+        return costs
+
+    credit = config.overlap_score_credit
+    decay = config.overlap_score_credit_decay if track_prefill else 0.0
+    request_blocks = max(math.ceil(isl_tokens / block_size), 1)
+    # Decay is measured against the least-loaded candidate, so it keeps its full credit.
+    min_queued = min((load.active_prefill_tokens for load in loads), default=0)
+    costs = {}
+    for load in loads:
+        raw_prefill_blocks = (queued(load) + isl_tokens) / block_size
+        worker_credit = credit
+        if decay > 0:
+            excess_blocks = (load.active_prefill_tokens - min_queued) / block_size
+            worker_credit = credit / (1 + decay * excess_blocks / request_blocks)
+        adjusted_prefill_blocks = max(raw_prefill_blocks - worker_credit * load.overlap_blocks, 0.0)
+        costs[load.worker] = (
+            config.prefill_load_scale * adjusted_prefill_blocks
+            + load.decode_blocks
+            + config.decode_active_request_weight * load.active_requests
+        )
+    return costs
+
+
+def select_worker(costs: Mapping[WorkerKey, float], temperature: float, rng: random.Random) -> WorkerKey:
+    """Temperature 0: the cheapest worker, ties broken uniformly at random. Temperature T > 0: sample with
+    `p_i ∝ exp((min - c_i) / ((max - min) * T))` (uniform when every cost is equal)."""
+    if not costs:
+        raise ValueError("no candidate workers")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if temperature == 0:
+        # Reservoir sampling over the minimum: the k-th tie replaces the pick with probability 1/k.
+        items = iter(costs.items())
+        best, best_cost = next(items)
+        ties = 1
+        for worker, cost in items:
+            if cost < best_cost:
+                best, best_cost, ties = worker, cost, 1
+            elif cost == best_cost:
+                ties += 1
+                if rng.randrange(ties) == 0:
+                    best = worker
+        return best
+
+    workers = list(costs)
+    lo, hi = min(costs.values()), max(costs.values())
+    if lo == hi:
+        return workers[rng.randrange(len(workers))]
+    scale = (hi - lo) * temperature
+    weights = [math.exp((lo - costs[w]) / scale) for w in workers]
+    return rng.choices(workers, weights=weights)[0]

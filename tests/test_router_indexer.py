@@ -1,0 +1,408 @@
+"""Router prefix index (Dynamo §C.4): hand cases, RadixTree against a naive reference over random
+operation sequences, KvIndexer event ids and gap recovery, ApproxIndexer TTL and pruning."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tandem.router.indexer import ApproxIndexer, EventGap, KvIndexer, RadixTree, WorkerKey
+from tandem.router.protocols import (
+    KvBlock,
+    RouterEvent,
+    cleared_event,
+    removed_event,
+    stored_event,
+)
+
+A: WorkerKey = (1, 0)
+B: WorkerKey = (2, 0)
+C: WorkerKey = (3, 0)
+
+
+def chain(path: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(block_hash, tokens_hash) pairs for a path of local hashes; the engine hash is
+    position-aware, as a real engine's sequence hash."""
+    return [(hash(("blk", path[: i + 1])) & (2**63 - 1), local) for i, local in enumerate(path)]
+
+
+def engine_hash(path: tuple[int, ...]) -> int:
+    return chain(path)[-1][0]
+
+
+# -- RadixTree by hand ---------------------------------------------------------------------------
+def test_shared_prefix_and_divergence() -> None:
+    tree = RadixTree()
+    assert tree.store(A, None, chain((1, 2, 3, 4))) == 4
+    tree.store(B, None, chain((1, 2, 5)))
+    tree.store(C, None, chain((9,)))
+    result = tree.find_matches([1, 2, 3, 4, 7])
+    assert result.scores == {A: 4, B: 2}
+    assert result.frequencies == [2, 2, 1, 1]
+    assert result.tree_sizes == {A: 4, B: 3}
+    assert tree.find_matches([1, 2, 5]).scores == {A: 2, B: 3}
+    assert tree.find_matches([2, 3]).scores == {}
+    assert tree.find_matches([]).scores == {}
+    # shared (parent, local) nodes: 1, 2, 3, 4, 5, 9
+    assert tree.num_blocks() == 6
+    assert tree.num_blocks(A) == 4 and tree.num_blocks(C) == 1
+    assert tree.workers() == {A, B, C}
+
+
+def test_store_continues_under_parent() -> None:
+    tree = RadixTree()
+    blocks = chain((1, 2, 3))
+    tree.store(A, None, blocks[:1])
+    assert tree.store(A, blocks[0][0], blocks[1:]) == 2
+    assert tree.find_matches([1, 2, 3]).scores == {A: 3}
+
+
+def test_unknown_parent_dropped() -> None:
+    tree = RadixTree()
+    tree.store(A, None, chain((1,)))
+    assert tree.store(A, 12345, chain((1, 2))[1:]) == 0
+    # parents are per worker: B cannot hang blocks under A's block
+    assert tree.store(B, engine_hash((1,)), chain((1, 2))[1:]) == 0
+    assert tree.num_blocks() == 1
+    assert tree.find_matches([1, 2]).scores == {A: 1}
+
+
+def test_removal_in_the_middle() -> None:
+    tree = RadixTree()
+    tree.store(A, None, chain((1, 2, 3)))
+    tree.store(B, None, chain((1, 2, 3)))
+    assert tree.remove(A, [engine_hash((1, 2))]) == 1
+    assert tree.find_matches([1, 2, 3]).scores == {A: 1, B: 3}
+    tree.remove(B, [engine_hash((1, 2))])
+    # nobody holds block 2 any more, but 3 below it is still indexed
+    assert tree.find_matches([1, 2, 3]).scores == {A: 1, B: 1}
+    assert tree.num_blocks() == 3
+    # re-storing the middle block reconnects the chain
+    tree.store(A, engine_hash((1,)), chain((1, 2))[1:])
+    assert tree.find_matches([1, 2, 3]).scores == {A: 3, B: 1}
+    assert tree.remove(A, [999]) == 0
+
+
+def test_empty_subtrees_are_dropped() -> None:
+    tree = RadixTree()
+    tree.store(A, None, chain((1, 2, 3)))
+    tree.remove(A, [engine_hash((1, 2, 3)), engine_hash((1, 2))])
+    assert tree.num_blocks() == 1
+    tree.remove(A, [engine_hash((1,))])
+    assert tree.num_blocks() == 0 and tree.num_blocks(A) == 0
+    assert tree.find_matches([1]).scores == {}
+
+
+def test_clear_and_remove_worker_and_dp_ranks() -> None:
+    tree = RadixTree()
+    a1: WorkerKey = (1, 1)
+    tree.store(A, None, chain((1, 2)))
+    tree.store(a1, None, chain((1, 2, 3)))
+    tree.store(B, None, chain((1,)))
+    assert tree.find_matches([1, 2, 3]).scores == {A: 2, a1: 3, B: 1}
+    tree.clear(a1)
+    assert tree.find_matches([1, 2, 3]).scores == {A: 2, B: 1}
+    assert a1 in tree.workers() and tree.num_blocks(a1) == 0
+    tree.store(a1, None, chain((1, 2, 3)))
+    tree.remove_worker(1)
+    assert tree.workers() == {B}
+    assert tree.find_matches([1, 2, 3]).scores == {B: 1}
+    assert tree.num_blocks() == 1
+    # freed worker slots are reused without leaking the old worker's blocks
+    tree.store(C, None, chain((4,)))
+    assert tree.find_matches([1]).scores == {B: 1}
+    assert tree.find_matches([4]).scores == {C: 1}
+
+
+def test_early_exit() -> None:
+    tree = RadixTree()
+    tree.store(A, None, chain((1, 2, 3, 4)))
+    tree.store(B, None, chain((1, 2)))
+    assert tree.find_matches([1, 2, 3, 4]).scores == {A: 4, B: 2}
+    # once only A is left (at block 3), the walk stops; A's score is a lower bound
+    assert tree.find_matches([1, 2, 3, 4], early_exit=True).scores == {A: 3, B: 2}
+    tree.remove_worker(2)
+    assert tree.find_matches([1, 2, 3, 4], early_exit=True).scores == {A: 1}
+
+
+def test_reused_engine_hash_moves_the_block() -> None:
+    tree = RadixTree()
+    tree.store(A, None, [(7, 1)])
+    tree.store(A, None, [(7, 2)])
+    assert tree.find_matches([1]).scores == {}
+    assert tree.find_matches([2]).scores == {A: 1}
+    assert tree.num_blocks() == 1
+
+
+def test_two_engine_hashes_for_one_block() -> None:
+    tree = RadixTree()
+    tree.store(A, None, [(7, 1)])
+    tree.store(A, None, [(8, 1)])
+    assert tree.num_blocks(A) == 2 and tree.num_blocks() == 1
+    tree.remove(A, [7])
+    assert tree.find_matches([1]).scores == {A: 1}  # still held through hash 8
+    tree.remove(A, [8])
+    assert tree.find_matches([1]).scores == {}
+    assert tree.num_blocks() == 0
+
+
+def test_apply_router_events() -> None:
+    tree = RadixTree()
+    blocks = [KvBlock(h, local) for h, local in chain((1, 2))]
+    tree.apply(RouterEvent(5, stored_event(0, None, blocks, dp_rank=2)))
+    assert tree.find_matches([1, 2]).scores == {(5, 2): 2}
+    tree.apply(RouterEvent(5, removed_event(1, [blocks[1].block_hash], dp_rank=2)))
+    assert tree.find_matches([1, 2]).scores == {(5, 2): 1}
+    tree.apply(RouterEvent(5, cleared_event(2, dp_rank=2)))
+    assert tree.find_matches([1, 2]).scores == {}
+    assert tree.workers() == {(5, 2)}
+
+
+# -- RadixTree against a naive reference ---------------------------------------------------------
+class NaiveIndex:
+    """Per worker: block_hash -> path of local hashes (fixed when stored)."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[WorkerKey, dict[int, tuple[int, ...]]] = {}
+
+    def store(self, worker: WorkerKey, parent_hash: int | None, blocks: list[tuple[int, int]]) -> None:
+        held = self.blocks.setdefault(worker, {})
+        if parent_hash is None:
+            path: tuple[int, ...] = ()
+        elif parent_hash in held:
+            path = held[parent_hash]
+        else:
+            return
+        for block_hash, local in blocks:
+            path = (*path, local)
+            held[block_hash] = path
+
+    def remove(self, worker: WorkerKey, hashes: list[int]) -> None:
+        for block_hash in hashes:
+            self.blocks.get(worker, {}).pop(block_hash, None)
+
+    def clear(self, worker: WorkerKey) -> None:
+        if worker in self.blocks:
+            self.blocks[worker] = {}
+
+    def remove_worker(self, worker_id: int) -> None:
+        for key in [key for key in self.blocks if key[0] == worker_id]:
+            del self.blocks[key]
+
+    def scores(self, query: list[int]) -> dict[WorkerKey, int]:
+        out = {}
+        for worker, held in self.blocks.items():
+            paths = set(held.values())
+            depth = 0
+            while depth < len(query) and tuple(query[: depth + 1]) in paths:
+                depth += 1
+            if depth:
+                out[worker] = depth
+        return out
+
+    def num_nodes(self) -> int:
+        """Nodes: every held path and its prefixes that have a held path below them."""
+        paths = {path for held in self.blocks.values() for path in held.values()}
+        return len({path[:i] for path in paths for i in range(1, len(path) + 1)})
+
+
+WORKERS = [(1, 0), (1, 1), (2, 0), (3, 0)]
+LOCALS = st.integers(min_value=1, max_value=3)  # few local hashes: lots of shared prefixes
+PATHS = st.lists(LOCALS, min_size=1, max_size=6).map(tuple)
+OPS = st.one_of(
+    st.tuples(st.just("store"), st.sampled_from(WORKERS), PATHS, st.integers(0, 5)),
+    st.tuples(st.just("remove"), st.sampled_from(WORKERS), PATHS),
+    # engine hashes from a tiny pool: one hash reused for several chains, several hashes for a block
+    st.tuples(st.just("store_raw"), st.sampled_from(WORKERS), PATHS, st.lists(st.integers(0, 7), min_size=6, max_size=6)),
+    st.tuples(st.just("remove_raw"), st.sampled_from(WORKERS), st.lists(st.integers(0, 7), max_size=3)),
+    st.tuples(st.just("clear"), st.sampled_from(WORKERS)),
+    st.tuples(st.just("remove_worker"), st.sampled_from([1, 2, 3])),
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(ops=st.lists(OPS, max_size=40), queries=st.lists(PATHS, min_size=1, max_size=5))
+def test_radix_tree_matches_naive_reference(ops: list[tuple], queries: list[tuple[int, ...]]) -> None:
+    tree, naive = RadixTree(), NaiveIndex()
+    for op in ops:
+        if op[0] == "store":
+            _, worker, path, split = op
+            # store the path's tail below its prefix (an unknown parent when the worker lacks it)
+            split = min(split, len(path) - 1)
+            parent = engine_hash(path[:split]) if split else None
+            blocks = chain(path)[split:]
+            tree.store(worker, parent, blocks)
+            naive.store(worker, parent, blocks)
+        elif op[0] == "remove":
+            _, worker, path = op
+            hashes = [h for h, _ in chain(path)][-2:]
+            tree.remove(worker, hashes)
+            naive.remove(worker, hashes)
+        elif op[0] == "store_raw":
+            _, worker, path, hashes = op
+            raw = [(block_hash, local) for block_hash, local in zip(hashes, path, strict=False)]
+            tree.store(worker, None, raw)
+            naive.store(worker, None, raw)
+        elif op[0] == "remove_raw":
+            tree.remove(op[1], op[2])
+            naive.remove(op[1], op[2])
+        elif op[0] == "clear":
+            tree.clear(op[1])
+            naive.clear(op[1])
+        else:
+            tree.remove_worker(op[1])
+            naive.remove_worker(op[1])
+        assert tree.num_blocks() == naive.num_nodes()
+    for query in queries:
+        expected = naive.scores(list(query))
+        result = tree.find_matches(list(query))
+        assert result.scores == expected
+        assert result.tree_sizes == {w: len(naive.blocks[w]) for w in expected}
+        depth = max(expected.values(), default=0)
+        assert result.frequencies == [sum(s > d for s in expected.values()) for d in range(depth)]
+        early = tree.find_matches(list(query), early_exit=True).scores
+        assert early.keys() == expected.keys()
+        assert all(early[w] <= expected[w] for w in early)
+
+
+# -- KvIndexer -------------------------------------------------------------------------------------
+def conversation_events(worker_id: int) -> list[RouterEvent]:
+    """Stores, a removal in the middle and a clear, numbered from 0."""
+    events = []
+    data = [
+        ("store", None, (1, 2)),
+        ("store", (1, 2), (1, 2, 3, 4)),
+        ("store", None, (5, 6)),
+        ("remove", (1, 2)),
+        ("store", None, (7,)),
+        ("clear",),
+        ("store", None, (1, 2, 3)),
+        ("remove", (1, 2, 3)),
+        ("store", (1, 2), (1, 2, 8)),
+    ]
+    for event_id, item in enumerate(data):
+        if item[0] == "store":
+            _, parent, path = item
+            start = len(parent) if parent else 0
+            blocks = [KvBlock(h, local) for h, local in chain(path)[start:]]
+            kv = stored_event(event_id, engine_hash(parent) if parent else None, blocks)
+        elif item[0] == "remove":
+            kv = removed_event(event_id, [engine_hash(item[1])])
+        else:
+            kv = cleared_event(event_id)
+        events.append(RouterEvent(worker_id, kv))
+    return events
+
+
+def index_state(indexer: KvIndexer) -> list[dict[WorkerKey, int]]:
+    queries = [[1, 2, 3, 4], [1, 2, 8], [5, 6], [7]]
+    return [indexer.find_matches(q).scores for q in queries]
+
+
+def test_kv_indexer_in_order_and_duplicates() -> None:
+    indexer = KvIndexer()
+    events = conversation_events(1)
+    for event in events:
+        assert indexer.apply_event(event) is None
+    assert indexer.last_event_id((1, 0)) == len(events) - 1
+    before = index_state(indexer)
+    assert before == [{(1, 0): 2}, {(1, 0): 3}, {}, {}]
+    assert indexer.apply_event(events[2]) is None  # duplicate: ignored
+    assert index_state(indexer) == before
+    assert indexer.events_applied == len(events)
+    assert indexer.blocks_applied == 2 + 2 + 2 + 1 + 1 + 3 + 1 + 1
+    assert indexer.gaps_detected == 0
+
+
+def test_kv_indexer_gap_recovery_matches_no_gap() -> None:
+    events = conversation_events(1)
+    reference = KvIndexer()
+    for event in events:
+        reference.apply_event(event)
+
+    indexer = KvIndexer()
+    for event in events[:2]:
+        indexer.apply_event(event)
+    # events 2 and 3 are lost: event 4 is applied and reveals the gap
+    assert indexer.apply_event(events[4]) == EventGap((1, 0), 2, 3)
+    assert indexer.gaps_detected == 1
+    assert indexer.last_event_id((1, 0)) == 4
+    # recovered events (in any order) do not move the last seen id back
+    assert indexer.apply_recovered([events[3], events[2]]) == 2
+    assert indexer.last_event_id((1, 0)) == 4
+    assert indexer.events_recovered == 2
+    for event in events[5:]:
+        assert indexer.apply_event(event) is None
+    assert index_state(indexer) == index_state(reference)
+    assert indexer.tree.num_blocks() == reference.tree.num_blocks()
+
+
+def test_kv_indexer_full_dump_and_remove_worker() -> None:
+    reference = KvIndexer()
+    events = conversation_events(1)
+    for event in events:
+        reference.apply_event(event)
+    dumped = KvIndexer()
+    assert dumped.apply_recovered(events) == len(events)
+    assert index_state(dumped) == index_state(reference)
+    assert dumped.last_event_id((1, 0)) == len(events) - 1
+    assert dumped.apply_event(events[-1]) is None  # already seen
+    dumped.remove_worker(1)
+    assert dumped.last_event_id((1, 0)) is None
+    assert index_state(dumped) == [{}, {}, {}, {}]
+    assert dumped.tree.workers() == set()
+
+
+def test_kv_indexer_dp_ranks_have_separate_ids() -> None:
+    indexer = KvIndexer()
+    rank0 = RouterEvent(1, stored_event(0, None, [KvBlock(10, 1)], dp_rank=0))
+    rank1 = RouterEvent(1, stored_event(0, None, [KvBlock(11, 1)], dp_rank=1))
+    assert indexer.apply_event(rank0) is None
+    assert indexer.apply_event(rank1) is None
+    assert indexer.find_matches([1]).scores == {(1, 0): 1, (1, 1): 1}
+    gap = indexer.apply_event(RouterEvent(1, removed_event(3, [11], dp_rank=1)))
+    assert gap == EventGap((1, 1), 1, 2)
+    assert indexer.find_matches([1]).scores == {(1, 0): 1}
+
+
+# -- ApproxIndexer ---------------------------------------------------------------------------------
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_approx_indexer_ttl_and_refresh() -> None:
+    clock = FakeClock()
+    approx = ApproxIndexer(ttl_secs=10.0, clock=clock)
+    approx.process_routing_decision(A, [1, 2, 3], [101, 102, 103])
+    clock.now += 5
+    approx.process_routing_decision(B, [1, 2], [101, 102])
+    assert approx.find_matches([1, 2, 3]).scores == {A: 3, B: 2}
+    clock.now += 4
+    approx.process_routing_decision(A, [1], [101])  # refreshes A's first block only
+    clock.now += 2  # A's blocks 2, 3 expired
+    assert approx.find_matches([1, 2, 3]).scores == {A: 1, B: 2}
+    assert approx.num_blocks(A) == 1
+    clock.now += 10
+    assert approx.find_matches([1, 2, 3]).scores == {}
+    assert approx.num_blocks() == 0
+
+
+def test_approx_indexer_size_pruning_and_remove_worker() -> None:
+    clock = FakeClock()
+    approx = ApproxIndexer(ttl_secs=100.0, max_tree_size=10, prune_target_ratio=0.5, clock=clock)
+    for i in range(4):  # 4 chains of 3 blocks, one per second
+        clock.now += 1
+        approx.process_routing_decision((i, 0), [i * 10 + 1, i * 10 + 2, i * 10 + 3], [i * 100 + 1, i * 100 + 2, i * 100 + 3])
+    # the 12th block exceeded 10: the oldest 7 were dropped, down to 5
+    assert sum(approx.num_blocks(w) for w in approx.workers()) == 5
+    assert approx.find_matches([1]).scores == {}
+    assert approx.find_matches([21, 22, 23]).scores == {}  # leading block pruned first
+    assert approx.find_matches([31, 32, 33]).scores == {(3, 0): 3}
+    approx.remove_worker(3)
+    assert approx.find_matches([31, 32, 33]).scores == {}
+    assert approx.num_blocks((2, 0)) == 2
+    assert approx.num_blocks() == 3  # worker 2's blocks 22, 23 still hang under the empty node 21
