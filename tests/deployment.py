@@ -46,9 +46,11 @@ class Deployment:
             self.stop()
             raise
 
-    def add_engine(self, *extra: str) -> TandemProcess:
+    def add_engine(self, *extra: str, env: dict[str, str] | None = None) -> TandemProcess:
+        """Start one more engine; `env` adds to (and overrides) `engine_env` for this engine only."""
         engine = TandemProcess(self.engine_module, "--model", self.model_path, "--discovery-backend", "file",
-                               *extra, env={**self.env, **self.engine_env}, timeout=self.engine_timeout)
+                               *extra, env={**self.env, **self.engine_env, **(env or {})},
+                               timeout=self.engine_timeout)
         self.engines.append(engine)
         return engine
 

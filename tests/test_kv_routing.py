@@ -91,3 +91,23 @@ def test_approximate_mode_routes_by_its_own_decisions(tmp_path: Path, smollm2: s
         assert "dynamo_component_kv_cache_events_applied_total{" not in deployment.metrics()  # no events used
     finally:
         deployment.stop()
+
+
+def test_prefill_workers_are_chosen_by_cached_prefix(tmp_path: Path, smollm2: str) -> None:
+    """Disaggregated: the prefill worker that computed a prefix gets the follow-ups (its cache hits come
+    back in usage through the decode worker)."""
+    prefill = [*MOCKER, "--disaggregation-mode", "prefill", "--kv-transfer-bandwidth", "0"]
+    deployment = Deployment(tmp_path, smollm2, engine_module="tandem.mocker",
+                            engines=[[*MOCKER, "--disaggregation-mode", "decode"], prefill, prefill],
+                            frontend_args=["--router-mode", "kv"], instances=1)
+    try:
+        client = deployment.client()
+        time.sleep(1.0)  # the frontend's model watcher picks up the prefill workers
+        for n in range(4):
+            prefix = _conversation(400 + n)
+            _cached(client, prefix)
+            for turn in range(3):
+                cached, _ = _cached(client, f"{prefix} then {turn}")
+                assert cached > 0, (n, turn)  # round robin over the 2 prefill workers would miss half
+    finally:
+        deployment.stop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from dataclasses import replace
 
 from tandem.frontend.http import FrontendServer, HttpConfig
 from tandem.frontend.metrics import FrontendMetrics
@@ -80,13 +81,17 @@ async def serve(args: argparse.Namespace) -> int:
     router_metrics = RouterMetrics(runtime.registry) if router_config is not None else None
 
     def build(model: ServedModel) -> ModelPipeline:
-        kv_router = None
+        kv_router = prefill_router = None
         if router_config is not None and model.card.model_input == "Tokens":
-            kv_router = KvRouter(runtime, model.name, block_size=model.card.kv_cache_block_size, config=router_config,
+            block_size = model.card.kv_cache_block_size
+            kv_router = KvRouter(runtime, model.name, block_size=block_size, config=router_config,
                                  metrics=router_metrics)
+            # Prefill workers: by cached prefix, without tracking their short-lived requests' blocks (§B.8).
+            prefill_router = KvRouter(runtime, model.name, block_size=block_size, metrics=router_metrics,
+                                      config=replace(router_config, track_active_blocks=False, replica_sync=False))
         return ModelPipeline(model, manager, router_mode=args.router_mode, migration_limit=args.migration_limit,
                              migration_max_seq_len=args.migration_max_seq_len, load=load, metrics=metrics,
-                             kv_router=kv_router)
+                             kv_router=kv_router, prefill_router=prefill_router)
 
     def on_change() -> None:
         for model in manager.served():
@@ -100,6 +105,8 @@ async def serve(args: argparse.Namespace) -> int:
             })
             if model.pipeline is not None and model.pipeline.kv_router is not None:
                 model.pipeline.kv_router.sync_workers(model.instances)
+            if model.pipeline is not None and model.pipeline.prefill_router is not None:
+                model.pipeline.prefill_router.sync_workers(model.prefill_instances)
             if load.thresholds.enabled:
                 for path in set(model.instances.values()) - subscribed:
                     subscribed.add(path)

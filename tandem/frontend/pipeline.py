@@ -104,6 +104,7 @@ class ModelPipeline:
         load: LoadMonitor,
         metrics: FrontendMetrics,
         kv_router: KvRouter | None = None,
+        prefill_router: KvRouter | None = None,
     ) -> None:
         self.model = model
         self.manager = manager
@@ -112,6 +113,7 @@ class ModelPipeline:
         self.inflight: dict[int, int] = {}
         # `kv` routes token requests with the KV router; text-input requests (no tokens here) round robin.
         self.kv_router = kv_router if router_mode == "kv" else None
+        self.prefill_router = prefill_router if router_mode == "kv" else None
         self.selector: Selector = make_selector("round-robin" if router_mode == "kv" else router_mode, self.inflight)
         self.prefill_selector: Selector = make_selector("round-robin", self.inflight)
         self.migration_limit = migration_limit or model.card.migration_limit
@@ -296,7 +298,10 @@ class ModelPipeline:
         its `prefill_result` (the KV transfer parameters). Any failure falls back to aggregated
         decode: the decode worker then computes the prompt itself."""
         candidates = sorted(self.model.prefill_instances)
-        instance = self.prefill_selector.select(candidates, request)
+        if self.prefill_router is not None:
+            instance, _ = self.prefill_router.select(context.id(), request.token_ids, candidates)
+        else:
+            instance = self.prefill_selector.select(candidates, request)
         client = self.manager.clients.get(self.model.prefill_instances[instance])
         stop = msgspec.structs.replace(request.stop_conditions, max_tokens=1, min_tokens=None)
         child = Context(context.id())
@@ -319,6 +324,9 @@ class ModelPipeline:
                 log.warning("request %s: prefill on worker %x failed (%s); decoding with local prefill",
                             context.id(), instance, e)
             return request
+        finally:
+            if self.prefill_router is not None:
+                self.prefill_router.free(context.id())
         details = (last.get("completion_usage") or {}).get("prompt_tokens_details")
         return msgspec.structs.replace(request, prefill_result={"disaggregated_params": params,
                                                                 "prompt_tokens_details": details})

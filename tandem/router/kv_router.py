@@ -7,6 +7,8 @@ prefix of a request, weighed against the load this router has put on each worker
   decisions with a TTL (approximate mode).
 * Active sequences: the blocks and outstanding prefill tokens of the requests this router sent.
 * Cost and selection: `tandem.router.selector`.
+* Replica sync (`--router-replica-sync`): routers of several frontends publish their active-sequence
+  changes on `active_sequences_events` and apply each other's, so their load views converge.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from tandem.router.protocols import (
 )
 from tandem.router.selector import WorkerLoad, select_worker, worker_costs
 from tandem.router.sequences import ActiveSequences
+
+ACTIVE_SEQUENCES_TOPIC = "active_sequences_events"
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +77,9 @@ class KvRouter:
         self._workers: dict[int, str] = {}  # instance id -> endpoint path
         self._subscribed: set[str] = set()  # component scopes
         self._first_live: dict[WorkerKey, int] = {}  # first event id received live, per worker and dp rank
+        # --router-replica-sync: this router's id and its publisher of active-sequence events
+        self.router_id = self.rng.getrandbits(63)
+        self._sync: Any = None
         self._last_sweep = time.monotonic()
 
     # -- workers and events --------------------------------------------------------------------
@@ -97,6 +104,11 @@ class KvRouter:
                     self._subscribed.add(scope)
                     self.runtime.spawn(self._follow_events(namespace, component))
                 self.runtime.spawn(self._recover(worker_id, None))
+            if self.config.replica_sync:
+                namespace, component, _ = path.split(".")
+                if f"sync:{namespace}/{component}" not in self._subscribed:
+                    self._subscribed.add(f"sync:{namespace}/{component}")
+                    self.runtime.spawn(self._follow_replicas(namespace, component))
 
     async def _follow_events(self, namespace: str, component: str) -> None:
         subscriber = await self.runtime.namespace(namespace).component(component).subscribe(KV_EVENT_TOPIC)
@@ -147,6 +159,38 @@ class KvRouter:
                             gap.first_missing, gap.last_missing, worker_id)
         log.debug("recovered %d KV events from worker %x", applied, worker_id)
 
+    # -- replica sync (reference §C.7) -----------------------------------------------------------
+    async def _follow_replicas(self, namespace: str, component: str) -> None:
+        """Publish this router's active-sequence changes and apply the other routers' ones."""
+        scope = self.runtime.namespace(namespace).component(component)
+        if self._sync is None:
+            self._sync = await scope.event_publisher(ACTIVE_SEQUENCES_TOPIC)
+        subscriber = await scope.subscribe(ACTIVE_SEQUENCES_TOPIC)
+        async for event in subscriber:
+            try:
+                self._apply_replica(event)
+            except (KeyError, TypeError, ValueError) as e:
+                log.warning("ignoring malformed active-sequence event: %s", e)
+
+    def _apply_replica(self, event: dict[str, Any]) -> None:
+        if event["router_id"] == self.router_id:
+            return
+        request_id, data = str(event["request_id"]), event["data"]
+        if isinstance(data, dict) and "add_request" in data:
+            add = data["add_request"]
+            worker = (int(event["worker"]["worker_id"]), int(event["worker"].get("dp_rank", 0)))
+            self.sequences.add_request(request_id, worker, add.get("token_sequence"), int(add["isl"]),
+                                       int(add["overlap"]), add.get("expected_output_tokens"))
+        elif data == "mark_prefill_completed":
+            self.sequences.mark_prefill_completed(request_id)
+        elif data == "free":
+            self.sequences.free(request_id)
+
+    def _publish_sync(self, request_id: str, worker: WorkerKey, data: Any) -> None:
+        if self._sync is not None:
+            self._sync.publish({"request_id": request_id, "worker": {"worker_id": worker[0], "dp_rank": worker[1]},
+                                "data": data, "router_id": self.router_id})
+
     # -- routing -------------------------------------------------------------------------------
     def overlaps(self, token_ids: Sequence[int], seed: int) -> tuple[list[int], list[int], OverlapScores]:
         local = local_block_hashes(token_ids, self.block_size, seed)
@@ -173,8 +217,11 @@ class KvRouter:
                                     self.sequences.active_requests(worker)))
         chosen = select_worker(worker_costs(loads, len(token_ids), self.block_size, config), config.temperature, self.rng)
         overlap = scores.scores.get(chosen, 0) if use_overlap else 0
-        self.sequences.add_request(request_id, chosen, seq if config.track_active_blocks else None,
-                                   len(token_ids) if config.track_prefill_tokens else 0, overlap)
+        tracked_blocks = seq if config.track_active_blocks else None
+        isl = len(token_ids) if config.track_prefill_tokens else 0
+        self.sequences.add_request(request_id, chosen, tracked_blocks, isl, overlap)
+        self._publish_sync(request_id, chosen, {"add_request": {"token_sequence": tracked_blocks, "isl": isl,
+                                                                "overlap": overlap}})
         if self.approx is not None:
             self.approx.process_routing_decision(chosen, local, seq)
         labels = self.model
@@ -186,10 +233,16 @@ class KvRouter:
         return chosen[0], overlap
 
     def prefill_done(self, request_id: str) -> None:
-        self.sequences.mark_prefill_completed(request_id)
+        worker = self.sequences.request_worker(request_id)
+        if worker is not None:
+            self.sequences.mark_prefill_completed(request_id)
+            self._publish_sync(request_id, worker, "mark_prefill_completed")
 
     def free(self, request_id: str) -> None:
-        self.sequences.free(request_id)
+        worker = self.sequences.request_worker(request_id)
+        if worker is not None:
+            self.sequences.free(request_id)
+            self._publish_sync(request_id, worker, "free")
 
     def _maybe_sweep(self) -> None:
         now = time.monotonic()

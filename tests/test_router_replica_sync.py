@@ -1,0 +1,56 @@
+"""--router-replica-sync: two routers (two frontends' worth) share their active sequences over the
+event plane, so each sees the load the other put on the workers."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tandem.router.config import KvRouterConfig
+from tandem.router.kv_router import KvRouter
+
+BLOCK = 16
+
+
+def _router(runtime, namespace: str, replica_sync: bool) -> tuple[KvRouter, list[int]]:  # type: ignore[no-untyped-def]
+    router = KvRouter(runtime, "m", block_size=BLOCK, config=KvRouterConfig(use_kv_events=False,
+                                                                           replica_sync=replica_sync))
+    workers = {101: f"{namespace}.backend.generate", 102: f"{namespace}.backend.generate"}
+    router.sync_workers(workers)
+    return router, sorted(workers)
+
+
+async def test_routers_share_active_sequences(runtimes, namespace) -> None:  # type: ignore[no-untyped-def]
+    (a, workers), (b, _) = _router(await runtimes(), namespace, True), _router(await runtimes(), namespace, True)
+    attempt = 0
+    async with asyncio.timeout(15):  # PUB/SUB drops what precedes the subscription: retry until seen
+        while True:
+            request_id = f"r{attempt}"
+            prompt = list(range(1000 * (attempt + 1), 1000 * (attempt + 1) + 10 * BLOCK))  # no overlap with earlier
+            a.select(request_id, prompt, workers)
+            await asyncio.sleep(0.1)
+            if request_id in b.sequences:
+                break
+            a.free(request_id)
+            attempt += 1
+    worker = a.sequences.request_worker(request_id)
+    assert worker is not None and b.sequences.request_worker(request_id) == worker
+    assert b.sequences.active_prefill_tokens(worker) == len(prompt)
+    # b's own decision for the same prompt avoids the worker a loaded.
+    chosen, _ = b.select("mine", prompt, workers)
+    assert chosen != worker[0]
+    a.prefill_done(request_id)
+    async with asyncio.timeout(5):
+        while b.sequences.active_prefill_tokens(worker):
+            await asyncio.sleep(0.02)
+    a.free(request_id)
+    async with asyncio.timeout(5):
+        while request_id in b.sequences:
+            await asyncio.sleep(0.02)
+    assert b.sequences.active_blocks(worker) == 0
+
+
+async def test_without_sync_routers_stay_independent(runtimes, namespace) -> None:  # type: ignore[no-untyped-def]
+    (a, workers), (b, _) = _router(await runtimes(), namespace, False), _router(await runtimes(), namespace, False)
+    a.select("r0", list(range(5 * BLOCK)), workers)
+    await asyncio.sleep(0.3)
+    assert "r0" in a.sequences and "r0" not in b.sequences
