@@ -11,6 +11,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "model": ("tandem.models.cli", "prepare and locate models (`tandem model prepare`)"),
     "vllm": ("tandem.vllm.main", "a vLLM worker (`tandem vllm --model smollm2`)"),
     "mocker": ("tandem.mocker.main", "simulated vLLM workers for scale tests and benchmarks"),
+    "router": ("tandem.router.main", "the KV router as a standalone service"),
     "discovery": ("tandem.runtime.discovery.cli", "list what is registered in discovery"),
     "run": ("tandem.launch.main", "a whole deployment on this machine (`tandem run --workers 2`)"),
 }

@@ -17,6 +17,7 @@ import logging
 import random
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -56,6 +57,16 @@ class RouterMetrics:
                                       "KV cache events applied to the router's index", labels, registry=registry)
         self.gaps_recovered = Counter("dynamo_router_event_gaps_recovered",
                                       "Missing KV event ranges fetched from workers", labels, registry=registry)
+
+
+@dataclass
+class Decision:
+    worker: WorkerKey
+    overlap_blocks: int
+    local_hashes: list[int]
+    sequence_hashes: list[int]
+    config: KvRouterConfig
+    scores: OverlapScores
 
 
 class KvRouter:
@@ -197,12 +208,9 @@ class KvRouter:
         index = self.approx if self.approx is not None else self.indexer.tree
         return local, sequence_hashes(local), index.find_matches(local)
 
-    def select(self, request_id: str, token_ids: Sequence[int], candidates: Sequence[int], *,
-               lora_name: str | None = None, cache_salt: str | None = None,
-               override: Mapping[str, Any] | None = None) -> tuple[int, int]:
-        """Choose among `candidates` (instance ids) and start tracking the request there.
-        Returns (instance id, overlap blocks)."""
-        started = time.perf_counter()
+    def best_worker(self, token_ids: Sequence[int], candidates: Sequence[int], *, lora_name: str | None = None,
+                    cache_salt: str | None = None, override: Mapping[str, Any] | None = None) -> Decision:
+        """The cheapest of `candidates` (instance ids) for this prompt; nothing is tracked."""
         config = self.config.with_overrides(dict(override)) if override else self.config
         local, seq, scores = self.overlaps(token_ids, request_seed(lora_name, cache_salt))
         use_overlap = config.overlap_score_weight != 0
@@ -217,17 +225,28 @@ class KvRouter:
                                     self.sequences.active_requests(worker)))
         chosen = select_worker(worker_costs(loads, len(token_ids), self.block_size, config), config.temperature, self.rng)
         overlap = scores.scores.get(chosen, 0) if use_overlap else 0
-        tracked_blocks = seq if config.track_active_blocks else None
+        return Decision(chosen, overlap, local, seq, config, scores)
+
+    def select(self, request_id: str, token_ids: Sequence[int], candidates: Sequence[int], *,
+               lora_name: str | None = None, cache_salt: str | None = None,
+               override: Mapping[str, Any] | None = None) -> tuple[int, int]:
+        """Choose among `candidates` (instance ids) and start tracking the request there.
+        Returns (instance id, overlap blocks)."""
+        started = time.perf_counter()
+        decision = self.best_worker(token_ids, candidates, lora_name=lora_name, cache_salt=cache_salt,
+                                    override=override)
+        chosen, overlap, config = decision.worker, decision.overlap_blocks, decision.config
+        tracked_blocks = decision.sequence_hashes if config.track_active_blocks else None
         isl = len(token_ids) if config.track_prefill_tokens else 0
         self.sequences.add_request(request_id, chosen, tracked_blocks, isl, overlap)
         self._publish_sync(request_id, chosen, {"add_request": {"token_sequence": tracked_blocks, "isl": isl,
                                                                 "overlap": overlap}})
         if self.approx is not None:
-            self.approx.process_routing_decision(chosen, local, seq)
+            self.approx.process_routing_decision(chosen, decision.local_hashes, decision.sequence_hashes)
         labels = self.model
         self.metrics.decision_seconds.labels(labels).observe(time.perf_counter() - started)
         self.metrics.overlap_blocks.labels(labels).observe(overlap)
-        self.metrics.prompt_blocks.labels(labels).inc(len(local))
+        self.metrics.prompt_blocks.labels(labels).inc(len(decision.local_hashes))
         self.metrics.hit_blocks.labels(labels).inc(overlap)
         self._maybe_sweep()
         return chosen[0], overlap

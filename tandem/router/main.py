@@ -1,0 +1,113 @@
+"""`tandem router` / `python -m tandem.router`: the KV router as a service of its own (Dynamo's
+`python -m dynamo.router`), for components that route without a frontend.
+
+It follows the workers of `--endpoint` (their KV events, their instances) and serves, on
+`dyn://<namespace>.<--router-component>.*`:
+
+* `generate`: a PreprocessedRequest in, the chosen worker's output stream out (the router tracks the
+  request's load until it ends), like Dynamo's `KvPushRouter.generate`;
+* `best_worker_id`: `{"token_ids": [...]}` in, `{"worker_id", "overlap_blocks"}` out, without
+  tracking anything (the caller sends the request itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+from tandem.router.config import add_router_args, config_from_args
+from tandem.router.kv_router import KvRouter, RouterMetrics
+from tandem.runtime import DistributedRuntime, RuntimeConfig, add_runtime_args, configure_logging, run
+from tandem.runtime.keys import parse_endpoint_path
+
+log = logging.getLogger("tandem.router")
+
+
+class RouterService:
+    def __init__(self, router: KvRouter, client: Any, worker_path: str) -> None:
+        self.router = router
+        self.client = client
+        self.worker_path = worker_path
+
+    def _workers(self) -> list[int]:
+        ids = self.client.instance_ids()
+        self.router.sync_workers(dict.fromkeys(ids, self.worker_path))
+        if not ids:
+            raise RuntimeError(f"no workers serve {self.worker_path}")
+        return ids
+
+    async def generate(self, request: dict[str, Any], context: Any) -> AsyncIterator[Any]:
+        routing = request.get("routing") or {}
+        router = self.router
+        worker, _ = router.select(context.id(), request["token_ids"], self._workers(),
+                                  cache_salt=routing.get("cache_salt"),
+                                  override=request.get("router_config_override"))
+        try:
+            first = True
+            async for output in await self.client.direct(request, worker, context):
+                if first and output.get("token_ids"):
+                    first = False
+                    router.prefill_done(context.id())
+                yield output
+        finally:
+            router.free(context.id())
+
+    async def best_worker_id(self, request: dict[str, Any], context: Any = None) -> AsyncIterator[dict[str, Any]]:
+        routing = request.get("routing") or {}
+        decision = self.router.best_worker(request["token_ids"], self._workers(), cache_salt=routing.get("cache_salt"),
+                                           override=request.get("router_config_override"))
+        yield {"worker_id": decision.worker[0], "dp_rank": decision.worker[1],
+               "overlap_blocks": decision.overlap_blocks,
+               "overlaps": {str(worker[0]): blocks for worker, blocks in decision.scores.scores.items()}}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem router", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--endpoint", default="dyn://dynamo.backend.generate",
+                        help="the workers' generate endpoint [dyn://dynamo.backend.generate]")
+    parser.add_argument("--block-size", "--kv-cache-block-size", dest="block_size", type=int, required=True,
+                        help="the workers' KV block size (tokens)")
+    parser.add_argument("--router-component", default="router", help="component this service serves as [router]")
+    add_router_args(parser)
+    add_runtime_args(parser)
+    return parser
+
+
+async def serve(args: argparse.Namespace) -> int:
+    namespace, component, endpoint = parse_endpoint_path(args.endpoint)
+    runtime = await DistributedRuntime.create(RuntimeConfig.from_args(args).replace(namespace=namespace))
+    runtime.install_signal_handlers()
+    worker_path = f"{namespace}.{component}.{endpoint}"
+    client = await runtime.endpoint(worker_path).client()
+    router = KvRouter(runtime, worker_path, block_size=args.block_size, config=args.router_config,
+                      metrics=RouterMetrics(runtime.registry))
+    service = RouterService(router, client, worker_path)
+    router.sync_workers(dict.fromkeys(client.instance_ids(), worker_path))
+    own = runtime.namespace(namespace).component(args.router_component)
+    served = await own.endpoint("generate").start_serving(service.generate)
+    await own.endpoint("best_worker_id").start_serving(service.best_worker_id)
+    runtime.set_ready()
+    print(f"READY {runtime.instance_id:x} {served.path}", flush=True)
+    await runtime.wait_closed()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.block_size <= 0:
+        parser.error("--block-size must be positive")
+    try:
+        args.router_config = config_from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    configure_logging()
+    return run(lambda: serve(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
