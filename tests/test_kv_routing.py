@@ -111,3 +111,23 @@ def test_prefill_workers_are_chosen_by_cached_prefix(tmp_path: Path, smollm2: st
                 assert cached > 0, (n, turn)  # round robin over the 2 prefill workers would miss half
     finally:
         deployment.stop()
+
+
+async def test_recent_decisions_count_until_the_events_arrive(runtimes, namespace) -> None:  # type: ignore[no-untyped-def]
+    """No KV event has arrived yet (none will here): the predicted side index still sends a follow-up to
+    the worker just chosen for its prefix; with --router-predicted-ttl-secs 0 it is a coin toss."""
+    from tandem.router.config import KvRouterConfig
+    from tandem.router.kv_router import KvRouter
+
+    workers = {i: f"{namespace}.backend.generate" for i in range(1, 9)}
+    prompt = list(range(100, 100 + 10 * BLOCK))
+    for ttl, expect_same in ((5.0, True), (0.0, False)):
+        router = KvRouter(await runtimes(), "m", block_size=BLOCK,
+                          config=KvRouterConfig(predicted_ttl_secs=ttl))
+        router.sync_workers(workers)
+        chosen = set()
+        for n in range(8):
+            worker, _ = router.select(f"r{n}", prompt + [n], sorted(workers))
+            router.free(f"r{n}")
+            chosen.add(worker)
+        assert (len(chosen) == 1) == expect_same, (ttl, chosen)

@@ -27,6 +27,10 @@ class KvRouterConfig:
     temperature: float = 0.0
     use_kv_events: bool = True
     ttl_secs: float = 120.0  # approximate mode: lifetime of predicted blocks
+    # With KV events: also predict blocks from routing decisions for this long (0 = off), covering the
+    # time until the worker's events arrive. Dynamo leaves it unset; a follow-up turn sent as soon as
+    # its answer ends would otherwise race the events.
+    predicted_ttl_secs: float = 5.0
     max_tree_size: int = 2**20  # approximate mode: prune the index above this many nodes
     replica_sync: bool = False
     track_active_blocks: bool = True
@@ -107,6 +111,9 @@ _OPTIONS: tuple[_Option, ...] = (
             "decisions instead", kind=bool),
     _Option("ttl_secs", ("--router-ttl-secs", "--router-ttl"), ("DYN_ROUTER_TTL_SECS",),
             "without KV events: how long a predicted cached block lives", positive=True),
+    _Option("predicted_ttl_secs", ("--router-predicted-ttl-secs",), ("DYN_ROUTER_PREDICTED_TTL_SECS",),
+            "with KV events: also count the blocks of recent routing decisions as cached on their worker for "
+            "this long, until its events arrive (0 = off)", minimum=0.0),
     _Option("replica_sync", ("--router-replica-sync",), ("DYN_ROUTER_REPLICA_SYNC",),
             "share active-request load with other router replicas", kind=bool),
     _Option("track_active_blocks", ("--router-track-active-blocks", "--track-active-blocks"),

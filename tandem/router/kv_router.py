@@ -83,6 +83,8 @@ class KvRouter:
         self.rng = rng or random.Random()
         self.indexer = KvIndexer()
         self.approx = ApproxIndexer(config.ttl_secs, config.max_tree_size) if not config.use_kv_events else None
+        self.predicted = (ApproxIndexer(config.predicted_ttl_secs, config.max_tree_size)
+                          if config.use_kv_events and config.predicted_ttl_secs > 0 else None)
         self.sequences = ActiveSequences(block_size)
         self.metrics = metrics or RouterMetrics(None)
         self._workers: dict[int, str] = {}  # instance id -> endpoint path
@@ -98,8 +100,9 @@ class KvRouter:
         """The model's current instances (id -> `ns.component.endpoint`)."""
         for worker_id in set(self._workers) - set(instances):
             self.indexer.remove_worker(worker_id)
-            if self.approx is not None:
-                self.approx.remove_worker(worker_id)
+            for side in (self.approx, self.predicted):
+                if side is not None:
+                    side.remove_worker(worker_id)
             self.sequences.remove_worker(worker_id)
             del self._workers[worker_id]
             for key in [k for k in self._first_live if k[0] == worker_id]:
@@ -206,7 +209,12 @@ class KvRouter:
     def overlaps(self, token_ids: Sequence[int], seed: int) -> tuple[list[int], list[int], OverlapScores]:
         local = local_block_hashes(token_ids, self.block_size, seed)
         index = self.approx if self.approx is not None else self.indexer.tree
-        return local, sequence_hashes(local), index.find_matches(local)
+        scores = index.find_matches(local)
+        if self.predicted is not None:  # per worker, the better of what events say and what was just routed
+            for worker, blocks in self.predicted.find_matches(local).scores.items():
+                if blocks > scores.scores.get(worker, 0):
+                    scores.scores[worker] = blocks
+        return local, sequence_hashes(local), scores
 
     def best_worker(self, token_ids: Sequence[int], candidates: Sequence[int], *, lora_name: str | None = None,
                     cache_salt: str | None = None, override: Mapping[str, Any] | None = None) -> Decision:
@@ -241,8 +249,9 @@ class KvRouter:
         self.sequences.add_request(request_id, chosen, tracked_blocks, isl, overlap)
         self._publish_sync(request_id, chosen, {"add_request": {"token_sequence": tracked_blocks, "isl": isl,
                                                                 "overlap": overlap}})
-        if self.approx is not None:
-            self.approx.process_routing_decision(chosen, decision.local_hashes, decision.sequence_hashes)
+        for side in (self.approx, self.predicted):
+            if side is not None:
+                side.process_routing_decision(chosen, decision.local_hashes, decision.sequence_hashes)
         labels = self.model
         self.metrics.decision_seconds.labels(labels).observe(time.perf_counter() - started)
         self.metrics.overlap_blocks.labels(labels).observe(overlap)
