@@ -7,12 +7,20 @@ import this file; httpx is imported where it is used.
 from __future__ import annotations
 
 import ctypes
+import datetime
+import json
 import os
+import shlex
+import shutil
 import signal
 import socket
 import subprocess
+import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -238,3 +246,222 @@ def wait_serving(url: str, procs: list[Proc], model: str, timeout: float = 180, 
         time.sleep(0.2)
     raise RuntimeError(f"the frontend at {url} never served a request ({last}):\n" +
                        "\n".join(p.tail(1500) for p in procs))
+
+
+# -- mocker deployments (tandem / Dynamo 1.6.1) and aiperf ------------------------------------------
+MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+# -- the deployments ------------------------------------------------------------------------------
+class Deployment:
+    """One implementation's frontend + `workers` mocker workers, up and serving: `engine` are the mocker
+    flags (the same on both sides), `frontend_args` extra frontend flags (tandem: via --frontend-args)."""
+
+    def __init__(self, impl: str, engine: list[str], workdir: str, dynamo_python: str, *, workers: int = 4,
+                 router_mode: str = "round-robin", model_name: str = MODEL_NAME,
+                 frontend_args: list[str] | None = None) -> None:
+        self.impl = impl
+        self.procs: list[Proc] = []
+        self.logdir = os.path.join(workdir, "logs")
+        os.makedirs(self.logdir, exist_ok=True)
+        namespace = f"mcbench{os.getpid()}{impl}"
+        env = {**os.environ, "DYN_FILE_KV": os.path.join(workdir, "kv"), "DYN_NAMESPACE": namespace,
+               "DYN_DISCOVERY_BACKEND": "file", "DYN_REQUEST_PLANE": "tcp", "DYN_EVENT_PLANE": "zmq",
+               "DYN_TCP_RPC_HOST": "127.0.0.1", "DYN_SYSTEM_ENABLED": "false"}
+        for name in ("DYN_LOG", "DYN_HTTP_PORT", "DYN_SYSTEM_PORT", "DYN_TCP_RPC_PORT", "DYN_ENDPOINT"):
+            env.pop(name, None)  # each side at its default log level, no inherited ports
+        model = model_path()
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.workers = workers
+        frontend_args = list(frontend_args or [])
+        WORKERS, MODEL_NAME = workers, model_name  # noqa: N806
+        try:
+            if impl == "tandem":
+                tandem = os.path.join(os.path.dirname(sys.executable), "tandem")
+                launcher = Proc("tandem-run", [tandem, "run", "--engine", "mocker", "--model", model, "--model-name",
+                                               MODEL_NAME, "--workers", str(WORKERS), "--router-mode", router_mode,
+                                               "--http-port", str(port), "--namespace", namespace,
+                                               "--stop-timeout", "15",
+                                               *([f"--frontend-args={shlex.join(frontend_args)}"] if frontend_args else []),
+                                               "--", *engine], env, self.logdir)
+                self.procs = [launcher]
+                launcher.wait_line("==> serving", timeout=180)
+                kids = [(pid, cmdline(pid)) for pid in children_map().get(launcher.pid, [])]
+                frontends = [pid for pid, cmd in kids if "tandem.frontend" in cmd]
+                if len(frontends) != 1:
+                    raise RuntimeError(f"cannot find tandem run's frontend among its children: {kids}")
+                self.frontend_pid = frontends[0]
+                self.engine_pids = [pid for pid, cmd in kids if "tandem.mocker" in cmd]
+                self.launcher_pid: int | None = launcher.pid
+            else:
+                mocker = Proc("mocker", [dynamo_python, "-m", "dynamo.mocker", "--model-path", model, "--model-name",
+                                         MODEL_NAME, "--num-workers", str(WORKERS), *engine, "--endpoint",
+                                         f"dyn://{namespace}.backend.generate", "--discovery-backend", "file",
+                                         "--request-plane", "tcp", "--event-plane", "zmq"], env, self.logdir)
+                self.procs = [mocker]
+                frontend = Proc("frontend", [dynamo_python, "-m", "dynamo.frontend", "--http-host", "127.0.0.1",
+                                             "--http-port", str(port), "--namespace", namespace,
+                                             "--router-mode", router_mode, "--discovery-backend", "file",
+                                             "--request-plane", "tcp", "--event-plane", "zmq", *frontend_args], env, self.logdir)
+                self.procs.append(frontend)
+                self.frontend_pid = frontend.pid
+                self.engine_pids = [mocker.pid]
+                self.launcher_pid = None
+            if len(self.engine_pids) != (WORKERS if impl == "tandem" else 1):
+                raise RuntimeError(f"expected {WORKERS} worker processes, found {self.engine_pids}")
+            wait_serving(self.url, self.procs, MODEL_NAME)
+            self._wait_workers(impl, WORKERS)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_workers(self, impl: str, WORKERS: int) -> None:  # noqa: N803
+        """Routing over fewer than all workers would skew the run: wait until the frontend's /health lists
+        all `generate` instances (`tandem run` itself waits for that before printing its URL)."""
+        if impl == "tandem":
+            return
+        import httpx
+
+        deadline = time.monotonic() + 60
+        seen = 0
+        while time.monotonic() < deadline:
+            try:
+                instances = httpx.get(f"{self.url}/health", timeout=5).json().get("instances", [])
+                seen = sum(1 for i in instances if isinstance(i, dict) and i.get("endpoint") == "generate")
+                if seen >= WORKERS:
+                    return
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"the frontend sees {seen} of {WORKERS} workers after 60 s")
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            p.stop()
+        self.procs = []
+
+    def tails(self) -> str:
+        return "\n".join(f"--- {p.name} log ({p.log_path}) ---\n{p.tail()}" for p in self.procs)
+
+
+def parse_aiperf(path: str) -> dict[str, float]:
+    """The figures we report from aiperf's JSON export (profile_export_aiperf.json)."""
+    with open(path) as f:
+        d = json.load(f)
+
+    def stat(key: str, which: str) -> float:
+        return float(d[key][which])
+
+    errors = sum(int(e.get("count", 1)) for e in d.get("error_summary") or [])
+    out = {
+        "rps": stat("request_throughput", "avg"),
+        "output_tokens_per_s": stat("output_token_throughput", "avg"),
+        "ttft_p50_ms": stat("time_to_first_token", "p50"), "ttft_p99_ms": stat("time_to_first_token", "p99"),
+        "itl_p50_ms": stat("inter_token_latency", "p50"), "itl_p99_ms": stat("inter_token_latency", "p99"),
+        "latency_p50_ms": stat("request_latency", "p50"), "latency_p99_ms": stat("request_latency", "p99"),
+        "requests_ok": stat("request_count", "avg"), "errors": float(errors),
+        "completion_tokens_min": stat("usage_completion_tokens", "min"),
+        "duration_s": stat("benchmark_duration", "avg"),
+    }
+    out["_start"] = datetime.datetime.fromisoformat(d["start_time"]).timestamp()
+    out["_end"] = datetime.datetime.fromisoformat(d["end_time"]).timestamp()
+    return out
+
+
+def run_aiperf(cmd: list[str], log_path: str, timeout: float, env_extra: dict[str, str] | None = None) -> None:
+    env = dict(os.environ)  # (not HF_HUB_OFFLINE: aiperf 0.13 then refuses a local tokenizer folder)
+    env.update(env_extra or {})
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                start_new_session=True, preexec_fn=_die_with_parent)
+        try:
+            proc.wait(timeout)
+        finally:
+            family = tree(proc.pid)
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            for pid in family[1:]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    if proc.returncode != 0:
+        with open(log_path, errors="replace") as f:
+            raise RuntimeError(f"aiperf exited {proc.returncode}:\n{f.read()[-3000:]}")
+
+
+def _die_with_parent() -> None:
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+
+
+def hub_cache_tokenizer(folder: str, cache_root: str, repo_id: str = "local/tokenizer") -> dict[str, str]:
+    """Environment under which aiperf 0.13 loads the tokenizer in `folder` as hub repo `repo_id`: a
+    Hugging Face cache layout (symlinks) under `cache_root`, offline. Needed where aiperf loads the
+    tokenizer in its dataset worker processes (trace datasets), which run offline and accept only
+    cached hub ids, not folders."""
+    repo = os.path.join(cache_root, "models--" + repo_id.replace("/", "--"))
+    snapshot = os.path.join(repo, "snapshots", "0" * 40)
+    os.makedirs(snapshot, exist_ok=True)
+    os.makedirs(os.path.join(repo, "refs"), exist_ok=True)
+    with open(os.path.join(repo, "refs", "main"), "w") as f:
+        f.write("0" * 40)
+    for name in os.listdir(folder):
+        link = os.path.join(snapshot, name)
+        if not os.path.lexists(link):
+            os.symlink(os.path.join(os.path.abspath(folder), name), link)
+    return {"HF_HUB_CACHE": cache_root, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+class BenchRun:
+    """What a `bench_run` block sets: its deployment (stopped at the end; its log tails printed on failure)."""
+
+    def __init__(self, workdir: str) -> None:
+        self.workdir = workdir
+        self.deployment: Any = None
+
+
+@contextmanager
+def bench_run(label: str, keep_logs: bool, prefix: str) -> Iterator[BenchRun]:
+    """A scratch directory for one measured run: removed after success unless `keep_logs`, kept (and
+    the deployment's log tails printed) after a failure."""
+    run = BenchRun(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield run
+    except BaseException as e:
+        if run.deployment is not None and not isinstance(e, KeyboardInterrupt):
+            print(run.deployment.tails(), file=sys.stderr)
+        print(f"(logs kept in {run.workdir})", file=sys.stderr)
+        if run.deployment is not None:
+            run.deployment.stop()
+        raise
+    if run.deployment is not None:
+        run.deployment.stop()
+    if keep_logs:
+        print(f"({label}: logs in {run.workdir})", file=sys.stderr)
+    else:
+        shutil.rmtree(run.workdir, ignore_errors=True)
+
+
+def add_output_args(parser: Any) -> None:
+    """Flags every aiperf comparison shares: --json, --keep-logs and where the baselines live."""
+    parser.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                        help="also write the results as JSON (to stdout without PATH)")
+    parser.add_argument("--keep-logs", action="store_true", help="keep each run's logs and aiperf artifacts")
+    parser.add_argument("--dynamo-python", default=os.path.join(REPO, ".bench", "dynamo-venv", "bin", "python"))
+    parser.add_argument("--aiperf", default=os.path.join(REPO, ".bench", "aiperf-venv", "bin", "aiperf"))
+
+
+def write_json(where: str | None, obj: Any) -> None:
+    """`--json` output: nothing for None, stdout for "-", else the file."""
+    if where is None:
+        return
+    payload = json.dumps(obj, indent=1)
+    if where == "-":
+        print(payload)
+    else:
+        with open(where, "w") as f:
+            f.write(payload)

@@ -36,15 +36,11 @@ Ratios are tandem / Dynamo: for throughput > 1 means tandem is better, for laten
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import shutil
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -53,21 +49,22 @@ from typing import Any
 
 from _common import (
     IMPL_LABELS,
-    REPO,
-    Proc,
+    MODEL_NAME,
+    Deployment,
+    add_output_args,
+    bench_run,
     children_map,
-    cmdline,
     comparison_table,
     cpu_seconds,
-    free_port,
     machine_busy_seconds,
     model_path,
+    parse_aiperf,
+    run_aiperf,
     tree,
     wait_quiet,
-    wait_serving,
+    write_json,
 )
 
-MODEL_NAME = "SmolLM2-135M-Instruct"
 WORKERS = 4
 # Dynamo 1.6.1's mocker defaults (vLLM engine type), passed explicitly to both mockers.
 ENGINE_FLAGS = ["--block-size", "64", "--num-gpu-blocks-override", "16384", "--max-num-seqs", "256",
@@ -134,92 +131,6 @@ class CpuQuota:
             pass
 
 
-# -- the deployments ------------------------------------------------------------------------------
-class Deployment:
-    """One implementation's frontend + 4 mocker workers, up and serving."""
-
-    def __init__(self, impl: str, speedup: float, workdir: str, dynamo_python: str) -> None:
-        self.impl = impl
-        self.procs: list[Proc] = []
-        self.logdir = os.path.join(workdir, "logs")
-        os.makedirs(self.logdir, exist_ok=True)
-        namespace = f"mcbench{os.getpid()}{impl}"
-        env = {**os.environ, "DYN_FILE_KV": os.path.join(workdir, "kv"), "DYN_NAMESPACE": namespace,
-               "DYN_DISCOVERY_BACKEND": "file", "DYN_REQUEST_PLANE": "tcp", "DYN_EVENT_PLANE": "zmq",
-               "DYN_TCP_RPC_HOST": "127.0.0.1", "DYN_SYSTEM_ENABLED": "false"}
-        for name in ("DYN_LOG", "DYN_HTTP_PORT", "DYN_SYSTEM_PORT", "DYN_TCP_RPC_PORT", "DYN_ENDPOINT"):
-            env.pop(name, None)  # each side at its default log level, no inherited ports
-        model = model_path()
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        engine = ["--speedup-ratio", f"{speedup:g}", *ENGINE_FLAGS]
-        try:
-            if impl == "tandem":
-                tandem = os.path.join(os.path.dirname(sys.executable), "tandem")
-                launcher = Proc("tandem-run", [tandem, "run", "--engine", "mocker", "--model", model, "--model-name",
-                                               MODEL_NAME, "--workers", str(WORKERS), "--router-mode", "round-robin",
-                                               "--http-port", str(port), "--namespace", namespace,
-                                               "--stop-timeout", "15", "--", *engine], env, self.logdir)
-                self.procs = [launcher]
-                launcher.wait_line("==> serving", timeout=180)
-                kids = [(pid, cmdline(pid)) for pid in children_map().get(launcher.pid, [])]
-                frontends = [pid for pid, cmd in kids if "tandem.frontend" in cmd]
-                if len(frontends) != 1:
-                    raise RuntimeError(f"cannot find tandem run's frontend among its children: {kids}")
-                self.frontend_pid = frontends[0]
-                self.engine_pids = [pid for pid, cmd in kids if "tandem.mocker" in cmd]
-                self.launcher_pid: int | None = launcher.pid
-            else:
-                mocker = Proc("mocker", [dynamo_python, "-m", "dynamo.mocker", "--model-path", model, "--model-name",
-                                         MODEL_NAME, "--num-workers", str(WORKERS), *engine, "--endpoint",
-                                         f"dyn://{namespace}.backend.generate", "--discovery-backend", "file",
-                                         "--request-plane", "tcp", "--event-plane", "zmq"], env, self.logdir)
-                self.procs = [mocker]
-                frontend = Proc("frontend", [dynamo_python, "-m", "dynamo.frontend", "--http-host", "127.0.0.1",
-                                             "--http-port", str(port), "--namespace", namespace,
-                                             "--router-mode", "round-robin", "--discovery-backend", "file",
-                                             "--request-plane", "tcp", "--event-plane", "zmq"], env, self.logdir)
-                self.procs.append(frontend)
-                self.frontend_pid = frontend.pid
-                self.engine_pids = [mocker.pid]
-                self.launcher_pid = None
-            if len(self.engine_pids) != (WORKERS if impl == "tandem" else 1):
-                raise RuntimeError(f"expected {WORKERS} worker processes, found {self.engine_pids}")
-            wait_serving(self.url, self.procs, MODEL_NAME)
-            self._wait_workers(impl)
-        except BaseException:
-            self.stop()
-            raise
-
-    def _wait_workers(self, impl: str) -> None:
-        """Round-robin over fewer than 4 workers would skew the run: wait until the frontend's /health lists
-        all 4 `generate` instances (`tandem run` itself waits for that before printing its URL)."""
-        if impl == "tandem":
-            return
-        import httpx
-
-        deadline = time.monotonic() + 60
-        seen = 0
-        while time.monotonic() < deadline:
-            try:
-                instances = httpx.get(f"{self.url}/health", timeout=5).json().get("instances", [])
-                seen = sum(1 for i in instances if isinstance(i, dict) and i.get("endpoint") == "generate")
-                if seen >= WORKERS:
-                    return
-            except (httpx.HTTPError, ValueError):
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"the frontend sees {seen} of {WORKERS} workers after 60 s")
-
-    def stop(self) -> None:
-        for p in reversed(self.procs):
-            p.stop()
-        self.procs = []
-
-    def tails(self) -> str:
-        return "\n".join(f"--- {p.name} log ({p.log_path}) ---\n{p.tail()}" for p in self.procs)
-
-
 # -- CPU sampling -----------------------------------------------------------------------------------
 class Sampler(threading.Thread):
     """Samples cumulative CPU seconds of each role every `interval` s, with wall-clock stamps, so that
@@ -276,58 +187,6 @@ def aiperf_command(aiperf: str, url: str, tokenizer: str, args: argparse.Namespa
             "--ui", "none", "--no-server-metrics", "--no-gpu-telemetry"]
 
 
-def parse_aiperf(path: str) -> dict[str, float]:
-    """The figures we report from aiperf's JSON export (profile_export_aiperf.json)."""
-    with open(path) as f:
-        d = json.load(f)
-
-    def stat(key: str, which: str) -> float:
-        return float(d[key][which])
-
-    errors = sum(int(e.get("count", 1)) for e in d.get("error_summary") or [])
-    out = {
-        "rps": stat("request_throughput", "avg"),
-        "output_tokens_per_s": stat("output_token_throughput", "avg"),
-        "ttft_p50_ms": stat("time_to_first_token", "p50"), "ttft_p99_ms": stat("time_to_first_token", "p99"),
-        "itl_p50_ms": stat("inter_token_latency", "p50"), "itl_p99_ms": stat("inter_token_latency", "p99"),
-        "latency_p50_ms": stat("request_latency", "p50"), "latency_p99_ms": stat("request_latency", "p99"),
-        "requests_ok": stat("request_count", "avg"), "errors": float(errors),
-        "completion_tokens_min": stat("usage_completion_tokens", "min"),
-        "duration_s": stat("benchmark_duration", "avg"),
-    }
-    out["_start"] = datetime.datetime.fromisoformat(d["start_time"]).timestamp()
-    out["_end"] = datetime.datetime.fromisoformat(d["end_time"]).timestamp()
-    return out
-
-
-def run_aiperf(cmd: list[str], log_path: str, timeout: float) -> None:
-    env = dict(os.environ)  # (not HF_HUB_OFFLINE: aiperf 0.13 then refuses a local tokenizer folder)
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                                start_new_session=True, preexec_fn=_die_with_parent)
-        try:
-            proc.wait(timeout)
-        finally:
-            family = tree(proc.pid)
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            for pid in family[1:]:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-    if proc.returncode != 0:
-        with open(log_path, errors="replace") as f:
-            raise RuntimeError(f"aiperf exited {proc.returncode}:\n{f.read()[-3000:]}")
-
-
-def _die_with_parent() -> None:
-    import ctypes
-
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
-
-
 # -- one run ----------------------------------------------------------------------------------------
 @contextmanager
 def _quota(cores: float) -> Iterator[CpuQuota | None]:
@@ -345,11 +204,10 @@ def run_once(impl: str, regime: str, args: argparse.Namespace) -> dict[str, floa
     spec = REGIMES[regime]
     concurrency = args.concurrency or spec["concurrency"]
     requests = args.requests or (spec["quick_requests"] if args.quick else spec["requests"])
-    workdir = tempfile.mkdtemp(prefix=f"mocker-compare-{impl}-{regime}-")
-    deployment = None
-    ok = False
-    try:
-        deployment = Deployment(impl, spec["speedup"], workdir, args.dynamo_python)
+    with bench_run(f"{impl}/{regime}", args.keep_logs, prefix=f"mocker-compare-{impl}-{regime}-") as run:
+        workdir = run.workdir
+        deployment = run.deployment = Deployment(impl, ["--speedup-ratio", f"{spec['speedup']:g}", *ENGINE_FLAGS], workdir,
+                                args.dynamo_python, workers=WORKERS)
         with _quota(args.frontend_cpu if regime == "frontend" else 0) as quota:
             if quota is not None:
                 quota.add(deployment.frontend_pid)
@@ -401,20 +259,7 @@ def run_once(impl: str, regime: str, args: argparse.Namespace) -> dict[str, floa
         if result["errors"] or result["requests_ok"] < expected or result["completion_tokens_min"] < args.osl:
             raise RuntimeError(f"{impl}/{regime}: {result['errors']:.0f} errors, {result['requests_ok']:.0f} of "
                                f"{expected} requests, shortest answer {result['completion_tokens_min']:.0f} tokens")
-        ok = True
         return result
-    except BaseException as e:
-        if deployment is not None and not isinstance(e, KeyboardInterrupt):
-            print(deployment.tails(), file=sys.stderr)
-        print(f"(logs kept in {workdir})", file=sys.stderr)
-        raise
-    finally:
-        if deployment is not None:
-            deployment.stop()
-        if ok and not args.keep_logs:
-            shutil.rmtree(workdir, ignore_errors=True)
-        elif ok:
-            print(f"({impl}/{regime}: logs in {workdir})", file=sys.stderr)
 
 
 def run_checked(impl: str, regime: str, args: argparse.Namespace) -> dict[str, float]:
@@ -518,11 +363,7 @@ def main() -> None:
                         help="repeat a run if other processes used more than this %% of a core meanwhile")
     parser.add_argument("--attempts", type=int, default=3, help="runs tried per reported run")
     parser.add_argument("--run-timeout", type=float, default=600, help="seconds one aiperf run may take")
-    parser.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
-                        help="also write the results as JSON (to stdout without PATH)")
-    parser.add_argument("--keep-logs", action="store_true", help="keep each run's logs and aiperf artifacts")
-    parser.add_argument("--dynamo-python", default=os.path.join(REPO, ".bench", "dynamo-venv", "bin", "python"))
-    parser.add_argument("--aiperf", default=os.path.join(REPO, ".bench", "aiperf-venv", "bin", "aiperf"))
+    add_output_args(parser)
     args = parser.parse_args()
     if args.repeat is None:
         args.repeat = 1 if args.quick else 2
@@ -567,13 +408,7 @@ def main() -> None:
     print(f"\nmocker_compare: tandem vs Dynamo 1.6.1, frontend + mocker with {WORKERS} workers, aiperf 0.13, "
           f"{os.cpu_count()} cores, {time.monotonic() - started:.0f} s")
     print(report(results, args))
-    if args.json:
-        payload = json.dumps({"results": results, "runs": runs}, indent=1)
-        if args.json == "-":
-            print(payload)
-        else:
-            with open(args.json, "w") as f:
-                f.write(payload)
+    write_json(args.json, {"results": results, "runs": runs})
 
 
 if __name__ == "__main__":
