@@ -85,8 +85,7 @@ class TandemProcess:
             if not line or line.startswith("READY"):
                 break
         if not line.startswith("READY"):
-            self.proc.kill()
-            self.proc.wait()
+            self.stop()  # its whole process group: a vLLM engine core it started too
             raise RuntimeError(f"{module} did not start: {line!r}\n{self.stderr()}")
         self.ready = line.split()[1:]
 
