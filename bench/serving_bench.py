@@ -47,13 +47,14 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
+
+from _common import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -184,12 +185,6 @@ def wait_until_quiet(max_wait: float) -> None:
             raise SystemExit("other benchmarks still running:\n" + "\n".join(busy))
         print("waiting for other benchmarks to finish: " + "; ".join(b[:80] for b in busy[:3]), flush=True)
         time.sleep(20)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http_get(url: str) -> tuple[int, str]:

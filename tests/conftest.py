@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +25,34 @@ def runtime_config(**overrides: object) -> RuntimeConfig:
         discovery_backend="mem", tcp_host="127.0.0.1", graceful_shutdown_grace_period=0, graceful_shutdown_timeout=5
     )
     return base.replace(**overrides)
+
+
+def free_port(low: int = 0, high: int = 0) -> int:
+    """A free TCP port; within [low, high) when given (the KV event port must be a registered port)."""
+    import random
+
+    for _ in range(100):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", random.randrange(low, high) if high else 0))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError("no free port")
+
+
+async def publish_until_received(publisher, subscriber, probe) -> None:  # type: ignore[no-untyped-def]
+    """PUB/SUB drops messages sent before the subscription reaches the publisher: retry a probe."""
+    async with asyncio.timeout(10):
+        while True:
+            publisher.publish(probe)
+            try:
+                async with asyncio.timeout(0.1):
+                    while (await subscriber.__anext__()) != probe:
+                        pass
+                return
+            except TimeoutError:
+                continue
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,8 @@ import asyncio
 
 import pytest
 
+from tests.conftest import publish_until_received
+
 
 async def receive(subscriber, count, timeout=5.0):
     out = []
@@ -13,20 +15,6 @@ async def receive(subscriber, count, timeout=5.0):
         while len(out) < count:
             out.append(await subscriber.__anext__())
     return out
-
-
-async def publish_until_received(publisher, subscriber, probe):
-    """PUB/SUB drops messages sent before the subscription reaches the publisher: retry a probe."""
-    async with asyncio.timeout(10):
-        while True:
-            publisher.publish(probe)
-            try:
-                async with asyncio.timeout(0.1):
-                    while (await subscriber.__anext__()) != probe:
-                        pass
-                return
-            except TimeoutError:
-                continue
 
 
 async def test_subscriber_receives_from_publishers_that_appear_later(runtimes, namespace):

@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
+from tests.conftest import free_port
 from tests.deployment import MODEL, Deployment
-from tests.test_vllm_worker import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -4,7 +4,6 @@ openai client, the runtime's event plane."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +12,7 @@ import httpx
 import pytest
 
 from tandem.router.hashing import XXH3_SEED, local_block_hashes, sequence_hashes
+from tests.conftest import free_port
 from tests.deployment import MODEL, Deployment
 
 BLOCK = 16
@@ -26,12 +26,6 @@ def mocker(tmp_path_factory: pytest.TempPathFactory, smollm2: str) -> Iterator[D
     deployment.system_url = f"http://127.0.0.1:{deployment.engine_env['DYN_SYSTEM_PORT']}"  # type: ignore[attr-defined]
     yield deployment
     deployment.stop()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _prompt(n_words: int, tag: str) -> str:

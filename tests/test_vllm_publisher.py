@@ -32,6 +32,7 @@ from tandem.vllm.publisher import (
     normalize_block_hash,
     storage_tier,
 )
+from tests.conftest import publish_until_received
 
 BS = 4
 pack = msgspec.msgpack.encode
@@ -97,15 +98,7 @@ async def connect_relay(engine: EnginePub, relay: KvEventRelay, subscriber=None)
         if subscriber is None:
             return
         assert relay.publisher is not None
-        while True:
-            relay.publisher.publish({"probe": True})
-            try:
-                async with asyncio.timeout(0.1):
-                    while "probe" not in await subscriber.__anext__():
-                        pass
-                return
-            except TimeoutError:
-                continue
+        await publish_until_received(relay.publisher, subscriber, {"probe": True})
 
 
 @pytest.fixture
@@ -219,15 +212,7 @@ async def test_relay_real_vllm_publisher(runtimes, namespace) -> None:
                 vllm_pub.publish(batch(stored([1], None, [0] * BS, group_idx=3)))
                 await asyncio.sleep(0.05)
             assert relay.publisher is not None
-            while True:
-                relay.publisher.publish({"probe": True})
-                try:
-                    async with asyncio.timeout(0.1):
-                        while "probe" not in await subscriber.__anext__():
-                            pass
-                    break
-                except TimeoutError:
-                    continue
+            await publish_until_received(relay.publisher, subscriber, {"probe": True})
         sha = bytes([7] * 32)
         vllm_pub.publish(batch(
             stored([2**64 - 1, sha], None, list(range(8)), group_idx=0, kv_cache_spec_kind="full_attention"),
@@ -350,16 +335,7 @@ async def test_stat_logger_publishes_active_load_on_the_event_plane(runtimes, na
     component = rt.namespace(namespace).component("backend")
     subscriber = await component.subscribe(KV_METRICS_TOPIC)
     publisher = await component.event_publisher(KV_METRICS_TOPIC)
-    async with asyncio.timeout(10):  # slow joiner
-        while True:
-            publisher.publish({"probe": True})
-            try:
-                async with asyncio.timeout(0.1):
-                    while "probe" not in await subscriber.__anext__():
-                        pass
-                break
-            except TimeoutError:
-                continue
+    await publish_until_received(publisher, subscriber, {"probe": True})  # slow joiner
 
     factory = StatLoggerFactory(None, worker_id=rt.instance_id, registry=rt.registry, dp_rank=0)
     config = SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks=1000))

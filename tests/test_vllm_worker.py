@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,25 +16,12 @@ import jsonschema
 import openai
 import pytest
 
+from tests.conftest import free_port
 from tests.deployment import MODEL, Deployment
 
 pytestmark = pytest.mark.slow
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-def free_port(low: int = 0, high: int = 0) -> int:
-    """A free TCP port; within [low, high) when given (the KV event port must be a registered port)."""
-    import random
-
-    for _ in range(100):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", random.randrange(low, high) if high else 0))
-            except OSError:
-                continue
-            return s.getsockname()[1]
-    raise RuntimeError("no free port")
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.models import ModelManager, ServedModel
 from tandem.frontend.pipeline import ModelPipeline
 from tandem.frontend.routing import ROUTER_MODES, LoadMonitor, LoadThresholds
-from tandem.router.config import add_router_args, config_from_args
+from tandem.router.config import add_router_args, parse_args_with_router_config
 from tandem.router.kv_router import KvRouter, RouterMetrics
 from tandem.runtime import DistributedRuntime, RuntimeConfig, add_runtime_args, configure_logging, run
 from tandem.runtime.config import env_number, env_str
@@ -140,11 +140,7 @@ async def _follow_load(runtime: DistributedRuntime, endpoint_path: str, load: Lo
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        args.router_config = config_from_args(args)
-    except ValueError as e:
-        parser.error(str(e))
+    args = parse_args_with_router_config(parser, sys.argv[1:] if argv is None else argv)
     configure_logging()
     return run(lambda: serve(args))
 

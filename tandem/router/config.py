@@ -189,3 +189,14 @@ def _validate(option: _Option, value: Any) -> None:
         raise ValueError(f"{option.describe()} must be > 0, got {value}")
     if option.minimum is not None and value < option.minimum:
         raise ValueError(f"{option.describe()} must be >= {option.minimum:g}, got {value}")
+
+
+def parse_args_with_router_config(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse `argv` with a parser that has `add_router_args`, then set `args.router_config`; an
+    invalid router setting exits 2 with a message naming its flag."""
+    args = parser.parse_args(argv)
+    try:
+        args.router_config = config_from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    return args

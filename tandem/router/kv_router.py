@@ -87,6 +87,10 @@ class KvRouter:
                           if config.use_kv_events and config.predicted_ttl_secs > 0 else None)
         self.sequences = ActiveSequences(block_size)
         self.metrics = metrics or RouterMetrics(None)
+        # this model's children of the per-request metrics, looked up once rather than per request
+        self._per_request = tuple(family.labels(model) for family in (
+            self.metrics.decision_seconds, self.metrics.overlap_blocks, self.metrics.prompt_blocks,
+            self.metrics.hit_blocks))
         self._workers: dict[int, str] = {}  # instance id -> endpoint path
         self._subscribed: set[str] = set()  # component scopes
         self._first_live: dict[WorkerKey, int] = {}  # first event id received live, per worker and dp rank
@@ -252,11 +256,11 @@ class KvRouter:
         for side in (self.approx, self.predicted):
             if side is not None:
                 side.process_routing_decision(chosen, decision.local_hashes, decision.sequence_hashes)
-        labels = self.model
-        self.metrics.decision_seconds.labels(labels).observe(time.perf_counter() - started)
-        self.metrics.overlap_blocks.labels(labels).observe(overlap)
-        self.metrics.prompt_blocks.labels(labels).inc(len(decision.local_hashes))
-        self.metrics.hit_blocks.labels(labels).inc(overlap)
+        decision_seconds, overlap_blocks, prompt_blocks, hit_blocks = self._per_request
+        decision_seconds.observe(time.perf_counter() - started)
+        overlap_blocks.observe(overlap)
+        prompt_blocks.inc(len(decision.local_hashes))
+        hit_blocks.inc(overlap)
         self._maybe_sweep()
         return chosen[0], overlap
 

@@ -18,7 +18,7 @@ import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
-from tandem.router.config import add_router_args, config_from_args
+from tandem.router.config import add_router_args, parse_args_with_router_config
 from tandem.router.kv_router import KvRouter, RouterMetrics
 from tandem.runtime import DistributedRuntime, RuntimeConfig, add_runtime_args, configure_logging, run
 from tandem.runtime.keys import parse_endpoint_path
@@ -98,13 +98,9 @@ async def serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args = parse_args_with_router_config(parser, sys.argv[1:] if argv is None else argv)
     if args.block_size <= 0:
         parser.error("--block-size must be positive")
-    try:
-        args.router_config = config_from_args(args)
-    except ValueError as e:
-        parser.error(str(e))
     configure_logging()
     return run(lambda: serve(args))
 
