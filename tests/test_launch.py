@@ -446,16 +446,14 @@ def test_slow_stop_is_cut_short(launch) -> None:  # type: ignore[no-untyped-def]
     slow = {"DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS": "30"}
     run = launch("--workers", "1", "--stop-timeout", "1", env=slow)
     run.serving()
-    started = time.monotonic()
-    assert run.stop() == 0 and time.monotonic() - started < 10
+    assert run.stop() == 0  # within stop()'s 20 s wait, though the workers would drain for 30 s
     run.wait_for(r"worker-0 +\| still running after 1 s: killing it")
     assert run.leftovers() == []
     run = launch("--workers", "1", env=slow)
     run.serving()
-    started = time.monotonic()
     run.proc.send_signal(signal.SIGINT)
     run.wait_for(r"SIGINT: stopping")
-    assert run.stop() == 0 and time.monotonic() - started < 10
+    assert run.stop() == 0  # the second SIGINT: within stop()'s 20 s wait, not after the 30 s drain
     assert run.leftovers() == []
 
 
