@@ -24,7 +24,9 @@ spreads every conversation over all 8 workers, keeps evicting, while a router th
 conversation on one worker fits them), max-num-seqs 256, max-num-batched-tokens 8192, prefix caching on.
 Frontends: tandem `tandem run --engine mocker --workers 8 --router-mode kv|round-robin`; Dynamo
 `dynamo.frontend --router-mode kv|round-robin --kv-cache-block-size 64` + `dynamo.mocker --num-workers 8`
-(file discovery, tcp request plane, zmq event plane). Router settings are each side's defaults.
+(file discovery, tcp request plane, zmq event plane). Router settings are each side's defaults plus
+--router-args, the same flags on both (e.g. `--router-prefill-load-scale 4` for a prefill-dominated workload).
+--rounds N runs the stacks N times, interleaved, and reports medians.
 
 Hit rate = sum of `usage.prompt_tokens_details.cached_tokens` / sum of prompt tokens, as reported by
 the mockers to aiperf (aiperf's usage_prompt_cache_read_tokens / usage_prompt_tokens); for KV runs the
@@ -37,8 +39,10 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -152,6 +156,8 @@ def run_stack(stack: str, args: argparse.Namespace, trace: str, requests: int,
               aiperf_env: dict[str, str]) -> dict[str, float]:
     impl, mode, _ = STACKS[stack]
     frontend_args = ["--kv-cache-block-size", str(BLOCK)] if impl == "dynamo" else []
+    if mode == "kv":
+        frontend_args += shlex.split(args.router_args)
     with bench_run(stack, args.keep_logs, prefix=f"router-bench-{stack}-") as run:
         workdir = run.workdir
         deployment = run.deployment = Deployment(impl, engine_flags(args), workdir, args.dynamo_python, workers=WORKERS,
@@ -179,11 +185,21 @@ def run_stack(stack: str, args: argparse.Namespace, trace: str, requests: int,
 
 # -- report -------------------------------------------------------------------------------------------
 ROWS = [("rps", "requests/s"), ("output_tokens_per_s", "output tokens/s"), ("ttft_p50_ms", "TTFT p50 (ms)"),
+        ("ttft_p50_min_ms", "TTFT p50, lowest round (ms)"), ("ttft_p50_max_ms", "TTFT p50, highest round (ms)"),
         ("ttft_p99_ms", "TTFT p99 (ms)"), ("latency_p50_ms", "request latency p50 (ms)"),
         ("itl_p50_ms", "ITL p50 (ms)"), ("hit_rate_pct", "prefix cache hit rate (%, from usage)"),
         ("router_est_hit_pct", "router's estimated hit rate (%)"), ("prompt_tokens_mean", "prompt tokens (mean)"),
         ("duration_s", "duration (s)"),
         ("machine_busy_pct", "machine busy during aiperf (% of a core, 2 cores = 200)"), ("errors", "errors")]
+
+
+def medians(rounds: list[dict[str, float]]) -> dict[str, float]:
+    """Per metric, the median over the rounds (with the TTFT p50 range when there are several)."""
+    out = {key: statistics.median(r[key] for r in rounds) for key in rounds[0] if all(key in r for r in rounds)}
+    if len(rounds) > 1:
+        out["ttft_p50_min_ms"] = min(r["ttft_p50_ms"] for r in rounds)
+        out["ttft_p50_max_ms"] = max(r["ttft_p50_ms"] for r in rounds)
+    return out
 
 
 def report(results: dict[str, dict[str, float]]) -> str:
@@ -232,6 +248,10 @@ def main() -> None:
     parser.add_argument("--speedup", type=float, default=1.0, help="mocker --speedup-ratio")
     parser.add_argument("--decode-speedup", type=float, default=4.0, help="mocker --decode-speedup-ratio")
     parser.add_argument("--gpu-blocks", type=int, default=1024, help="mocker --num-gpu-blocks-override (per worker)")
+    parser.add_argument("--router-args", default="",
+                        help="extra router flags for both KV frontends, e.g. '--router-prefill-load-scale 4'")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every stack this many times, interleaved; the report shows medians")
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
     parser.add_argument("--max-others", type=float, default=30.0, help="wait until the machine is this quiet first")
     parser.add_argument("--quiet-timeout", type=float, default=300, help="... for at most this many seconds")
@@ -262,14 +282,16 @@ def main() -> None:
     requests, mean_isl = write_trace(trace, args)
     aiperf_env = hub_cache_tokenizer(model_path(), os.path.join(tmp, "hub"), TOKENIZER_REPO)
     started = time.monotonic()
-    results: dict[str, dict[str, float]] = {}
+    rounds: dict[str, list[dict[str, float]]] = {stack: [] for stack in stacks}
     try:
-        for stack in stacks:
-            wait_quiet(args.max_others, timeout=args.quiet_timeout)
-            results[stack] = r = run_stack(stack, args, trace, requests, aiperf_env)
-            print(f"  {STACKS[stack][2]:26} {r['rps']:6.2f} req/s  TTFT p50 {r['ttft_p50_ms']:8.1f} ms  "
-                  f"p99 {r['ttft_p99_ms']:8.1f} ms  hit {r.get('hit_rate_pct', float('nan')):5.1f}%",
-                  file=sys.stderr, flush=True)
+        for n in range(args.rounds):
+            for stack in stacks:
+                wait_quiet(args.max_others, timeout=args.quiet_timeout)
+                r = run_stack(stack, args, trace, requests, aiperf_env)
+                rounds[stack].append(r)
+                print(f"  round {n + 1} {STACKS[stack][2]:26} {r['rps']:6.2f} req/s  TTFT p50 {r['ttft_p50_ms']:8.1f} ms"
+                      f"  p99 {r['ttft_p99_ms']:8.1f} ms  hit {r.get('hit_rate_pct', float('nan')):5.1f}%",
+                      file=sys.stderr, flush=True)
     except KeyboardInterrupt:
         print("interrupted; everything started was stopped", file=sys.stderr)
         sys.exit(130)
@@ -286,8 +308,11 @@ def main() -> None:
           f"output {args.osl} tokens\n"
           f"engine: --speedup-ratio {args.speedup:g}, --decode-speedup-ratio {args.decode_speedup:g}, block size {BLOCK}, {args.gpu_blocks} KV blocks per worker "
           f"(x{WORKERS} = {args.gpu_blocks * WORKERS}; working set {working_set} blocks)\n")
+    results = {stack: medians(runs) for stack, runs in rounds.items()}
+    print(f"router flags of both KV frontends: {args.router_args or '(defaults)'}; {args.rounds} round(s), "
+          f"figures are medians over the rounds\n")
     print(report(results))
-    write_json(args.json, {"args": vars(args), "results": results})
+    write_json(args.json, {"args": vars(args), "results": results, "rounds": rounds})
 
 
 if __name__ == "__main__":

@@ -54,14 +54,15 @@ class Deployment:
         self.engines.append(engine)
         return engine
 
-    def wait_for_instances(self, count: int, timeout: float = 30) -> None:
+    def wait_for_instances(self, count: int, timeout: float = 30, kind: str = "instances") -> None:
+        """Until /health lists `count` ids under `kind` (`instances`, or `prefill_instances`)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             r = httpx.get(f"{self.url}/health", verify=self.verify)
-            if len(r.json().get("instances", [])) == count:
+            if len(r.json().get(kind, [])) == count:
                 return
             time.sleep(0.05)
-        raise TimeoutError(f"frontend did not see {count} instances: {r.text}")
+        raise TimeoutError(f"frontend did not see {count} {kind}: {r.text}")
 
     def client(self, **options: object) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=options.pop("api_key", "none"), max_retries=0,

@@ -131,3 +131,51 @@ async def test_recent_decisions_count_until_the_events_arrive(runtimes, namespac
             router.free(f"r{n}")
             chosen.add(worker)
         assert (len(chosen) == 1) == expect_same, (ttl, chosen)
+
+
+async def test_data_parallel_ranks_are_separate_candidates(runtimes, namespace) -> None:  # type: ignore[no-untyped-def]
+    """Each dp rank of a data-parallel worker has its own cache and load: a prompt goes back to the
+    rank that holds it, other prompts fill the idle ranks, and a request naming a rank stays on it."""
+    from tandem.router.config import KvRouterConfig
+    from tandem.router.kv_router import KvRouter
+
+    router = KvRouter(await runtimes(), "m", block_size=BLOCK, config=KvRouterConfig(use_kv_events=False))
+    router.sync_workers({7: f"{namespace}.backend.generate", 9: f"{namespace}.backend.generate"}, {7: 2})
+    assert router.candidate_ranks([7, 9]) == [(7, 0), (7, 1), (9, 0)]
+    prompts = [list(range(1000 * n, 1000 * n + 8 * BLOCK)) for n in range(3)]
+    placed = [router.select(f"r{n}", p, [7, 9])[0] for n, p in enumerate(prompts)]
+    assert sorted(placed) == [(7, 0), (7, 1), (9, 0)]  # three prompts, three idle ranks
+    for n in range(3):
+        router.free(f"r{n}")
+    again, overlap = router.select("again", prompts[1] + [5], [7, 9])
+    assert again == placed[1] and overlap == 8
+    router.free("again")
+    assert router.select("pinned", prompts[1], [7, 9], dp_rank=1)[0] == (7, 1)  # only worker 7 has rank 1
+    with pytest.raises(ValueError, match="rank 5"):
+        router.select("bad", prompts[0], [7, 9], dp_rank=5)
+
+
+def test_data_parallel_worker_ranks_are_routed_by_their_own_caches(tmp_path: Path, smollm2: str) -> None:
+    """One mocker worker with 4 dp ranks: each rank has its own cache (a prompt cached on rank 2 misses
+    on rank 3), and the KV router sends a prompt to the rank holding it, named in routing.dp_rank."""
+    deployment = Deployment(tmp_path, smollm2, engine_module="tandem.mocker",
+                            engines=[[*MOCKER, "--data-parallel-size", "4"]], frontend_args=["--router-mode", "kv"])
+    try:
+        client = deployment.client()
+
+        def cached(prompt: str, rank: int | None = None) -> int:
+            headers = {"x-dynamo-dp-rank": str(rank)} if rank is not None else None
+            reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, extra_headers=headers)
+            assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+            return reply.usage.prompt_tokens_details.cached_tokens or 0
+
+        first, second = _conversation(500), _conversation(501)
+        assert cached(first, rank=2) == 0
+        assert cached(first, rank=2) > 0
+        assert cached(first, rank=3) == 0  # another rank, another cache
+        assert cached(second, rank=1) == 0
+        time.sleep(0.5)  # the rank's KV events reach the router
+        for turn in range(4):  # only rank 1 holds it: a router blind to ranks would miss 3 times in 4
+            assert cached(f"{second} turn {turn}") > 0, turn
+    finally:
+        deployment.stop()

@@ -155,6 +155,9 @@ def test_prefill_and_decode_workers(tmp_path: Path, smollm2: str) -> None:
             "prompt_tokens_details": {"cached_tokens": 0}}})
         assert sum(len(item["token_ids"]) for item in decoded) == 8
         assert decoded[-1]["finish_reason"] == "length"
+        # It waited for the simulated KV transfer (80 tokens at 64 GB/s, 50x faster) and says how long.
+        assert decoded[0]["kv_transfer_ms"] == pytest.approx(80 * _SMOLLM2_KV_BYTES / 64e9 / 50 * 1000)
+        assert all("kv_transfer_ms" not in item for item in decoded[1:])
         assert decoded[-1]["completion_usage"]["prompt_tokens"] == 80
         # Through the frontend: once it knows the prefill worker, every request prefills there first.
         before = _requests_served(prefill_url)
@@ -169,6 +172,26 @@ def test_prefill_and_decode_workers(tmp_path: Path, smollm2: str) -> None:
         assert _requests_served(prefill_url) == served + 1
     finally:
         deployment.stop()
+
+
+# SmolLM2-135M: 30 layers x (K, V) x 3 KV heads x 64 dims x 2 bytes (bfloat16)
+_SMOLLM2_KV_BYTES = 30 * 2 * 3 * 64 * 2
+
+
+def test_roles_and_kv_events(smollm2: str) -> None:
+    """Prefill and aggregated workers publish KV events (routers choose them by cached prefix); decode
+    workers do not, unless conditional disaggregation needs their caches."""
+    from tandem.mocker.args import parse_args
+
+    def config(*flags: str):  # type: ignore[no-untyped-def]
+        return parse_args(["--model-path", smollm2, *flags])
+
+    assert config().publishes_kv_events and config("--is-prefill-worker").publishes_kv_events
+    assert not config("--is-decode-worker").publishes_kv_events
+    assert config("--disaggregation-mode", "decode", "--enable-conditional-disagg").publishes_kv_events
+    assert not config("--no-enable-prefix-caching").publishes_kv_events
+    assert config().kv_bytes_per_token == _SMOLLM2_KV_BYTES
+    assert (config("--is-prefill-worker").component, config("--is-decode-worker").component) == ("prefill", "backend")
 
 
 def test_num_workers_are_separate_instances(tmp_path: Path, smollm2: str) -> None:

@@ -36,7 +36,7 @@ async def test_routers_share_active_sequences(runtimes, namespace) -> None:  # t
     assert worker is not None and b.sequences.request_worker(request_id) == worker
     assert b.sequences.active_prefill_tokens(worker) == len(prompt)
     # b's own decision for the same prompt avoids the worker a loaded.
-    chosen, _ = b.select("mine", prompt, workers)
+    (chosen, _), _ = b.select("mine", prompt, workers)
     assert chosen != worker[0]
     a.prefill_done(request_id)
     async with asyncio.timeout(5):

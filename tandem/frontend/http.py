@@ -30,6 +30,9 @@ from tandem.runtime import Context, DistributedRuntime, RemoteError, StreamIncom
 
 log = logging.getLogger("tandem.frontend")
 
+# Request bodies above this size are templated and tokenized in a thread: a 7k-token prompt costs tens of
+# milliseconds, which on the event loop would stall every other stream.
+OFF_LOOP_PROMPT_BYTES = 8192
 SSE_BATCH = 16  # most SSE events held back for one write while the worker's outputs are already here
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
 
@@ -141,7 +144,10 @@ class FrontendServer:
         if not endpoints:
             return web.json_response({"status": "unhealthy", "message": "No endpoints available",
                                       "endpoints": [], "instances": []}, status=503)
-        return web.json_response({"status": "healthy", "endpoints": endpoints, "instances": instances})
+        # Prefill workers serve no request themselves: listed apart (disaggregated serving).
+        prefill = sorted({i for m in models for i in m.prefill_instances})
+        return web.json_response({"status": "healthy", "endpoints": endpoints, "instances": instances,
+                                  "prefill_instances": prefill})
 
     async def live(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "live", "message": "Service is live"})
@@ -173,16 +179,23 @@ class FrontendServer:
         pipeline: ModelPipeline = model.pipeline
         if pipeline.preprocessor is None:
             return await self._relay_text(request, chat, msgspec.json.decode(body), pipeline, "chat_completions")
-        prompt_ids, _ = pipeline.preprocessor.chat_prompt(chat)
+        if len(body) > OFF_LOOP_PROMPT_BYTES:  # long prompts tokenize off the event loop (the tokenizer drops the GIL)
+            prompt_ids, _ = await asyncio.to_thread(pipeline.preprocessor.chat_prompt, chat)
+        else:
+            prompt_ids, _ = pipeline.preprocessor.chat_prompt(chat)
         return await self._serve(request, chat, pipeline, prompt_ids, "chat_completions")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        completion = openai.parse_completion_request(await self._body(request))
+        body = await self._body(request)
+        completion = openai.parse_completion_request(body)
         model = self._model(completion.model)
         pipeline: ModelPipeline = model.pipeline
         if pipeline.preprocessor is None:
             raise openai.RequestError(f"model {model.name!r} only serves chat completions", param="model")
-        prompt_ids = pipeline.preprocessor.completion_prompt(completion)
+        if len(body) > OFF_LOOP_PROMPT_BYTES:
+            prompt_ids = await asyncio.to_thread(pipeline.preprocessor.completion_prompt, completion)
+        else:
+            prompt_ids = pipeline.preprocessor.completion_prompt(completion)
         return await self._serve(request, completion, pipeline, prompt_ids, "completions")
 
     async def _serve(self, request: web.Request, req: Any, pipeline: ModelPipeline, prompt_ids: list[int],

@@ -15,7 +15,7 @@ from tandem.frontend.routing import ROUTER_MODES, LoadMonitor, LoadThresholds
 from tandem.router.config import add_router_args, parse_args_with_router_config
 from tandem.router.kv_router import KvRouter, RouterMetrics
 from tandem.runtime import DistributedRuntime, RuntimeConfig, add_runtime_args, configure_logging, run
-from tandem.runtime.config import env_number, env_str
+from tandem.runtime.config import env_bool, env_number, env_str
 
 log = logging.getLogger("tandem.frontend")
 
@@ -47,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--migration-max-seq-len", type=int,
                         default=int(v) if (v := env_str("DYN_MIGRATION_MAX_SEQ_LEN")) else None,
                         help="no migration once prompt + generated tokens exceed this [env DYN_MIGRATION_MAX_SEQ_LEN]")
+    models.add_argument("--enforce-disagg", action=argparse.BooleanOptionalAction,
+                        default=env_bool("DYN_ENFORCE_DISAGG"),
+                        help="disaggregated serving only: a request no prefill worker can take fails with 503 "
+                        "instead of being prefilled by its decode worker [env DYN_ENFORCE_DISAGG, default off]")
     load = parser.add_argument_group("Overload")
     load.add_argument("--active-decode-blocks-threshold", type=float,
                       default=_optional_float("DYN_ACTIVE_DECODE_BLOCKS_THRESHOLD"),
@@ -67,6 +71,8 @@ async def serve(args: argparse.Namespace) -> int:
         raise SystemExit("tandem frontend: --tls-cert-path and --tls-key-path must be given together")
     if args.migration_limit < 0:
         raise SystemExit("tandem frontend: --migration-limit must be >= 0")
+    if args.router_config.conditional_disagg and args.router_mode != "kv":
+        raise SystemExit("tandem frontend: --router-conditional-disagg needs --router-mode kv")
     config = RuntimeConfig.from_args(args)
     scope = args.namespace or env_str("DYN_NAMESPACE")  # which workers to serve; None = every namespace
     runtime = await DistributedRuntime.create(config)
@@ -91,7 +97,7 @@ async def serve(args: argparse.Namespace) -> int:
                                       config=replace(router_config, track_active_blocks=False, replica_sync=False))
         return ModelPipeline(model, manager, router_mode=args.router_mode, migration_limit=args.migration_limit,
                              migration_max_seq_len=args.migration_max_seq_len, load=load, metrics=metrics,
-                             kv_router=kv_router, prefill_router=prefill_router)
+                             kv_router=kv_router, prefill_router=prefill_router, enforce_disagg=args.enforce_disagg)
 
     def on_change() -> None:
         for model in manager.served():
@@ -104,9 +110,9 @@ async def serve(args: argparse.Namespace) -> int:
                 "workers": len(model.instances),
             })
             if model.pipeline is not None and model.pipeline.kv_router is not None:
-                model.pipeline.kv_router.sync_workers(model.instances)
+                model.pipeline.kv_router.sync_workers(model.instances, model.dp_sizes)
             if model.pipeline is not None and model.pipeline.prefill_router is not None:
-                model.pipeline.prefill_router.sync_workers(model.prefill_instances)
+                model.pipeline.prefill_router.sync_workers(model.prefill_instances, model.dp_sizes)
             if load.thresholds.enabled:
                 for path in set(model.instances.values()) - subscribed:
                     subscribed.add(path)

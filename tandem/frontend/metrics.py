@@ -37,6 +37,14 @@ class FrontendMetrics:
                                   ("model", "endpoint"))
         self.cancellations = counter("model_cancellation", "Requests whose client went away",
                                      ("model", "endpoint", "request_type"))
+        # Disaggregated serving (tandem.frontend.disagg has the outcomes).
+        self.remote_prefills = counter(
+            "remote_prefills", "Requests of models with prefill workers, by outcome: ok, fallback (decoded with "
+            "local prefill), error (503 under --enforce-disagg), skipped_conditional, cancelled", ("model", "outcome"))
+        self.prefill_seconds = histogram("remote_prefill_duration_seconds",
+                                         "Prefill leg on a prefill worker, until its KV transfer parameters", _LATENCY)
+        self.kv_transfer_seconds = histogram("kv_transfer_seconds",
+                                             "KV transfer to the decode worker, as it reports (kv_transfer_ms)", _LATENCY)
         self.model_gauges = {
             name: gauge(f"model_{name}", f"Model configuration: {name}")
             for name in ("total_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "context_length",
@@ -48,6 +56,9 @@ class FrontendMetrics:
 
     def migration_max_seq_len_exceeded(self, model: str) -> None:
         self.migration_too_long.labels(model).inc()
+
+    def remote_prefill(self, model: str, outcome: str) -> None:
+        self.remote_prefills.labels(model, outcome).inc()
 
     def set_model(self, model: str, values: dict[str, int | float | None]) -> None:
         for name, value in values.items():

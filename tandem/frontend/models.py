@@ -32,6 +32,7 @@ class ServedModel:
     created: int = field(default_factory=lambda: int(time.time()))
     instances: dict[int, str] = field(default_factory=dict)  # instance id -> endpoint path
     prefill_instances: dict[int, str] = field(default_factory=dict)
+    dp_sizes: dict[int, int] = field(default_factory=dict)  # instance id -> data-parallel ranks, if > 1
     pipeline: Any = None  # built by the frontend's pipeline factory
 
     @property
@@ -149,6 +150,9 @@ class ModelManager:
         await self.client(endpoint_path)
         is_prefill = card.worker_type == "Prefill" or bool(ModelType(card.model_type) & ModelType.Prefill)
         (model.prefill_instances if is_prefill else model.instances)[instance_id] = endpoint_path
+        dp_size = card.runtime_config.get("data_parallel_size")
+        if isinstance(dp_size, int) and dp_size > 1:
+            model.dp_sizes[instance_id] = dp_size
 
     async def _on_delete(self, key: str) -> None:
         entry = self._cards.pop(key, None)
@@ -164,6 +168,7 @@ class ModelManager:
             return
         model.instances.pop(instance_id, None)
         model.prefill_instances.pop(instance_id, None)
+        model.dp_sizes.pop(instance_id, None)
         if not model.instances and not model.prefill_instances:
             del self.models[name]
             log.info("model %r removed: its last instance left", name)

@@ -6,7 +6,9 @@ worker (with migration), and turn the worker's token stream back into text.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +16,15 @@ from typing import Any
 import msgspec
 
 from tandem.frontend import openai
+from tandem.frontend.disagg import (
+    CANCELLED,
+    ERROR,
+    FALLBACK,
+    OK,
+    SKIPPED_CONDITIONAL,
+    bypass_remote_prefill,
+    decode_stage_override,
+)
 from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.models import ModelManager, ServedModel
 from tandem.frontend.routing import LoadMonitor, NoWorkerError, Selector, make_selector
@@ -68,6 +79,14 @@ def _text_of(content: Any) -> str:
     return content or ""
 
 
+def _on_dp_rank(request: Any, dp_rank: int) -> Any:
+    """`request` addressed to one data-parallel rank of its worker (`routing.dp_rank`)."""
+    if not isinstance(request, PreprocessedRequest):
+        return request
+    routing = msgspec.structs.replace(request.routing or RoutingHints(), dp_rank=dp_rank)
+    return msgspec.structs.replace(request, routing=routing)
+
+
 def _finished(output: dict[str, Any]) -> bool:
     """Token engines set `finish_reason`; text engines stream OpenAI chunks with it per choice."""
     if output.get("finish_reason") is not None:
@@ -105,6 +124,7 @@ class ModelPipeline:
         metrics: FrontendMetrics,
         kv_router: KvRouter | None = None,
         prefill_router: KvRouter | None = None,
+        enforce_disagg: bool = False,
     ) -> None:
         self.model = model
         self.manager = manager
@@ -120,6 +140,7 @@ class ModelPipeline:
         self.migration_max_seq_len = migration_max_seq_len
         self.load = load
         self.metrics = metrics
+        self.enforce_disagg = enforce_disagg  # no remote prefill -> 503 instead of local prefill
 
     # -- preprocessing -------------------------------------------------------------------------
     def preprocess(self, request: openai.ChatRequest | openai.CompletionRequest, prompt_ids: list[int],
@@ -184,7 +205,8 @@ class ModelPipeline:
         return live
 
     def _client_of(self, instance_id: int) -> Client | None:
-        return self.manager.clients.get(self.model.instances[instance_id])
+        path = self.model.instances.get(instance_id) or self.model.prefill_instances.get(instance_id)
+        return self.manager.clients.get(path) if path else None
 
     def _is_usable(self, instance_id: int) -> bool:
         client = self._client_of(instance_id)
@@ -194,27 +216,39 @@ class ModelPipeline:
         client = self._client_of(instance_id)
         return client is not None and client.transport_of(instance_id) is not None
 
-    def route(self, request: Any, pinned: int | None, exclude: set[int], request_id: str = "") -> tuple[int, bool]:
-        """(instance, whether the KV router now tracks the request there)."""
+    def _cache_keys(self, request: PreprocessedRequest) -> dict[str, Any]:
+        """What seeds the request's block hashes besides its tokens (§C.3), for the KV routers."""
+        lora = self.model.card.lora
+        return {"lora_name": lora.name if lora else None,
+                "cache_salt": request.routing.cache_salt if request.routing else None}
+
+    def route(self, request: Any, pinned: int | None, exclude: set[int], request_id: str = "", *,
+              preferred: int | None = None, decode_stage: bool = False) -> tuple[int, int | None, bool]:
+        """(instance, its data-parallel rank chosen by the KV router or None, whether the KV router now
+        tracks the request there). `preferred`: the worker to use
+        if it is a candidate (chosen by conditional disaggregation); `decode_stage`: the request's prompt
+        was computed by a prefill worker."""
         if pinned is not None:
             if pinned not in self.model.instances:
                 raise NoWorkerError(f"worker instance {pinned} does not serve model {self.model.name!r}")
-            return pinned, False
+            return pinned, None, False
         if self.router_mode == "direct":
             raise openai.RequestError(
                 "the frontend runs with --router-mode direct: name the worker in the x-worker-instance-id header",
                 param="x-worker-instance-id",
             )
         candidates = sorted(self.candidates(exclude))
+        if preferred is not None and preferred in candidates:
+            candidates = [preferred]
         if self.kv_router is not None and isinstance(request, PreprocessedRequest):
-            lora = self.model.card.lora
-            instance, _ = self.kv_router.select(
-                request_id, request.token_ids, candidates, lora_name=lora.name if lora else None,
-                cache_salt=request.routing.cache_salt if request.routing else None,
-                override=request.router_config_override,
-            )
-            return instance, True
-        return self.selector.select(candidates, request), False
+            override = request.router_config_override
+            if decode_stage:
+                override = decode_stage_override(override, self.kv_router.config.conditional_disagg)
+            (instance, dp_rank), _ = self.kv_router.select(
+                request_id, request.token_ids, candidates, override=override,
+                dp_rank=request.routing.dp_rank if request.routing else None, **self._cache_keys(request))
+            return instance, dp_rank, True
+        return self.selector.select(candidates, request), None, False
 
     # -- generation with migration -------------------------------------------------------------
     async def generate(self, request: PreprocessedRequest | dict[str, Any], context: Context,
@@ -228,15 +262,28 @@ class ModelPipeline:
         """
         budget = self.migration_limit
         exclude: set[int] = set()
-        if isinstance(request, PreprocessedRequest) and self.model.prefill_instances and pinned is None:
-            request = await self.prefill(request, context)
+        preferred: int | None = None
+        if (isinstance(request, PreprocessedRequest) and pinned is None
+                and (self.model.prefill_instances or self.enforce_disagg)):
+            request, preferred = await self._disaggregate(request, context)
+            if context.is_stopped():
+                return  # the client went away during the prefill: no decode
         prompt_len = len(request.token_ids) if isinstance(request, PreprocessedRequest) else 0
         while True:
-            instance, prefill_pending = self.route(request, pinned, exclude, context.id())
+            # A migrated request recomputes its prompt on the next worker (`_continuation`).
+            decode_stage = (isinstance(request, PreprocessedRequest) and request.prefill_result is not None
+                            and not attempt.generated)
+            instance, dp_rank, prefill_pending = self.route(request, pinned, exclude, context.id(),
+                                                            preferred=preferred, decode_stage=decode_stage)
+            preferred = None
             attempt.instance_id = instance
             outgoing: Any = request
             if attempt.generated and isinstance(request, PreprocessedRequest):
                 outgoing = self._continuation(request, attempt.generated)
+            if dp_rank is not None and instance in self.model.dp_sizes:
+                outgoing = _on_dp_rank(outgoing, dp_rank)
+            # Usage of a disaggregated request reports the prefill worker's prefix-cache hits.
+            prefill_details = (request.prefill_result or {}).get("prompt_tokens_details") if decode_stage else None
             child = Context(context.id())
             context.link_child(child)
             self.inflight[instance] = self.inflight.get(instance, 0) + 1
@@ -256,6 +303,8 @@ class ModelPipeline:
                     raise NoWorkerError(str(e)) from None
                 try:
                     async for output in stream:
+                        if decode_stage:
+                            self._decode_stage_output(output, prefill_details)
                         ids = output.get("token_ids")
                         if ids:
                             if prefill_pending:  # the KV router stops counting its prompt as load
@@ -293,24 +342,78 @@ class ModelPipeline:
                     self.kv_router.free(context.id())
 
     # -- disaggregated prefill (reference §B.8) ------------------------------------------------
-    async def prefill(self, request: PreprocessedRequest, context: Context) -> PreprocessedRequest:
-        """Run the prompt on a prefill worker (max_tokens 1) and return the decode request carrying
-        its `prefill_result` (the KV transfer parameters). Any failure falls back to aggregated
-        decode: the decode worker then computes the prompt itself."""
-        candidates = sorted(self.model.prefill_instances)
+    async def _disaggregate(self, request: PreprocessedRequest,
+                            context: Context) -> tuple[PreprocessedRequest, int | None]:
+        """The request for the decode stage and, under conditional disaggregation, the decode worker that
+        keeps it. It carries `prefill_result` when a prefill worker computed the prompt; otherwise it is
+        the original request (the decode worker prefills locally), or NoWorkerError (503) under
+        --enforce-disagg. Counted in `dynamo_frontend_remote_prefills_total` by outcome."""
+        name = self.model.name
+        if self.model.prefill_instances:
+            local = self._conditional_decode_worker(request)
+            if local is not None:
+                self.metrics.remote_prefill(name, SKIPPED_CONDITIONAL)
+                return request, local
+        try:
+            decode_request = await self.prefill(request, context)
+        except asyncio.CancelledError:  # the client disconnected: prefill() has already stopped its leg
+            self.metrics.remote_prefill(name, CANCELLED)
+            raise
+        if context.is_stopped():
+            self.metrics.remote_prefill(name, CANCELLED)
+            return request, None
+        if decode_request is not None:
+            self.metrics.remote_prefill(name, OK)
+            return decode_request, None
+        if self.enforce_disagg:
+            self.metrics.remote_prefill(name, ERROR)
+            raise NoWorkerError(f"no prefill worker of model {name!r} could take the request (--enforce-disagg)")
+        self.metrics.remote_prefill(name, FALLBACK)
+        return request, None
+
+    def _conditional_decode_worker(self, request: PreprocessedRequest) -> int | None:
+        """Conditional disaggregation: the decode worker the KV router would choose, if it caches enough
+        of the prompt to prefill the rest itself (`tandem.frontend.disagg.bypass_remote_prefill`)."""
+        router = self.kv_router
+        if router is None or not router.config.conditional_disagg:
+            return None
+        try:
+            candidates = sorted(self.candidates(set()))
+        except NoWorkerError:
+            return None  # decode routing reports it
+        decision = router.best_worker(request.token_ids, candidates, override=request.router_config_override,
+                                      **self._cache_keys(request))
+        cached = decision.overlap_blocks * router.block_size
+        return decision.worker[0] if bypass_remote_prefill(len(request.token_ids), cached, router.config) else None
+
+    async def prefill(self, request: PreprocessedRequest, context: Context) -> PreprocessedRequest | None:
+        """Run the prompt on a prefill worker (max_tokens 1) and return the decode request carrying its
+        `prefill_result` (the KV transfer parameters); None when no prefill worker is reachable or the
+        prefill failed. The leg is a child of `context`: cancelling the request cancels it."""
+        candidates = [i for i in sorted(self.model.prefill_instances) if self._is_usable(i)]
+        if not candidates:
+            log.warning("request %s: no reachable prefill worker for model %r", context.id(), self.model.name)
+            return None
         if self.prefill_router is not None:
-            instance, _ = self.prefill_router.select(context.id(), request.token_ids, candidates)
+            (instance, dp_rank), _ = self.prefill_router.select(
+                context.id(), request.token_ids, candidates,
+                dp_rank=request.routing.prefill_dp_rank if request.routing else None, **self._cache_keys(request))
         else:
-            instance = self.prefill_selector.select(candidates, request)
-        client = self.manager.clients.get(self.model.prefill_instances[instance])
+            instance, dp_rank = self.prefill_selector.select(candidates, request), None
+        client = self._client_of(instance)
         stop = msgspec.structs.replace(request.stop_conditions, max_tokens=1, min_tokens=None)
         child = Context(context.id())
         context.link_child(child)
+        started = time.perf_counter()
+        stream: ResponseStream | None = None
         last: dict[str, Any] = {}
         try:
             if client is None:
                 raise NoInstancesError(f"no client for prefill worker {instance:x}")
-            stream = await client.direct(msgspec.structs.replace(request, stop_conditions=stop), instance, child)
+            leg = msgspec.structs.replace(request, stop_conditions=stop)
+            if dp_rank is not None and instance in self.model.dp_sizes:
+                leg = _on_dp_rank(leg, dp_rank)
+            stream = await client.direct(leg, instance, child)
             async for output in stream:
                 last = output
             reason = last.get("finish_reason")
@@ -321,15 +424,27 @@ class ModelPipeline:
                 raise RuntimeError("the prefill worker returned no disaggregated_params")
         except Exception as e:  # includes unreachable workers and cut-off streams
             if not context.is_stopped():
-                log.warning("request %s: prefill on worker %x failed (%s); decoding with local prefill",
-                            context.id(), instance, e)
-            return request
+                log.warning("request %s: prefill on worker %x failed (%s)", context.id(), instance, e)
+            return None
         finally:
+            if stream is not None:
+                await stream.aclose()  # still running only when the client went away: stop it now
             if self.prefill_router is not None:
                 self.prefill_router.free(context.id())
+        self.metrics.prefill_seconds.labels(self.model.name).observe(time.perf_counter() - started)
         details = (last.get("completion_usage") or {}).get("prompt_tokens_details")
         return msgspec.structs.replace(request, prefill_result={"disaggregated_params": params,
                                                                 "prompt_tokens_details": details})
+
+    def _decode_stage_output(self, output: dict[str, Any], prefill_details: dict[str, Any] | None) -> None:
+        """A decode worker's output for a disaggregated request: record the KV transfer time it reports
+        (`kv_transfer_ms`, first output) and give its usage the prefill worker's cached tokens."""
+        transfer_ms = output.get("kv_transfer_ms")
+        if transfer_ms is not None:
+            self.metrics.kv_transfer_seconds.labels(self.model.name).observe(float(transfer_ms) / 1000)
+        usage = output.get("completion_usage")
+        if usage and prefill_details is not None:
+            output["completion_usage"] = {**usage, "prompt_tokens_details": prefill_details}
 
     @staticmethod
     def _continuation(request: PreprocessedRequest, generated: list[int]) -> PreprocessedRequest:

@@ -100,7 +100,8 @@ async def _probe(http: aiohttp.ClientSession, url: str, model: str, instances: s
                 if model not in listed:
                     return f"the frontend to list model {model!r}"
         async with http.get(f"{url}/health", ssl=False) as response:
-            seen = set((await response.json()).get("instances", []))
+            health = await response.json()
+            seen = set(health.get("instances", [])) | set(health.get("prefill_instances", []))
     except (aiohttp.ClientError, TimeoutError, ValueError) as e:
         return f"the frontend to answer ({e.__class__.__name__})"
     missing = instances - seen

@@ -48,11 +48,6 @@ class WorkerGroup:
     # Explicit cores, one entry per worker (worker k takes entry k mod len); None = round-robin.
     cores: list[tuple[int, ...]] | None = None
 
-    @property
-    def serves_requests(self) -> bool:
-        """Whether the frontend routes requests to it (prefill workers are reached through decode workers)."""
-        return self.role != "prefill"
-
 
 @dataclass
 class DeploymentSpec:

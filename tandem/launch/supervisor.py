@@ -272,9 +272,9 @@ class Deployment:
             del self._slots[child]
 
     def expected_instances(self) -> set[int]:
-        """Instance ids the frontend should route to: the ready workers that serve requests (not prefill)."""
-        return {int(child.ready[0], 16) for role, children in self.workers.items() if self.groups[role].serves_requests
-                for child in children if child.ready}
+        """Instance ids the frontend should know: every ready worker (prefill workers included, so that the
+        first requests are already disaggregated)."""
+        return {int(child.ready[0], 16) for children in self.workers.values() for child in children if child.ready}
 
     async def _forget_instance(self, child: Child, ready: list[str] | None) -> None:
         """The process is gone, so its discovery entries are stale: remove them now rather than letting the

@@ -17,6 +17,8 @@ from typing import Any
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders as _decoders
 
+from tandem.llm.chunked_encoder import ChunkedEncoder
+
 # tokenizers >= 0.21 has a Rust DecodeStream (seedable with prompt ids since 0.22); else PyDecodeStream.
 _NativeDecodeStream: Any = getattr(_decoders, "DecodeStream", None)
 
@@ -132,6 +134,7 @@ class Tokenizer:
         self._byte_fallback = "ByteFallback" in types
         self._text_cache: dict[int, str] = {}
         self._bytes_cache: dict[int, list[int]] = {}
+        self._chunked = ChunkedEncoder(tokenizer)
 
     # -- loading ---------------------------------------------------------------------------------
 
@@ -199,7 +202,11 @@ class Tokenizer:
     # -- encode / decode ---------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of `text`; long texts without special-token insertion reuse the ids of chunks seen
+        before (`ChunkedEncoder`), with exactly the same result."""
+        if add_special_tokens:
+            return self._tok.encode(text, add_special_tokens=True).ids
+        return self._chunked.encode(text)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

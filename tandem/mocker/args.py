@@ -29,6 +29,7 @@ class MockerConfig:
     component: str
     endpoint: str
     num_workers: int = 1
+    data_parallel_size: int = 1  # engines (dp ranks) behind each worker instance
     engine: SchedulerConfig = field(default_factory=SchedulerConfig)
     speedup_ratio: float = 1.0
     decode_speedup_ratio: float = 1.0
@@ -37,6 +38,7 @@ class MockerConfig:
     disaggregation_mode: str = "agg"
     kv_transfer_bandwidth: float = 64.0  # GB/s; 0 disables the simulated transfer delay
     kv_bytes_per_token: int = 0
+    enable_conditional_disagg: bool = False
     context_length: int = 8192
     seed: int = 0
     migration_limit: int = 0
@@ -46,8 +48,15 @@ class MockerConfig:
     def is_prefill(self) -> bool:
         return self.disaggregation_mode == "prefill"
 
+    @property
+    def publishes_kv_events(self) -> bool:
+        """Decode workers publish none (as Dynamo's), unless conditional disaggregation needs their caches."""
+        return self.engine.enable_prefix_caching and (
+            self.disaggregation_mode != "decode" or self.enable_conditional_disagg)
+
     def kv_transfer_seconds(self, num_tokens: int) -> float:
-        """Simulated NIXL transfer of a prompt's KV from a prefill to a decode worker."""
+        """Simulated NIXL transfer of a prompt's KV from a prefill to a decode worker (the whole prompt),
+        in simulated seconds."""
         if self.kv_transfer_bandwidth <= 0:
             return 0.0
         return num_tokens * self.kv_bytes_per_token / (self.kv_transfer_bandwidth * 1e9)
@@ -68,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "prefill workers: .prefill.generate]")
     model.add_argument("--num-workers", type=int, default=1, help="simulated engines in this process, each its own "
                        "worker instance [default 1]")
+    model.add_argument("--data-parallel-size", "--dp-size", dest="data_parallel_size", type=int, default=None,
+                       help="data-parallel ranks per worker instance, each its own engine, KV cache and KV event "
+                       "stream; requests name theirs in routing.dp_rank [default 1]")
     model.add_argument("--migration-limit", type=int, default=int(env_str("DYN_MIGRATION_LIMIT", "0") or 0))
     model.add_argument("--context-length", "--max-model-len", dest="context_length", type=int, default=None,
                        help="maximum sequence length [default: the model's max_position_embeddings]")
@@ -98,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     disagg.add_argument("--disaggregation-mode", choices=["agg", "prefill", "decode"], default=None, help="[agg]")
     disagg.add_argument("--is-prefill-worker", action="store_true", help="same as --disaggregation-mode prefill")
     disagg.add_argument("--is-decode-worker", action="store_true", help="same as --disaggregation-mode decode")
+    disagg.add_argument("--enable-conditional-disagg", action="store_true",
+                        help="decode workers: publish KV events, so that a frontend with --router-conditional-disagg "
+                        "can keep mostly cached prompts on them")
     disagg.add_argument("--kv-transfer-bandwidth", type=float, default=None,
                         help="simulated KV transfer bandwidth, GB/s; 0 disables the delay [64]")
     disagg.add_argument("--kv-bytes-per-token", type=int, default=None,
@@ -115,11 +130,11 @@ ENGINE_DEFAULTS: dict[str, object] = {
     "enable_prefix_caching": True, "enable_chunked_prefill": True, "watermark": 0.01, "preemption_mode": "lifo",
     "seed": 0, "speedup_ratio": 1.0, "decode_speedup_ratio": 1.0, "startup_time": 0.0,
     "planner_profile_data": None, "disaggregation_mode": "agg", "kv_transfer_bandwidth": 64.0,
-    "kv_bytes_per_token": None,
+    "kv_bytes_per_token": None, "data_parallel_size": 1,
 }
 SCHEDULER_OPTIONS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
                      "enable_chunked_prefill", "watermark", "preemption_mode")
-_ALIASES = {"num_gpu_blocks_override": "num_gpu_blocks", "dp_size": None}
+_ALIASES = {"num_gpu_blocks_override": "num_gpu_blocks", "dp_size": "data_parallel_size"}
 
 
 def parse_args(argv: list[str] | None = None) -> MockerConfig:
@@ -152,6 +167,8 @@ def _config(args: argparse.Namespace) -> MockerConfig:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {options[name]}")
     if not 0 <= float(options["watermark"]) < 1:  # type: ignore[arg-type]
         raise ValueError(f"--watermark must be in [0, 1), got {options['watermark']}")
+    if int(options["data_parallel_size"]) < 1:  # type: ignore[call-overload]
+        raise ValueError(f"--data-parallel-size must be at least 1, got {options['data_parallel_size']}")
     if args.num_workers < 1:
         raise ValueError(f"--num-workers must be at least 1, got {args.num_workers}")
     if options["disaggregation_mode"] not in ("agg", "prefill", "decode"):
@@ -175,6 +192,7 @@ def _config(args: argparse.Namespace) -> MockerConfig:
         served_model_name=args.model_name or os.path.basename(model_path.rstrip("/")),
         namespace=namespace, component=component, endpoint=endpoint_name,
         num_workers=args.num_workers, migration_limit=args.migration_limit, context_length=context_length,
+        enable_conditional_disagg=args.enable_conditional_disagg,
         kv_bytes_per_token=int(kv_bytes), runtime=runtime.replace(namespace=namespace), engine=engine,
         **options,  # type: ignore[arg-type]
     )

@@ -14,46 +14,72 @@ from tandem.router.hashing import request_seed
 
 
 class MockerHandler:
-    def __init__(self, config: MockerConfig, engine: MockEngine, tokens: SyntheticTokens, worker_id: int) -> None:
+    def __init__(self, config: MockerConfig, engines: list[MockEngine], tokens: SyntheticTokens,
+                 worker_id: int) -> None:
         self.config = config
-        self.engine = engine
+        self.engines = engines  # one per data-parallel rank
         self.tokens = tokens
         self.worker_id = worker_id
 
     async def generate(self, request: dict[str, Any], context: Any) -> AsyncIterator[dict[str, Any]]:
         try:
             sim = self._sim_request(request, context.id())
-            queue = self.engine.submit(sim)
+            engine = self._engine(request)
         except (KeyError, TypeError, ValueError) as e:
-            yield {"token_ids": [], "finish_reason": f"error: {e}"}
+            yield _failed(e)
+            return
+        prompt_len = len(sim.prompt)
+        transfer_ms = await self._pull_kv(prompt_len) if sim.prefilled else None
+        if context.is_stopped():  # while the KV was on its way
+            yield _cancelled(prompt_len, 0, None, request)
+            return
+        try:
+            queue = engine.submit(sim)
+        except ValueError as e:  # it can never fit this engine
+            yield _failed(e)
             return
         unsubscribe = context.on_signal(lambda killed: queue.put_nowait(None))
-        prompt_len = len(sim.prompt)
         cached: int | None = None
         generated = 0
         try:
             while True:
                 output: StepOutput | None = await queue.get()
                 if output is None:  # stopped by the caller
-                    yield {"token_ids": [], "finish_reason": "cancelled",
-                           "completion_usage": _usage(prompt_len, generated, cached, request)}
+                    yield _cancelled(prompt_len, generated, cached, request)
                     return
                 generated += 1
                 if output.cached_tokens is not None:
                     cached = output.cached_tokens
                 item: dict[str, Any] = {"token_ids": [output.token_id]}
+                if transfer_ms is not None and generated == 1:
+                    item["kv_transfer_ms"] = transfer_ms
                 if output.finished:
                     item["finish_reason"] = "length"
                     item["completion_usage"] = _usage(prompt_len, generated, cached, request)
                     if self.config.is_prefill:
-                        await asyncio.sleep(self.config.kv_transfer_seconds(prompt_len))
                         item["disaggregated_params"] = {"kv_transfer_params": self._transfer_params(context.id(), prompt_len)}
                 yield item
                 if output.finished:
                     return
         finally:
             unsubscribe()
-            self.engine.release(sim.request_id)
+            engine.release(sim.request_id)
+
+    async def _pull_kv(self, prompt_len: int) -> float:
+        """A decode worker given a prefill_result first pulls the prompt's KV from the prefill worker
+        (NIXL in vLLM): wait the simulated transfer, scaled like every simulated duration. Returns the
+        milliseconds waited, reported to the frontend as `kv_transfer_ms`."""
+        seconds = self.config.kv_transfer_seconds(prompt_len) / self.config.speedup_ratio
+        await asyncio.sleep(seconds)
+        return seconds * 1000
+
+    def _engine(self, request: dict[str, Any]) -> MockEngine:
+        """The engine of the request's `routing.dp_rank` (rank 0 when it names none)."""
+        rank = (request.get("routing") or {}).get("dp_rank") or 0
+        if not isinstance(rank, int) or not 0 <= rank < len(self.engines):
+            raise ValueError(f"dp_rank {rank!r} is not a data-parallel rank of this worker "
+                             f"(it has {len(self.engines)})")
+        return self.engines[rank]
 
     def _sim_request(self, request: dict[str, Any], request_id: str) -> SimRequest:
         token_ids = request["token_ids"]
@@ -85,8 +111,18 @@ class MockerHandler:
                 "remote_request_id": request_id, "num_prompt_tokens": prompt_len}
 
     async def clear_kv_blocks(self, request: Any = None, context: Any = None) -> AsyncIterator[dict[str, Any]]:
-        self.engine.scheduler.kv.clear()
+        for engine in self.engines:
+            engine.scheduler.kv.clear()
         yield {"status": "success", "message": "KV cache cleared"}
+
+
+def _failed(error: Exception) -> dict[str, Any]:
+    return {"token_ids": [], "finish_reason": f"error: {error}"}
+
+
+def _cancelled(prompt_len: int, generated: int, cached: int | None, request: dict[str, Any]) -> dict[str, Any]:
+    return {"token_ids": [], "finish_reason": "cancelled",
+            "completion_usage": _usage(prompt_len, generated, cached, request)}
 
 
 def _usage(prompt_len: int, generated: int, cached: int | None, request: dict[str, Any]) -> dict[str, Any]:

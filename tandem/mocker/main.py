@@ -21,7 +21,7 @@ from tandem.mocker.handlers import MockerHandler
 from tandem.mocker.perf_model import load_perf_model
 from tandem.mocker.scheduler import Scheduler
 from tandem.router.protocols import KV_EVENT_TOPIC, KV_METRICS_TOPIC, WORKER_KV_INDEXER_QUERY_ENDPOINT
-from tandem.router.publisher import KvEventPublisher
+from tandem.router.publisher import KvEventPublisher, indexer_query_handler
 from tandem.runtime import DistributedRuntime, configure_logging, run
 from tandem.runtime.runtime import install_signal_handlers
 from tandem.vllm.health_check import health_check_payload
@@ -30,33 +30,40 @@ from tandem.vllm.publisher import KvMetricsStatLogger
 log = logging.getLogger("tandem.mocker")
 
 
-async def start_worker(config: MockerConfig, runtime: DistributedRuntime, tokenizer: Tokenizer) -> MockEngine:
-    """One simulated engine served as one worker instance on `runtime`."""
+async def start_worker(config: MockerConfig, runtime: DistributedRuntime, tokenizer: Tokenizer) -> list[MockEngine]:
+    """One worker instance on `runtime`: a simulated engine per data-parallel rank."""
     component = runtime.namespace(config.namespace).component(config.component)
     endpoint = component.endpoint(config.endpoint)
     worker_id = runtime.instance_id
-    events = None
     engine_config = config.engine
-    if engine_config.enable_prefix_caching:
-        events = KvEventPublisher(worker_id=worker_id, publisher=await component.event_publisher(KV_EVENT_TOPIC))
-    load = KvMetricsStatLogger(worker_id=worker_id, registry=runtime.registry,
-                               publisher=await component.event_publisher(KV_METRICS_TOPIC))
-    load.set_num_gpu_blocks(engine_config.num_blocks)
-    load.init_publish()
-    scheduler = Scheduler(config.engine, load_perf_model(config.planner_profile_data),
-                          kv_events=events.emit if events is not None else None)
-    engine = MockEngine(scheduler, speedup_ratio=config.speedup_ratio,
-                        decode_speedup_ratio=config.decode_speedup_ratio,
-                        on_load=lambda state: load.record_usage(state.gpu_cache_usage))
-    engine.start()
-    handler = MockerHandler(config, engine, SyntheticTokens(tokenizer, config.seed), worker_id)
+    event_plane = await component.event_publisher(KV_EVENT_TOPIC) if config.publishes_kv_events else None
+    metrics_plane = await component.event_publisher(KV_METRICS_TOPIC)
+    engines: list[MockEngine] = []
+    publishers: list[KvEventPublisher] = []
+    for rank in range(config.data_parallel_size):
+        events = None
+        if event_plane is not None:
+            events = KvEventPublisher(worker_id=worker_id, dp_rank=rank, publisher=event_plane)
+            publishers.append(events)
+        load = KvMetricsStatLogger(worker_id=worker_id, dp_rank=rank, registry=runtime.registry,
+                                   publisher=metrics_plane)
+        load.set_num_gpu_blocks(engine_config.num_blocks)
+        load.init_publish()
+        scheduler = Scheduler(engine_config, load_perf_model(config.planner_profile_data),
+                              kv_events=events.emit if events is not None else None)
+        engine = MockEngine(scheduler, speedup_ratio=config.speedup_ratio,
+                            decode_speedup_ratio=config.decode_speedup_ratio,
+                            on_load=lambda state, load=load: load.record_usage(state.gpu_cache_usage))
+        engine.start()
+        engines.append(engine)
+    handler = MockerHandler(config, engines, SyntheticTokens(tokenizer, config.seed), worker_id)
     labels = {"model": config.served_model_name}
     bos = tokenizer.token_to_id(tokenizer.bos_token) if tokenizer.bos_token else None
     served = await endpoint.start_serving(handler.generate, graceful_shutdown=config.migration_limit <= 0,
                                           metrics_labels=labels, health_check_payload=health_check_payload(bos))
     await component.endpoint("clear_kv_blocks").start_serving(handler.clear_kv_blocks, metrics_labels=labels)
-    if events is not None:
-        await component.endpoint(WORKER_KV_INDEXER_QUERY_ENDPOINT).start_serving(events.indexer_query,
+    if publishers:
+        await component.endpoint(WORKER_KV_INDEXER_QUERY_ENDPOINT).start_serving(indexer_query_handler(publishers),
                                                                                metrics_labels=labels)
     card = build_card(
         config.model_path, config.served_model_name,
@@ -68,7 +75,7 @@ async def start_worker(config: MockerConfig, runtime: DistributedRuntime, tokeni
         runtime_config={
             "total_kv_blocks": engine_config.num_blocks, "max_num_seqs": engine_config.max_num_seqs,
             "max_num_batched_tokens": engine_config.max_num_batched_tokens, "context_length": config.context_length,
-            "enable_local_indexer": events is not None, "data_parallel_size": 1,
+            "enable_local_indexer": bool(publishers), "data_parallel_size": config.data_parallel_size,
         },
     )
     await register_model(endpoint, card)
@@ -76,7 +83,7 @@ async def start_worker(config: MockerConfig, runtime: DistributedRuntime, tokeni
     log.info("mocker serving %s as dyn://%s (%d blocks of %d tokens, speedup %g)", config.served_model_name,
              served.path, engine_config.num_blocks, engine_config.block_size, config.speedup_ratio)
     print(f"READY {worker_id:x} {served.path}", flush=True)
-    return engine
+    return engines
 
 
 async def worker(config: MockerConfig) -> int:
@@ -89,7 +96,7 @@ async def worker(config: MockerConfig) -> int:
         if config.startup_time > 0:
             await asyncio.sleep(config.startup_time)
         for runtime in runtimes:
-            engines.append(await start_worker(config, runtime, tokenizer))
+            engines.extend(await start_worker(config, runtime, tokenizer))
         await asyncio.gather(*(runtime.wait_closed() for runtime in runtimes))
         return 0
     finally:

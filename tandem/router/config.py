@@ -37,13 +37,26 @@ class KvRouterConfig:
     assume_kv_reuse: bool = True
     track_prefill_tokens: bool = True
     active_request_expiry_secs: float = 300.0
+    # Conditional disaggregation (§B.8, policy isl_bounding): the frontend skips the remote prefill when
+    # the decode worker it would pick already caches most of the prompt.
+    conditional_disagg: bool = False
+    conditional_disagg_eff_isl_threshold: int = 2048
+    conditional_disagg_eff_isl_ratio_threshold: float = 0.7
 
     def with_overrides(self, override: dict[str, Any] | None) -> KvRouterConfig:
         """This config with a request's `router_config_override` applied. Unknown keys and null values
-        are ignored; a value that is not a non-negative finite number raises ValueError naming the key."""
+        are ignored; a value that is not a non-negative finite number (true or false for the switches)
+        raises ValueError naming the key."""
         if not override:
             return self
         changes: dict[str, Any] = {}
+        for key in _OVERRIDE_SWITCHES:
+            value = override.get(key)
+            if value is None:
+                continue
+            if not isinstance(value, bool):
+                raise ValueError(f"router_config_override.{key} must be true or false, got {value!r}")
+            changes[key] = value
         for key, field_name in _OVERRIDE_KEYS.items():
             value = override.get(key)
             if value is None:
@@ -63,6 +76,9 @@ _OVERRIDE_KEYS = {
     "temperature": "temperature",
     "prefill_load_scale": "prefill_load_scale",
 }
+# router_config_override switches (Dynamo's RouterConfigOverride has them too): the decode stage of a
+# disaggregated request turns both off (§B.8).
+_OVERRIDE_SWITCHES = ("assume_kv_reuse", "track_prefill_tokens")
 
 
 @dataclass(frozen=True)
@@ -75,6 +91,7 @@ class _Option:
     help: str
     kind: type = float  # float, int or bool
     minimum: float | None = None  # inclusive lower bound
+    maximum: float | None = None  # inclusive upper bound
     positive: bool = False  # strictly > 0
 
     @property
@@ -123,6 +140,17 @@ _OPTIONS: tuple[_Option, ...] = (
             "assume requests in flight on a worker share their common prefix blocks", kind=bool),
     _Option("track_prefill_tokens", ("--router-track-prefill-tokens",), ("DYN_ROUTER_TRACK_PREFILL_TOKENS",),
             "count prompt tokens waiting for prefill as load", kind=bool),
+    _Option("conditional_disagg", ("--router-conditional-disagg",), ("DYN_ROUTER_CONDITIONAL_DISAGG",),
+            "disaggregated serving: skip the remote prefill of a request whose chosen decode worker already "
+            "caches most of its prompt (needs decode workers that publish KV events)", kind=bool),
+    _Option("conditional_disagg_eff_isl_threshold", ("--router-conditional-disagg-eff-isl-threshold",),
+            ("DYN_ROUTER_CONDITIONAL_DISAGG_EFF_ISL_THRESHOLD",),
+            "conditional disaggregation: prefill locally only below this many uncached prompt tokens",
+            kind=int, minimum=0),
+    _Option("conditional_disagg_eff_isl_ratio_threshold", ("--router-conditional-disagg-eff-isl-ratio-threshold",),
+            ("DYN_ROUTER_CONDITIONAL_DISAGG_EFF_ISL_RATIO_THRESHOLD",),
+            "conditional disaggregation: ... and below this fraction of uncached prompt tokens (0..1)",
+            minimum=0.0, maximum=1.0),
 )
 
 # Env-only settings (no Dynamo flag).
@@ -189,6 +217,8 @@ def _validate(option: _Option, value: Any) -> None:
         raise ValueError(f"{option.describe()} must be > 0, got {value}")
     if option.minimum is not None and value < option.minimum:
         raise ValueError(f"{option.describe()} must be >= {option.minimum:g}, got {value}")
+    if option.maximum is not None and value > option.maximum:
+        raise ValueError(f"{option.describe()} must be <= {option.maximum:g}, got {value}")
 
 
 def parse_args_with_router_config(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:

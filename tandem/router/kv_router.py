@@ -72,7 +72,8 @@ class Decision:
 class KvRouter:
     """One per served model. `sync_workers` follows the model's instances (call it on every
     discovery change, on the event loop); `select` routes; `prefill_done` / `free` end a request's
-    load."""
+    load. A data-parallel worker is one candidate per dp rank (`(worker_id, dp_rank)`): each rank has
+    its own cache and load."""
 
     def __init__(self, runtime: Any, model: str, *, block_size: int, config: KvRouterConfig,
                  metrics: RouterMetrics | None = None, rng: random.Random | None = None) -> None:
@@ -92,6 +93,7 @@ class KvRouter:
             self.metrics.decision_seconds, self.metrics.overlap_blocks, self.metrics.prompt_blocks,
             self.metrics.hit_blocks))
         self._workers: dict[int, str] = {}  # instance id -> endpoint path
+        self._dp_sizes: dict[int, int] = {}  # instance id -> data-parallel ranks it serves (default 1)
         self._subscribed: set[str] = set()  # component scopes
         self._first_live: dict[WorkerKey, int] = {}  # first event id received live, per worker and dp rank
         # --router-replica-sync: this router's id and its publisher of active-sequence events
@@ -100,8 +102,10 @@ class KvRouter:
         self._last_sweep = time.monotonic()
 
     # -- workers and events --------------------------------------------------------------------
-    def sync_workers(self, instances: Mapping[int, str]) -> None:
-        """The model's current instances (id -> `ns.component.endpoint`)."""
+    def sync_workers(self, instances: Mapping[int, str], dp_sizes: Mapping[int, int] | None = None) -> None:
+        """The model's current instances (id -> `ns.component.endpoint`) and, for data-parallel ones,
+        their number of dp ranks."""
+        self._dp_sizes = {w: max(int(n), 1) for w, n in (dp_sizes or {}).items() if w in instances}
         for worker_id in set(self._workers) - set(instances):
             self.indexer.remove_worker(worker_id)
             for side in (self.approx, self.predicted):
@@ -121,7 +125,8 @@ class KvRouter:
                 if scope not in self._subscribed:
                     self._subscribed.add(scope)
                     self.runtime.spawn(self._follow_events(namespace, component))
-                self.runtime.spawn(self._recover(worker_id, None))
+                for rank in range(self._dp_sizes.get(worker_id, 1)):
+                    self.runtime.spawn(self._recover(worker_id, None, rank))
             if self.config.replica_sync:
                 namespace, component, _ = path.split(".")
                 if f"sync:{namespace}/{component}" not in self._subscribed:
@@ -145,14 +150,14 @@ class KvRouter:
             if gap is not None:
                 self.runtime.spawn(self._recover(event.worker_id, gap))
 
-    async def _recover(self, worker_id: int, gap: EventGap | None) -> None:
-        """Fetch missing events from the worker's ring buffer: a gap, or everything it still has
-        (a worker just seen)."""
+    async def _recover(self, worker_id: int, gap: EventGap | None, dp_rank: int = 0) -> None:
+        """Fetch missing events from the worker's ring buffer: a gap, or everything dp rank `dp_rank`
+        still has (a worker just seen)."""
         path = self._workers.get(worker_id)
         if path is None:
             return
         namespace, component, _ = path.split(".")
-        query: dict[str, Any] = {"start_event_id": None, "end_event_id": None}
+        query: dict[str, Any] = {"start_event_id": None, "end_event_id": None, "dp_rank": dp_rank}
         if gap is not None:
             query = {"start_event_id": gap.first_missing, "end_event_id": gap.last_missing, "dp_rank": gap.worker[1]}
         try:
@@ -220,15 +225,25 @@ class KvRouter:
                     scores.scores[worker] = blocks
         return local, sequence_hashes(local), scores
 
+    def candidate_ranks(self, candidates: Sequence[int], dp_rank: int | None = None) -> list[WorkerKey]:
+        """Every (instance, dp rank) of `candidates`; only rank `dp_rank` when the request names one."""
+        keys = [(w, rank) for w in candidates for rank in range(self._dp_sizes.get(w, 1))]
+        if dp_rank is not None:
+            keys = [key for key in keys if key[1] == dp_rank]
+            if not keys:
+                raise ValueError(f"no candidate worker has data-parallel rank {dp_rank}")
+        return keys
+
     def best_worker(self, token_ids: Sequence[int], candidates: Sequence[int], *, lora_name: str | None = None,
-                    cache_salt: str | None = None, override: Mapping[str, Any] | None = None) -> Decision:
-        """The cheapest of `candidates` (instance ids) for this prompt; nothing is tracked."""
+                    cache_salt: str | None = None, override: Mapping[str, Any] | None = None,
+                    dp_rank: int | None = None) -> Decision:
+        """The cheapest (instance, dp rank) of `candidates` (instance ids) for this prompt; nothing is
+        tracked."""
         config = self.config.with_overrides(dict(override)) if override else self.config
         local, seq, scores = self.overlaps(token_ids, request_seed(lora_name, cache_salt))
         use_overlap = config.overlap_score_weight != 0
         loads = []
-        for worker_id in candidates:
-            worker: WorkerKey = (worker_id, 0)
+        for worker in self.candidate_ranks(candidates, dp_rank):
             decode = self.sequences.active_blocks(worker)
             if config.track_active_blocks:
                 decode += self.sequences.new_blocks(worker, seq)
@@ -241,12 +256,12 @@ class KvRouter:
 
     def select(self, request_id: str, token_ids: Sequence[int], candidates: Sequence[int], *,
                lora_name: str | None = None, cache_salt: str | None = None,
-               override: Mapping[str, Any] | None = None) -> tuple[int, int]:
+               override: Mapping[str, Any] | None = None, dp_rank: int | None = None) -> tuple[WorkerKey, int]:
         """Choose among `candidates` (instance ids) and start tracking the request there.
-        Returns (instance id, overlap blocks)."""
+        Returns ((instance id, dp rank), overlap blocks)."""
         started = time.perf_counter()
         decision = self.best_worker(token_ids, candidates, lora_name=lora_name, cache_salt=cache_salt,
-                                    override=override)
+                                    override=override, dp_rank=dp_rank)
         chosen, overlap, config = decision.worker, decision.overlap_blocks, decision.config
         tracked_blocks = decision.sequence_hashes if config.track_active_blocks else None
         isl = len(token_ids) if config.track_prefill_tokens else 0
@@ -262,7 +277,7 @@ class KvRouter:
         prompt_blocks.inc(len(decision.local_hashes))
         hit_blocks.inc(overlap)
         self._maybe_sweep()
-        return chosen[0], overlap
+        return chosen, overlap
 
     def prefill_done(self, request_id: str) -> None:
         worker = self.sequences.request_worker(request_id)

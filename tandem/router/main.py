@@ -42,9 +42,11 @@ class RouterService:
     async def generate(self, request: dict[str, Any], context: Any) -> AsyncIterator[Any]:
         routing = request.get("routing") or {}
         router = self.router
-        worker, _ = router.select(context.id(), request["token_ids"], self._workers(),
-                                  cache_salt=routing.get("cache_salt"),
-                                  override=request.get("router_config_override"))
+        (worker, dp_rank), _ = router.select(context.id(), request["token_ids"], self._workers(),
+                                             cache_salt=routing.get("cache_salt"),
+                                             override=request.get("router_config_override"),
+                                             dp_rank=routing.get("dp_rank"))
+        request = {**request, "routing": {**routing, "dp_rank": dp_rank}}
         try:
             first = True
             async for output in await self.client.direct(request, worker, context):
@@ -58,7 +60,8 @@ class RouterService:
     async def best_worker_id(self, request: dict[str, Any], context: Any = None) -> AsyncIterator[dict[str, Any]]:
         routing = request.get("routing") or {}
         decision = self.router.best_worker(request["token_ids"], self._workers(), cache_salt=routing.get("cache_salt"),
-                                           override=request.get("router_config_override"))
+                                           override=request.get("router_config_override"),
+                                           dp_rank=routing.get("dp_rank"))
         yield {"worker_id": decision.worker[0], "dp_rank": decision.worker[1],
                "overlap_blocks": decision.overlap_blocks,
                "overlaps": {str(worker[0]): blocks for worker, blocks in decision.scores.scores.items()}}
