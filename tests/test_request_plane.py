@@ -321,3 +321,29 @@ async def test_context_killed_before_the_request_kills_it_on_arrival(runtimes, n
             conn.streams for conn in server.request_server.connections
         ):
             await asyncio.sleep(0.01)
+
+
+async def test_caller_cancelled_before_the_request_is_accepted_kills_it(runtimes, namespace):
+    """The calling task is cancelled between sending the request and the worker accepting it (a client
+    disconnect): the worker's handler must not keep running unseen."""
+    async def forever(request, context):
+        while not context.is_killed():
+            yield {}
+            await asyncio.sleep(0.01)
+
+    server, _, client = await connect(runtimes, namespace, forever)
+    warm = Context()
+    warm.kill()
+    await client.generate({}, warm)  # the connection is up: the next call sends at once
+    call = asyncio.create_task(client.generate({}, Context()))
+    await asyncio.sleep(0)  # the request is sent; the worker has not seen it yet
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    path = f"{namespace}.backend.generate"
+    await asyncio.sleep(0.2)
+    async with asyncio.timeout(5):
+        while server.request_server.inflight(path) or any(
+            conn.streams for conn in server.request_server.connections
+        ):
+            await asyncio.sleep(0.01)

@@ -533,6 +533,9 @@ class TcpClient(RequestPlaneClient):
             except TimeoutError:
                 conn.send(KILL, stream_id)
                 stream._finish(_FAILED, InstanceUnreachableError(f"{endpoint}@{address}: not accepted in time"))
+            except asyncio.CancelledError:  # the caller went away: the request must not run on unseen
+                stream._on_signal(True)
+                raise
         # surface a refusal (unknown endpoint, too large, unreachable) here rather than on iteration
         stream.accepted.result()
         return stream
