@@ -301,6 +301,34 @@ def test_mp_executor_for_nixl_tp1() -> None:
     assert build("--tensor-parallel-size", "2").engine_args.distributed_executor_backend is None
 
 
+def test_nixl_progress_thread_extension_on_cpu_only() -> None:
+    from tandem.vllm.args import NIXL_CPU_EXTENSION
+
+    assert build().engine_args.worker_extension_cls == NIXL_CPU_EXTENSION
+    assert build("--connector", "kvbm", "nixl").engine_args.worker_extension_cls == NIXL_CPU_EXTENSION
+    assert not build("--connector", "none").engine_args.worker_extension_cls
+    assert not build(is_cpu=False).engine_args.worker_extension_cls
+    own = build("--worker-extension-cls", "my.module.Extension").engine_args.worker_extension_cls
+    assert own == "my.module.Extension"
+
+
+def test_nixl_progress_thread_delay() -> None:
+    """After importing the extension module, NIXL agents get a progress-thread poll timeout (nixl's
+    Python API passes 0, a busy loop)."""
+    pytest.importorskip("nixl._api")
+    from vllm.distributed import nixl_utils
+
+    from tandem.vllm.nixl_cpu import PROGRESS_DELAY_US, install_progress_delay
+
+    assert install_progress_delay()
+    bindings = __import__(nixl_utils.NixlWrapper.__module__, fromlist=["nixlBind"]).nixlBind
+    config = bindings.nixlAgentConfig()
+    config.useProgThread = True
+    config.pthrDelay = 0
+    assert bindings.nixlAgent("tandem-test-agent", config) is not None
+    assert config.pthrDelay == PROGRESS_DELAY_US
+
+
 def test_forced_engine_values() -> None:
     args = build("--enable-log-requests", "--disable-log-stats").engine_args
     assert args.enable_log_requests is False
@@ -385,6 +413,20 @@ def test_nixl_side_channel(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "20097")
     kept = build()
     assert kept.env_updates == {} and kept.nixl_side_channel == ("10.1.2.3", 20097)
+
+
+def test_side_channel_port_comes_back_after_a_restart() -> None:
+    """Ports are claimed per process (lock files) from a fixed start, so a restarted worker gets its port
+    back: the port is part of vLLM's compile-cache key."""
+    from tandem.vllm import args
+
+    first = args._claim_port(43100)
+    second = args._claim_port(43100)
+    assert second > first
+    os.close(args._claimed_ports.pop(first))  # the first worker exits
+    assert args._claim_port(43100) == first
+    for port in (first, second):
+        os.close(args._claimed_ports.pop(port))
 
 
 def test_nixl_side_channel_only_with_nixl() -> None:

@@ -56,6 +56,8 @@ CPU_BLOCK_MULTIPLE = 32
 # holds ~8.7 GiB, part of it already taken), while 0.25-0.3 starts the 135M default model with a large KV
 # cache and leaves room for a second engine on the same host.
 CPU_GPU_MEMORY_UTILIZATION = 0.3
+NIXL_CPU_EXTENSION = "tandem.vllm.nixl_cpu.ProgressThreadDelay"
+NIXL_SIDE_CHANNEL_FIRST_PORT = 5600  # vLLM's default VLLM_NIXL_SIDE_CHANNEL_PORT
 
 # Multimodal role flags (argparse dests) and the component each role serves under (Dynamo §1.6).
 MULTIMODAL_ROLES: dict[str, str] = {
@@ -548,6 +550,8 @@ def _apply_engine_defaults(config: Config) -> None:
 
     if _uses_nixl(config):
         config.nixl_side_channel = _nixl_side_channel(config)
+        if config.is_cpu:
+            _delay_nixl_progress_thread(args)
 
     if config.is_cpu and config.cpu_cores:
         current = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
@@ -627,9 +631,20 @@ def _uses_nixl(config: Config) -> bool:
     return any(isinstance(c, dict) and c.get("kv_connector") == "NixlConnector" for c in nested)
 
 
+def _delay_nixl_progress_thread(args: AsyncEngineArgs) -> None:
+    """On CPU, load `tandem.vllm.nixl_cpu` into vLLM's model process (as its worker extension) so that
+    NIXL's progress thread stops spinning on the engine's core; see that module."""
+    if args.worker_extension_cls:
+        log.warning("--worker-extension-cls %s given: NIXL's UCX progress thread will busy-poll the engine's "
+                    "CPU core (add `import tandem.vllm.nixl_cpu` to that module to avoid it)",
+                    args.worker_extension_cls)
+        return
+    args.worker_extension_cls = NIXL_CPU_EXTENSION
+
+
 def _nixl_side_channel(config: Config) -> tuple[str, int]:
-    """Host and port of NIXL's handshake listener. Dynamo sets the host only; tandem also picks a free port,
-    so that several workers on one host never collide on vLLM's fixed default (5600)."""
+    """Host and port of NIXL's handshake listener. Dynamo sets the host only; tandem also claims a port
+    (`_claim_port`), so that several workers on one host never collide on vLLM's fixed default (5600)."""
     host = os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST") or ""
     if not host:
         host = detect_host()
@@ -639,20 +654,52 @@ def _nixl_side_channel(config: Config) -> tuple[str, int]:
     if port_text:
         return host, int(port_text) + dp_rank
     # vLLM listens on VLLM_NIXL_SIDE_CHANNEL_PORT + data-parallel rank.
-    port = _free_port(minimum=dp_rank + 1024)
+    port = _claim_port(NIXL_SIDE_CHANNEL_FIRST_PORT + dp_rank)
     config.env_updates["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port - dp_rank)
     return host, port
 
 
-def _free_port(minimum: int = 1024) -> int:
-    """A TCP port the OS reports free right now, at least `minimum`."""
-    for _ in range(20):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            port = int(s.getsockname()[1])
-        if port >= minimum:
+# Locks on the side-channel ports this process claimed, held until it exits.
+_claimed_ports: dict[int, int] = {}
+
+
+def _claim_port(first: int) -> int:
+    """The first port from `first` on that no other live tandem process on this host has claimed and that
+    is free now; claimed until this process exits (a lock file per port).
+
+    A restarted worker gets the same port back. That matters: the port (VLLM_NIXL_SIDE_CHANNEL_PORT) is
+    one of the environment variables in the key of vLLM's torch.compile cache, so a new port per start
+    would recompile the model every time (minutes on CPU)."""
+    import fcntl
+    import tempfile
+
+    folder = os.path.join(tempfile.gettempdir(), "tandem-nixl-side-channel")
+    os.makedirs(folder, exist_ok=True)
+    for port in range(first, min(first + 1000, 65536)):
+        try:
+            fd = os.open(os.path.join(folder, str(port)), os.O_CREAT | os.O_RDWR, 0o666)
+        except OSError:  # another user's claim
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue
+        if _port_free(port):
+            _claimed_ports[port] = fd
             return port
-    raise RuntimeError("no free TCP port for NIXL's side channel")
+        os.close(fd)  # releases the lock
+    raise RuntimeError(f"no free TCP port for NIXL's side channel from {first}")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as vLLM's ZMQ listener binds
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
 
 
 # --------------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from vllm.inputs import TextPrompt, TokensPrompt
 from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
@@ -100,6 +101,34 @@ def _logprobs(output: Any, new_ids: list[int]) -> tuple[list[float], list[list[d
     return sampled, tops
 
 
+def _kv_wait_ms(result: Any) -> float | None:
+    """How long a remote-prefill request waited in the decode engine before its first step, in ms: from
+    entering the engine's queue until first scheduled. vLLM parks such a request until the connector has
+    pulled the prompt's KV, so this is the KV transfer (with the NIXL handshake the first time, and any
+    wait for a free slot). None when vLLM keeps no request stats."""
+    stats = getattr(result, "metrics", None)
+    queued = getattr(stats, "queued_ts", 0.0)
+    scheduled = getattr(stats, "scheduled_ts", 0.0)
+    if not queued or not scheduled:
+        return None
+    return max(scheduled - queued, 0.0) * 1000
+
+
+class DisaggMetrics:
+    """Decode-side metrics of disaggregated serving on the worker's /metrics (the frontend's
+    `dynamo_frontend_remote_prefills_total` / `..._kv_transfer_seconds` are their counterparts)."""
+
+    def __init__(self, registry: CollectorRegistry, model: str) -> None:
+        self.remote_prefills = Counter(
+            "dynamo_component_remote_prefill_requests", "Requests this worker decoded from a prefill worker's KV "
+            "(they came with kv_transfer_params)", ["model"], registry=registry).labels(model)
+        self.kv_transfer_seconds = Histogram(
+            "dynamo_component_kv_transfer_seconds", "Wait of a remote-prefill request in the engine until its "
+            "first step: the KV pull from the prefill worker", ["model"], registry=registry,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+        ).labels(model)
+
+
 class BaseWorkerHandler:
     def generate(self, request: dict[str, Any], context: Any) -> AsyncIterator[dict[str, Any]]:
         raise NotImplementedError
@@ -114,6 +143,7 @@ class BaseWorkerHandler:
         model_max_len: int | None,
         shutdown_event: asyncio.Event,
         lora: Any = None,
+        disagg_metrics: DisaggMetrics | None = None,
     ) -> None:
         self.runtime = runtime
         self.engine_client = engine_client
@@ -122,6 +152,7 @@ class BaseWorkerHandler:
         self.model_max_len = model_max_len
         self.shutdown_event = shutdown_event
         self.lora = lora
+        self.disagg_metrics = disagg_metrics
         self.generate_endpoint: Any = None  # set by main once served
         self.on_sleep: Any = None  # callbacks main sets: unregister / re-register in discovery
         self.on_wake: Any = None
@@ -159,9 +190,11 @@ class BaseWorkerHandler:
         return rank
 
     async def _stream_tokens(
-        self, request: dict[str, Any], context: Any, sampling: SamplingParams, *, prefill: bool
+        self, request: dict[str, Any], context: Any, sampling: SamplingParams, *, prefill: bool,
+        remote_prefill: bool = False,
     ) -> AsyncIterator[dict[str, Any]]:
-        """Run one request on the engine and yield Dynamo LLMEngineOutput deltas (§4.5, §5)."""
+        """Run one request on the engine and yield Dynamo LLMEngineOutput deltas (§4.5, §5). A
+        `remote_prefill` request's first output also reports its KV wait as `kv_transfer_ms`."""
         try:
             prompt, prompt_len = self._prompt(request)
         except Exception as e:
@@ -173,6 +206,7 @@ class BaseWorkerHandler:
         request_id = context.id()
         prefill_details = (request.get("prefill_result") or {}).get("prompt_tokens_details")
         generated = 0
+        first = True
         async with abort_monitor(self.engine_client, context, request_id, self.shutdown_event) as monitor:
             async for result in monitor.stream(self.engine_client.generate(
                 prompt, sampling, request_id, lora_request=self._lora_request(request),
@@ -185,6 +219,13 @@ class BaseWorkerHandler:
                 new_ids = list(output.token_ids)
                 generated += len(new_ids)
                 item: dict[str, Any] = {"token_ids": new_ids}
+                if remote_prefill and first:
+                    waited = _kv_wait_ms(result)
+                    if waited is not None:
+                        item["kv_transfer_ms"] = waited
+                        if self.disagg_metrics is not None:
+                            self.disagg_metrics.kv_transfer_seconds.observe(waited / 1000)
+                first = False
                 if sampling.logprobs is not None and new_ids:
                     parsed = _logprobs(output, new_ids)
                     if parsed is not None:
@@ -249,11 +290,16 @@ class DecodeWorkerHandler(BaseWorkerHandler):
             return
         sampling = build_sampling_params(request, self.default_sampling_params, self.model_max_len)
         prefill_result = request.get("prefill_result")
+        kv_params = None
         if isinstance(prefill_result, dict):
             kv_params = (prefill_result.get("disaggregated_params") or {}).get("kv_transfer_params")
-            if kv_params is not None:
-                sampling.extra_args = {**(sampling.extra_args or {}), "kv_transfer_params": kv_params}
-        async for item in self._stream_tokens(request, context, sampling, prefill=False):
+        if kv_params is not None:
+            # vLLM's connector pulls the prompt's KV from the prefill worker before the first step.
+            sampling.extra_args = {**(sampling.extra_args or {}), "kv_transfer_params": kv_params}
+            if self.disagg_metrics is not None:
+                self.disagg_metrics.remote_prefills.inc()
+        async for item in self._stream_tokens(request, context, sampling, prefill=False,
+                                              remote_prefill=kv_params is not None):
             yield item
 
     async def _generate_text(self, request: dict[str, Any], context: Any) -> AsyncIterator[dict[str, Any]]:

@@ -18,7 +18,7 @@ from tandem.runtime import DistributedRuntime, configure_logging, run
 from tandem.vllm.args import Config, dump_config, parse_args
 from tandem.vllm.checkpoint_restore import get_checkpoint_config
 from tandem.vllm.engine_monitor import VllmEngineMonitor
-from tandem.vllm.handlers import BaseWorkerHandler, DecodeWorkerHandler, PrefillWorkerHandler
+from tandem.vllm.handlers import BaseWorkerHandler, DecodeWorkerHandler, DisaggMetrics, PrefillWorkerHandler
 from tandem.vllm.health_check import bos_token_id_of, health_check_payload
 
 log = logging.getLogger("tandem.vllm")
@@ -112,6 +112,8 @@ async def _serve(config: Config, runtime: DistributedRuntime, shutdown_event: as
         handler: BaseWorkerHandler = handler_class(
             runtime, engine, config, default_sampling_params=defaults, model_max_len=model_max_len,
             shutdown_event=shutdown_event, lora=lora,
+            disagg_metrics=None if config.is_prefill_worker else DisaggMetrics(runtime.registry,
+                                                                               config.served_model_name),
         )
         handler.generate_endpoint = generate_endpoint
 

@@ -1,0 +1,57 @@
+"""NIXL on vLLM's CPU backend: stop NIXL's UCX progress thread from busy-polling the engine's core.
+
+nixl's Python agent always creates its UCX progress thread with `pthrDelay = 0`, so between events
+the thread polls with a zero timeout and keeps a whole core busy. Next to a GPU that costs a spare
+host core; on the CPU backend the thread inherits the engine's core binding (`--cpu-cores`) and
+takes that core from the model: a ~1300-token prefill on one core then ran past vLLM's 300 s step
+timeout and killed the engine.
+
+`ProgressThreadDelay` is given to vLLM as `--worker-extension-cls` on CPU (see `args.py`): vLLM
+imports this module in the process that runs the model before its KV connector creates the NIXL
+agent, and the import gives every agent created there a poll timeout of `PROGRESS_DELAY_US`. The
+thread still wakes at once on UCX events (it polls UCX's event fd); the timeout only bounds how
+long it sleeps without one.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# Poll timeout of the progress thread between UCX events. NIXL rounds it up to whole milliseconds.
+PROGRESS_DELAY_US = 1000
+
+
+def install_progress_delay(delay_us: int = PROGRESS_DELAY_US) -> bool:
+    """Make NIXL agents created from now on in this process use a progress-thread poll timeout of
+    `delay_us` instead of 0. Returns False when NIXL is not installed."""
+    from vllm.distributed import nixl_utils
+
+    # Loads nixl the way vLLM's connector does (vLLM sets UCX variables before the first import).
+    if nixl_utils.NixlWrapper is None:
+        return False
+    bindings = sys.modules[nixl_utils.NixlWrapper.__module__].nixlBind
+    create = bindings.nixlAgent
+    if getattr(create, "tandem_progress_delay", None) is not None:
+        return True
+
+    def agent_with_delay(name: str, config: Any) -> Any:
+        if config.useProgThread and not config.pthrDelay:
+            config.pthrDelay = delay_us
+        return create(name, config)
+
+    agent_with_delay.tandem_progress_delay = delay_us  # type: ignore[attr-defined]
+    bindings.nixlAgent = agent_with_delay
+    log.debug("NIXL progress thread poll timeout set to %d us", delay_us)
+    return True
+
+
+class ProgressThreadDelay:
+    """vLLM worker extension whose only job is the import-time `install_progress_delay()` below
+    (it adds no methods to the worker)."""
+
+
+install_progress_delay()
