@@ -6,6 +6,7 @@ import this file; httpx is imported where it is used.
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import datetime
 import json
@@ -18,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -165,15 +166,28 @@ def rss_mb(pids: list[int]) -> float:
     return total / 1024
 
 
-def wait_quiet(limit_pct: float, timeout: float = 120) -> None:
+def wait_quiet(limit_pct: float, timeout: float = 120, exclude: Callable[[], list[int]] | None = None) -> bool:
     """Until the machine has been (nearly) idle for 3 s — other processes below `limit_pct` % of a
-    core — or `timeout`."""
+    core — or `timeout`; True if it was quiet. `exclude` (optional) names processes whose CPU time (with
+    their descendants') does not count, e.g. a deployment that is up and idle between measurements."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        mine = tree_cpu_seconds(exclude()) if exclude else 0.0
         busy = machine_busy_seconds()
         time.sleep(3)
-        if (machine_busy_seconds() - busy) / 3 * 100 < limit_pct:
-            return
+        others = machine_busy_seconds() - busy - ((tree_cpu_seconds(exclude()) - mine) if exclude else 0.0)
+        if others / 3 * 100 < limit_pct:
+            return True
+    return False
+
+
+def tree_cpu_seconds(pids: list[int]) -> float:
+    """CPU time of `pids` and all their descendants (each process counted once)."""
+    kids = children_map()
+    seen: set[int] = set()
+    for pid in pids:
+        seen.update(tree(pid, kids))
+    return sum(cpu_seconds(p) for p in seen)
 
 
 def fmt(value: float) -> str:
@@ -255,12 +269,28 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 # -- the deployments ------------------------------------------------------------------------------
 class Deployment:
     """One implementation's frontend + `workers` mocker workers, up and serving: `engine` are the mocker
-    flags (the same on both sides), `frontend_args` extra frontend flags (tandem: via --frontend-args)."""
+    flags (the same on both sides), `frontend_args` extra frontend flags (tandem: via --frontend-args).
+
+    Disaggregated: `prefill_workers` P and `decode_workers` D (both > 0) instead of `workers` — tandem
+    `tandem run --prefill-workers P --decode-workers D`, Dynamo two `dynamo.mocker` processes with
+    `--disaggregation-mode prefill|decode` (endpoints `NS.prefill.generate` / `NS.backend.generate`).
+    tandem only: `engine_kind="vllm"` runs real vLLM workers (`engine` then goes to every worker),
+    `run_args` are extra `tandem run` flags, `ready_timeout` bounds the start."""
 
     def __init__(self, impl: str, engine: list[str], workdir: str, dynamo_python: str, *, workers: int = 4,
                  router_mode: str = "round-robin", model_name: str = MODEL_NAME,
-                 frontend_args: list[str] | None = None) -> None:
+                 frontend_args: list[str] | None = None, prefill_workers: int = 0, decode_workers: int = 0,
+                 engine_kind: str = "mocker", run_args: list[str] | None = None,
+                 ready_timeout: float = 180) -> None:
         self.impl = impl
+        disagg = prefill_workers > 0 or decode_workers > 0
+        if disagg and (prefill_workers < 1 or decode_workers < 1):
+            raise ValueError("a disaggregated deployment needs at least one prefill and one decode worker")
+        if engine_kind != "mocker" and impl != "tandem":
+            raise ValueError(f"engine {engine_kind!r}: only tandem deployments run real engines")
+        if disagg:
+            workers = prefill_workers + decode_workers
+        self.prefill_workers, self.decode_workers = prefill_workers, decode_workers
         self.procs: list[Proc] = []
         self.logdir = os.path.join(workdir, "logs")
         os.makedirs(self.logdir, exist_ok=True)
@@ -279,36 +309,43 @@ class Deployment:
         try:
             if impl == "tandem":
                 tandem = os.path.join(os.path.dirname(sys.executable), "tandem")
-                launcher = Proc("tandem-run", [tandem, "run", "--engine", "mocker", "--model", model, "--model-name",
-                                               MODEL_NAME, "--workers", str(WORKERS), "--router-mode", router_mode,
+                shape = (["--prefill-workers", str(prefill_workers), "--decode-workers", str(decode_workers)]
+                         if disagg else ["--workers", str(WORKERS)])
+                launcher = Proc("tandem-run", [tandem, "run", "--engine", engine_kind, "--model", model, "--model-name",
+                                               MODEL_NAME, *shape, "--router-mode", router_mode,
                                                "--http-port", str(port), "--namespace", namespace,
-                                               "--stop-timeout", "15",
+                                               "--stop-timeout", "15", *(run_args or []),
                                                *([f"--frontend-args={shlex.join(frontend_args)}"] if frontend_args else []),
                                                "--", *engine], env, self.logdir)
                 self.procs = [launcher]
-                launcher.wait_line("==> serving", timeout=180)
+                launcher.wait_line("==> serving", timeout=ready_timeout)
                 kids = [(pid, cmdline(pid)) for pid in children_map().get(launcher.pid, [])]
                 frontends = [pid for pid, cmd in kids if "tandem.frontend" in cmd]
                 if len(frontends) != 1:
                     raise RuntimeError(f"cannot find tandem run's frontend among its children: {kids}")
                 self.frontend_pid = frontends[0]
-                self.engine_pids = [pid for pid, cmd in kids if "tandem.mocker" in cmd]
+                self.engine_pids = [pid for pid, cmd in kids if f"tandem.{engine_kind}" in cmd]
                 self.launcher_pid: int | None = launcher.pid
             else:
-                mocker = Proc("mocker", [dynamo_python, "-m", "dynamo.mocker", "--model-path", model, "--model-name",
-                                         MODEL_NAME, "--num-workers", str(WORKERS), *engine, "--endpoint",
-                                         f"dyn://{namespace}.backend.generate", "--discovery-backend", "file",
-                                         "--request-plane", "tcp", "--event-plane", "zmq"], env, self.logdir)
-                self.procs = [mocker]
+                groups = ([("mocker-prefill", prefill_workers, "prefill", "prefill"),
+                           ("mocker-decode", decode_workers, "decode", "backend")] if disagg
+                          else [("mocker", WORKERS, None, "backend")])
+                for name, count, mode, component in groups:
+                    self.procs.append(Proc(name, [
+                        dynamo_python, "-m", "dynamo.mocker", "--model-path", model, "--model-name", MODEL_NAME,
+                        "--num-workers", str(count), *engine, *(["--disaggregation-mode", mode] if mode else []),
+                        "--endpoint", f"dyn://{namespace}.{component}.generate", "--discovery-backend", "file",
+                        "--request-plane", "tcp", "--event-plane", "zmq"], env, self.logdir))
+                mockers = list(self.procs)
                 frontend = Proc("frontend", [dynamo_python, "-m", "dynamo.frontend", "--http-host", "127.0.0.1",
                                              "--http-port", str(port), "--namespace", namespace,
                                              "--router-mode", router_mode, "--discovery-backend", "file",
                                              "--request-plane", "tcp", "--event-plane", "zmq", *frontend_args], env, self.logdir)
                 self.procs.append(frontend)
                 self.frontend_pid = frontend.pid
-                self.engine_pids = [mocker.pid]
+                self.engine_pids = [m.pid for m in mockers]
                 self.launcher_pid = None
-            if len(self.engine_pids) != (WORKERS if impl == "tandem" else 1):
+            if len(self.engine_pids) != (WORKERS if impl == "tandem" else 2 if disagg else 1):
                 raise RuntimeError(f"expected {WORKERS} worker processes, found {self.engine_pids}")
             wait_serving(self.url, self.procs, MODEL_NAME)
             self._wait_workers(impl, WORKERS)
@@ -465,3 +502,115 @@ def write_json(where: str | None, obj: Any) -> None:
     else:
         with open(where, "w") as f:
             f.write(payload)
+
+
+# -- shared run-time plumbing -------------------------------------------------------------------------
+def has_dynamo(dynamo_python: str) -> bool:
+    """Whether `dynamo_python` imports Dynamo 1.6.1's frontend and mocker (the baseline venv)."""
+    if not os.path.exists(dynamo_python):
+        return False
+    return subprocess.run([dynamo_python, "-c", "import dynamo.frontend, dynamo.mocker"],
+                          capture_output=True).returncode == 0
+
+
+def require_dynamo(dynamo_python: str) -> None:
+    if not has_dynamo(dynamo_python):
+        raise SystemExit(f"{dynamo_python} lacks ai-dynamo 1.6.1: run bash bench/setup_baselines.sh")
+
+
+def interrupt_on_sigterm() -> None:
+    """SIGTERM and SIGINT raise KeyboardInterrupt (also when started in the background), which unwinds
+    through every `finally`: deployments, load generators, cgroups are stopped."""
+    def on_term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+# -- HTTP load generation -----------------------------------------------------------------------------
+class QuickAck(asyncio.StreamReaderProtocol):
+    """ACK every segment at once (TCP_QUICKACK re-armed on each receive) instead of Linux's delayed
+    ACK: a server that leaves Nagle on (Dynamo's HTTP listener does not set TCP_NODELAY) otherwise
+    holds a stream's last small write until the client's delayed ACK, ~40 ms later."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._sock = transport.get_extra_info("socket")
+        super().connection_made(transport)  # type: ignore[arg-type]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
+        except OSError:
+            pass
+        super().data_received(data)
+
+
+class StreamConn:
+    """One keep-alive HTTP/1.1 connection that POSTs JSON and reads the response as server-sent events."""
+
+    def __init__(self, host: str, port: int, quickack: bool = True) -> None:
+        self.host, self.port, self.quickack = host, port, quickack
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def connect(self) -> None:
+        if not self.quickack:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port, limit=1 << 22)
+            return
+        loop = asyncio.get_running_loop()
+        self.reader = asyncio.StreamReader(limit=1 << 22, loop=loop)
+        protocol = QuickAck(self.reader, loop=loop)
+        transport, _ = await loop.create_connection(lambda: protocol, self.host, self.port)
+        transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.writer = asyncio.StreamWriter(transport, protocol, self.reader, loop)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
+
+    async def post(self, path: str, body: bytes) -> tuple[bytes, AsyncIterator[bytes]]:
+        """Send the request; returns the status line and the response's events (`\n\n`-separated
+        pieces of the body, without the separator), to be read to the end before the next request."""
+        if self.writer is None:
+            await self.connect()
+        reader, writer = self.reader, self.writer
+        assert reader is not None and writer is not None
+        writer.write(b"POST %s HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
+                     b"Accept: text/event-stream\r\nContent-Length: %d\r\n\r\n%s"
+                     % (path.encode(), self.host.encode(), self.port, len(body), body))
+        status = await reader.readline()
+        chunked, length, close = False, None, False
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            name, value = name.strip().lower(), value.strip().lower()
+            if name == "transfer-encoding" and "chunked" in value:
+                chunked = True
+            elif name == "content-length":
+                length = int(value)
+            elif name == "connection" and value == "close":
+                close = True
+
+        async def events() -> AsyncIterator[bytes]:
+            pending = b""
+            while True:
+                if chunked:
+                    size = int((await reader.readline()).split(b";")[0], 16)
+                    if size == 0:
+                        await reader.readline()
+                        break
+                    data = (await reader.readexactly(size + 2))[:-2]
+                else:
+                    data = await reader.readexactly(length) if length is not None else await reader.read()
+                *complete, pending = (pending + data).split(b"\n\n")
+                for event in complete:
+                    yield event
+                if not chunked:
+                    break
+            if pending:
+                yield pending
+            if close:
+                self.close()
+
+        return status, events()

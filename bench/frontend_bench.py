@@ -33,7 +33,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,7 +40,7 @@ import tempfile
 import time
 from typing import Any
 
-from _common import REPO, Proc, comparison_table, wait_serving
+from _common import REPO, Proc, StreamConn, comparison_table, has_dynamo, wait_serving
 from _common import cpu_seconds as _cpu_seconds
 from _common import free_port as _free_port
 from _common import machine_busy_seconds as _machine_busy_seconds
@@ -97,82 +96,21 @@ def _wait_serving(url: str, procs: list[Proc]) -> None:
 
 
 # -- load generator (raw HTTP/1.1, keep-alive, one connection per concurrent stream) --------------
-class _QuickAck(asyncio.StreamReaderProtocol):
-    """ACK every segment at once (TCP_QUICKACK re-armed on each receive) instead of Linux's delayed
-    ACK: a server that leaves Nagle on (Dynamo's HTTP listener does not set TCP_NODELAY) otherwise
-    holds a stream's last small write until the client's delayed ACK, ~40 ms later."""
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._sock = transport.get_extra_info("socket")
-        super().connection_made(transport)  # type: ignore[arg-type]
-
-    def data_received(self, data: bytes) -> None:
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
-        super().data_received(data)
-
-
-class Conn:
-    def __init__(self, host: str, port: int, quickack: bool = True) -> None:
-        self.host, self.port, self.quickack = host, port, quickack
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
-
-    async def connect(self) -> None:
-        if not self.quickack:
-            self.reader, self.writer = await asyncio.open_connection(self.host, self.port, limit=1 << 20)
-            return
-        loop = asyncio.get_running_loop()
-        self.reader = asyncio.StreamReader(limit=1 << 20, loop=loop)
-        protocol = _QuickAck(self.reader, loop=loop)
-        transport, _ = await loop.create_connection(lambda: protocol, self.host, self.port)
-        self.writer = asyncio.StreamWriter(transport, protocol, self.reader, loop)
-
+class Conn(StreamConn):
     async def request(self, body: bytes, on_open: Any = None) -> tuple[float, float, int]:
         """(seconds to the first text chunk, seconds to the end, text chunks) of one streamed request."""
-        if self.writer is None:
-            await self.connect()
-        reader, writer = self.reader, self.writer
-        assert reader is not None and writer is not None
         start = time.perf_counter()
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
-                          b"Accept: text/event-stream\r\nContent-Length: %d\r\n\r\n%s"
-                          % (self.host.encode(), self.port, len(body), body))
-        status = await reader.readline()
+        status, events = await self.post("/v1/chat/completions", body)
         if not status.startswith(b"HTTP/1.1 200"):
-            raise RuntimeError(f"HTTP status {status!r}: {(await reader.read(2000))!r}")
-        chunked, length, close = False, None, False
-        while (line := await reader.readline()) not in (b"\r\n", b""):
-            name, _, value = line.decode("latin-1").partition(":")
-            name, value = name.strip().lower(), value.strip().lower()
-            if name == "transfer-encoding" and "chunked" in value:
-                chunked = True
-            elif name == "content-length":
-                length = int(value)
-            elif name == "connection" and value == "close":
-                close = True
+            raise RuntimeError(f"HTTP status {status!r}: {b''.join([e async for e in events])[:2000]!r}")
         if on_open is not None:
             on_open()
-        first, tokens, pending, done = 0.0, 0, b"", False
-        while not done:
-            if chunked:
-                size = int((await reader.readline()).split(b";")[0], 16)
-                if size == 0:
-                    await reader.readline()
-                    break
-                data = (await reader.readexactly(size + 2))[:-2]
-            else:
-                data = await reader.readexactly(length) if length is not None else await reader.read()
-                done = True
-            pending += data
-            *events, pending = pending.split(b"\n\n")
-            for event in events:
-                if _CONTENT.search(event):
-                    tokens += 1
-                    if not first:
-                        first = time.perf_counter() - start
-        if close:
-            writer.close()
-            self.writer = None
+        first, tokens = 0.0, 0
+        async for event in events:
+            if _CONTENT.search(event):
+                tokens += 1
+                if not first:
+                    first = time.perf_counter() - start
         return first, time.perf_counter() - start, tokens
 
 
@@ -485,9 +423,7 @@ def main() -> None:
 
     impls = ["tandem"] if args.impl in ("tandem", "both") else []
     if args.impl in ("dynamo", "both"):
-        check = subprocess.run([args.dynamo_python, "-c", "import dynamo.frontend, dynamo.mocker"],
-                               capture_output=True) if os.path.exists(args.dynamo_python) else None
-        if check is not None and check.returncode == 0:
+        if has_dynamo(args.dynamo_python):
             impls.append("dynamo")
         else:
             print(f"(no Dynamo baseline: {args.dynamo_python} lacks ai-dynamo; run bash bench/setup_baselines.sh)")

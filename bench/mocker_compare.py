@@ -37,9 +37,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -56,9 +54,11 @@ from _common import (
     children_map,
     comparison_table,
     cpu_seconds,
+    interrupt_on_sigterm,
     machine_busy_seconds,
     model_path,
     parse_aiperf,
+    require_dynamo,
     run_aiperf,
     tree,
     wait_quiet,
@@ -378,16 +378,9 @@ def main() -> None:
     if not os.access(args.aiperf, os.X_OK):
         raise SystemExit(f"no aiperf at {args.aiperf}: run bash bench/setup_baselines.sh")
     if "dynamo" in impls:
-        check = subprocess.run([args.dynamo_python, "-c", "import dynamo.frontend, dynamo.mocker"],
-                               capture_output=True) if os.path.exists(args.dynamo_python) else None
-        if check is None or check.returncode != 0:
-            raise SystemExit(f"{args.dynamo_python} lacks ai-dynamo 1.6.1: run bash bench/setup_baselines.sh")
+        require_dynamo(args.dynamo_python)
 
-    def on_term(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt  # unwinds through every finally: deployments, aiperf, cgroup
-
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started in the background
+    interrupt_on_sigterm()
     started = time.monotonic()
     runs: dict[str, dict[str, list[dict[str, float]]]] = {r: {i: [] for i in impls} for r in regimes}
     try:

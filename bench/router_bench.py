@@ -41,13 +41,10 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
 
 from _common import (
     MODEL_NAME,
@@ -56,9 +53,11 @@ from _common import (
     bench_run,
     fmt,
     hub_cache_tokenizer,
+    interrupt_on_sigterm,
     machine_busy_seconds,
     model_path,
     parse_aiperf,
+    require_dynamo,
     run_aiperf,
     wait_quiet,
     write_json,
@@ -267,16 +266,9 @@ def main() -> None:
     if not os.access(args.aiperf, os.X_OK):
         raise SystemExit(f"no aiperf at {args.aiperf}: run bash bench/setup_baselines.sh")
     if any(STACKS[s][0] == "dynamo" for s in stacks):
-        check = subprocess.run([args.dynamo_python, "-c", "import dynamo.frontend, dynamo.mocker"],
-                               capture_output=True) if os.path.exists(args.dynamo_python) else None
-        if check is None or check.returncode != 0:
-            raise SystemExit(f"{args.dynamo_python} lacks ai-dynamo 1.6.1: run bash bench/setup_baselines.sh")
+        require_dynamo(args.dynamo_python)
 
-    def on_term(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    interrupt_on_sigterm()
     tmp = tempfile.mkdtemp(prefix="router-bench-trace-")
     trace = os.path.join(tmp, "trace.jsonl")
     requests, mean_isl = write_trace(trace, args)

@@ -14,6 +14,9 @@ from tandem.runtime import DistributedRuntime, RuntimeConfig
 from tests.conftest import TandemProcess
 
 MODEL = "SmolLM2-135M-Instruct"
+# Every real vLLM engine in the tests: no torch.compile (a cold compile takes ~5 min on one core, ~40 s
+# start-up without) and float32 (on CPUs without native bf16 it prefills ~3x faster than bf16).
+VLLM_TEST_ARGS = ("--enforce-eager", "--dtype", "float32")
 
 
 class Deployment:
@@ -48,8 +51,9 @@ class Deployment:
 
     def add_engine(self, *extra: str, env: dict[str, str] | None = None) -> TandemProcess:
         """Start one more engine; `env` adds to (and overrides) `engine_env` for this engine only."""
+        defaults = VLLM_TEST_ARGS if self.engine_module == "tandem.vllm" else ()
         engine = TandemProcess(self.engine_module, "--model", self.model_path, "--discovery-backend", "file",
-                               *extra, env={**self.env, **self.engine_env, **(env or {})},
+                               *defaults, *extra, env={**self.env, **self.engine_env, **(env or {})},
                                timeout=self.engine_timeout)
         self.engines.append(engine)
         return engine

@@ -24,7 +24,7 @@ from tandem.vllm.args import (  # noqa: E402
 )
 
 # Variables the worker reads or sets; each test starts without them and leaves the environment as it was.
-_PREFIXES = ("DYN_", "VLLM_NIXL_SIDE_CHANNEL_", "VLLM_CPU_OMP_THREADS_BIND", "TANDEM_CPU_CORES")
+_PREFIXES = ("DYN_", "VLLM_NIXL_SIDE_CHANNEL_", "VLLM_CPU_OMP_THREADS_BIND", "TANDEM_CPU_CORES", "VLLM_USE_AOT_COMPILE")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -408,11 +408,15 @@ def test_nixl_side_channel(monkeypatch: pytest.MonkeyPatch) -> None:
     ranked = build("--data-parallel-rank", "3")
     assert ranked.nixl_side_channel is not None
     assert int(ranked.env_updates["VLLM_NIXL_SIDE_CHANNEL_PORT"]) + 3 == ranked.nixl_side_channel[1]
+    # CPU engines on different cores look from different ports (stable ports for workers started together).
+    bound = build("--cpu-cores", "40-41").nixl_side_channel
+    assert bound is not None and bound[1] >= 5600 + 40
     # Values already in the environment are the user's.
     monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_HOST", "10.1.2.3")
     monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "20097")
     kept = build()
-    assert kept.env_updates == {} and kept.nixl_side_channel == ("10.1.2.3", 20097)
+    assert not any(name.startswith("VLLM_NIXL") for name in kept.env_updates)
+    assert kept.nixl_side_channel == ("10.1.2.3", 20097)
 
 
 def test_side_channel_port_comes_back_after_a_restart() -> None:
@@ -445,6 +449,14 @@ def test_apply_env_exports_updates() -> None:
 
 # -------------------------------------------------------------------------------------------------
 # CPU / GPU
+
+
+def test_cpu_compiles_without_aot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vllm-cpu 0.32 cannot load its AOT-compiled models back: CPU workers use the inductor cache."""
+    assert build().env_updates["VLLM_USE_AOT_COMPILE"] == "0"
+    assert "VLLM_USE_AOT_COMPILE" not in build(is_cpu=False).env_updates
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")
+    assert "VLLM_USE_AOT_COMPILE" not in build().env_updates
 
 
 def test_cpu_defaults() -> None:

