@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from typing import Any
 
 import pytest
@@ -327,6 +328,35 @@ def test_nixl_progress_thread_delay() -> None:
     config.pthrDelay = 0
     assert bindings.nixlAgent("tandem-test-agent", config) is not None
     assert config.pthrDelay == PROGRESS_DELAY_US
+
+
+def test_nixl_connector_leaves_the_model_thread_on_its_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's NIXL worker on CPU moves the creating thread (the model's OpenMP master) to the last core of
+    the NUMA node; the extension puts it back on the cores it had."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two cores")
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
+
+    from tandem.vllm.nixl_cpu import keep_thread_affinity
+
+    first, last = min(os.sched_getaffinity(0)), max(os.sched_getaffinity(0))
+
+    def moving_init(self: object, *args: object) -> None:  # what vLLM's __init__ does on CPU
+        os.sched_setaffinity(0, {last})
+
+    monkeypatch.setattr(NixlBaseConnectorWorker, "__init__", moving_init)
+    assert keep_thread_affinity()
+    seen: list[set[int]] = []
+
+    def model_thread() -> None:  # its own thread: the test's affinity stays as it is
+        os.sched_setaffinity(0, {first})
+        NixlBaseConnectorWorker.__init__(object.__new__(NixlBaseConnectorWorker))
+        seen.append(os.sched_getaffinity(0))
+
+    thread = threading.Thread(target=model_thread)
+    thread.start()
+    thread.join()
+    assert seen == [{first}]
 
 
 def test_forced_engine_values() -> None:

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -194,16 +195,22 @@ def test_worker_metrics_and_health(vllm):
 
 
 def test_validation_errors_exit_2(smollm2):
-    for argv, message in [
+    cases = [
         (["--is-prefill-worker", "--is-decode-worker"], "Cannot set both"),
         (["--connector", "bogus"], "Invalid connector"),
         (["--connector", "none", "nixl"], "cannot be combined"),
         (["--kv-transfer-config", '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'], "Cannot specify both"),
         (["--custom-jinja-template", "/nonexistent/t.jinja"], "/nonexistent/t.jinja"),
         (["--multimodal-worker"], "--enable-multimodal"),
-    ]:
-        out = subprocess.run([sys.executable, "-m", "tandem.vllm", "--model", smollm2, *argv],
-                             capture_output=True, text=True, timeout=120)
+    ]
+
+    def run(argv: list[str]) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "tandem.vllm", "--model", smollm2, *argv],
+                              capture_output=True, text=True, timeout=120)
+
+    with ThreadPoolExecutor(2) as pool:  # each run mostly imports vLLM: two at a time
+        outs = list(pool.map(run, [argv for argv, _ in cases]))
+    for (argv, message), out in zip(cases, outs, strict=True):
         assert out.returncode == 2 and message in out.stderr, (argv, out.stderr[-500:])
 
 

@@ -1,4 +1,12 @@
-"""NIXL on vLLM's CPU backend: stop NIXL's UCX progress thread from busy-polling the engine's core.
+"""NIXL on vLLM's CPU backend: keep the model on the engine's own cores, and stop NIXL's UCX progress
+thread from busy-polling them.
+
+vLLM's NIXL connector worker, on CPU, moves the thread that creates it to the last core of each NUMA
+node (meant as a core reserved for KV transfers). That thread is the model process's main thread, which
+is also OpenMP's master thread: with one core per engine (`--cpu-cores 0`), every engine's model then
+ran on the machine's last core. Two engines of a 1P1D pair on a 2-core host shared core 1 and left
+core 0 idle; prefill and decode each ran at half speed. `keep_thread_affinity` restores the thread's
+cores once the connector worker exists.
 
 nixl's Python agent always creates its UCX progress thread with `pthrDelay = 0`, so between events
 the thread polls with a zero timeout and keeps a whole core busy. Next to a GPU that costs a spare
@@ -15,7 +23,9 @@ long it sleeps without one.
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import sys
 from typing import Any
 
@@ -49,9 +59,37 @@ def install_progress_delay(delay_us: int = PROGRESS_DELAY_US) -> bool:
     return True
 
 
+def keep_thread_affinity() -> bool:
+    """Make vLLM's NIXL connector worker leave the creating thread on the cores it had. Returns False
+    when this vLLM has no such class."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
+    except ImportError:
+        return False
+    init = NixlBaseConnectorWorker.__init__
+    if getattr(init, "tandem_keeps_affinity", False):
+        return True
+
+    @functools.wraps(init)
+    def init_on_own_cores(self: Any, *args: Any, **kwargs: Any) -> None:
+        cores = os.sched_getaffinity(0)
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            moved = os.sched_getaffinity(0)
+            if moved != cores:
+                log.info("NIXL connector moved the model thread to cores %s; back to %s", sorted(moved), sorted(cores))
+                os.sched_setaffinity(0, cores)
+
+    init_on_own_cores.tandem_keeps_affinity = True  # type: ignore[attr-defined]
+    NixlBaseConnectorWorker.__init__ = init_on_own_cores  # type: ignore[method-assign]
+    return True
+
+
 class ProgressThreadDelay:
-    """vLLM worker extension whose only job is the import-time `install_progress_delay()` below
-    (it adds no methods to the worker)."""
+    """vLLM worker extension whose only job is the import-time patches below (it adds no methods to
+    the worker)."""
 
 
 install_progress_delay()
+keep_thread_affinity()
