@@ -11,6 +11,7 @@ import ctypes
 import datetime
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -614,3 +615,34 @@ class StreamConn:
                 self.close()
 
         return status, events()
+
+
+# -- Prometheus ----------------------------------------------------------------------------------------
+_SAMPLE = re.compile(r'^([a-zA-Z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)')
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def scrape(url: str) -> Samples:
+    """All samples of `url`/metrics ({} when it cannot be read)."""
+    import httpx
+
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    out: Samples = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m and not line.startswith("#"):
+            try:
+                out[(m.group(1), frozenset(_LABEL.findall(m.group(2) or "")))] = float(m.group(3))
+            except ValueError:
+                pass
+    return out
+
+
+def total(samples: Samples, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels`."""
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)

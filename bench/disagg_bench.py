@@ -50,7 +50,6 @@ import collections
 import json
 import os
 import random
-import re
 import socket
 import statistics
 import sys
@@ -60,6 +59,7 @@ from typing import Any
 from _common import (
     MODEL_NAME,
     Deployment,
+    Samples,
     StreamConn,
     add_output_args,
     bench_run,
@@ -73,6 +73,8 @@ from _common import (
     model_path,
     pct,
     require_dynamo,
+    scrape,
+    total,
     tree,
     tree_cpu_seconds,
     wait_quiet,
@@ -220,37 +222,6 @@ def summarize(results: list[dict[str, Any]], wall: float) -> dict[str, float]:
         "tokens_per_chunk": sum(completion) / sum(len(r["times"]) for r in ok),
     })
     return out
-
-
-# -- Prometheus scraping ------------------------------------------------------------------------------
-_SAMPLE = re.compile(r'^([a-zA-Z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)')
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-def scrape(url: str) -> Samples:
-    """All samples of a /metrics page ({} when it cannot be read)."""
-    import httpx
-
-    try:
-        text = httpx.get(f"{url}/metrics", timeout=10).text
-    except httpx.HTTPError:
-        return {}
-    out: Samples = {}
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if m and not line.startswith("#"):
-            try:
-                out[(m.group(1), frozenset(_LABEL.findall(m.group(2) or "")))] = float(m.group(3))
-            except ValueError:
-                pass
-    return out
-
-
-def total(samples: Samples, name: str, **labels: str) -> float:
-    """Sum of the samples of `name` whose labels include `labels`."""
-    want = set(labels.items())
-    return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
 
 
 def diff(after: Samples, before: Samples) -> Samples:

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shlex
 import shutil
 import statistics
@@ -59,6 +58,7 @@ from _common import (
     parse_aiperf,
     require_dynamo,
     run_aiperf,
+    scrape,
     wait_quiet,
     write_json,
 )
@@ -126,21 +126,10 @@ def cache_stats(path: str) -> dict[str, float]:
 
 def router_metrics(url: str) -> dict[str, float]:
     """Frontend /metrics: the router's estimated hit blocks / prompt blocks, when exposed."""
-    import httpx
-
-    try:
-        text = httpx.get(f"{url}/metrics", timeout=10).text
-    except httpx.HTTPError:
-        return {}
-    sums: dict[str, float] = {}
-    for line in text.splitlines():
-        m = re.match(r"^(\w*router_(?:estimated_hit_blocks|prompt_blocks)_total)(?:\{[^}]*\})?\s+([0-9.eE+-]+)$", line)
-        if m:
-            key = "hit" if "estimated_hit" in m.group(1) else "prompt"
-            sums[key] = sums.get(key, 0.0) + float(m.group(2))
-    if sums.get("prompt"):
-        return {"router_est_hit_pct": sums.get("hit", 0.0) / sums["prompt"] * 100}
-    return {}
+    samples = scrape(url)
+    prompt = sum(v for (name, _), v in samples.items() if name.endswith("router_prompt_blocks_total"))
+    hit = sum(v for (name, _), v in samples.items() if name.endswith("router_estimated_hit_blocks_total"))
+    return {"router_est_hit_pct": hit / prompt * 100} if prompt else {}
 
 
 # -- one run ----------------------------------------------------------------------------------------

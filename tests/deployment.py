@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx
 import openai
+from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.runtime import DistributedRuntime, RuntimeConfig
 from tests.conftest import TandemProcess
@@ -17,6 +18,12 @@ MODEL = "SmolLM2-135M-Instruct"
 # Every real vLLM engine in the tests: no torch.compile (a cold compile takes ~5 min on one core, ~40 s
 # start-up without) and float32 (on CPUs without native bf16 it prefills ~3x faster than bf16).
 VLLM_TEST_ARGS = ("--enforce-eager", "--dtype", "float32")
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples called `name` on a /metrics page whose labels include `labels`."""
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == name and labels.items() <= sample.labels.items())
 
 
 class Deployment:

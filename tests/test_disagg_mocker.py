@@ -13,23 +13,16 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import TandemProcess, free_port
-from tests.deployment import MODEL, Deployment
+from tests.deployment import MODEL, Deployment, metric_sum
 
 BLOCK = 16
 MOCKER = ["--block-size", str(BLOCK), "--speedup-ratio", "100"]
 
 
-def _sample(text: str, name: str, **labels: str) -> float:
-    """The sum of the samples called `name` whose labels include `labels`."""
-    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-               if sample.name == name and labels.items() <= sample.labels.items())
-
-
 def _worker_metric(system_url: str, name: str, **labels: str) -> float:
-    return _sample(httpx.get(f"{system_url}/metrics").text, name, dynamo_endpoint="generate", **labels)
+    return metric_sum(httpx.get(f"{system_url}/metrics").text, name, dynamo_endpoint="generate", **labels)
 
 
 def _prefixed(n: int, words: int = 60) -> str:
@@ -84,11 +77,11 @@ def test_xpyd_serves_concurrent_load_through_remote_prefills(launch: Callable, p
         assert cached >= (first[n][1] // BLOCK - 1) * BLOCK, (n, cached, prompt_tokens)
     total = 2 * len(conversations)
     metrics = httpx.get(f"{url}/metrics").text
-    assert _sample(metrics, "dynamo_frontend_remote_prefills_total") == total
-    assert _sample(metrics, "dynamo_frontend_remote_prefills_total", outcome="ok") == total
-    assert _sample(metrics, "dynamo_frontend_requests_total", status="success") == total
-    assert _sample(metrics, "dynamo_frontend_remote_prefill_duration_seconds_count") == total
-    assert _sample(metrics, "dynamo_frontend_kv_transfer_seconds_count") == total  # reported by the decode workers
+    assert metric_sum(metrics, "dynamo_frontend_remote_prefills_total") == total
+    assert metric_sum(metrics, "dynamo_frontend_remote_prefills_total", outcome="ok") == total
+    assert metric_sum(metrics, "dynamo_frontend_requests_total", status="success") == total
+    assert metric_sum(metrics, "dynamo_frontend_remote_prefill_duration_seconds_count") == total
+    assert metric_sum(metrics, "dynamo_frontend_kv_transfer_seconds_count") == total  # reported by the decode workers
     # Workers: slots 0..P-1 are the prefill workers, then the decode workers.
     served = [_worker_metric(f"http://127.0.0.1:{base + slot}", "dynamo_component_requests_total")
               for slot in range(prefill + decode)]
@@ -155,12 +148,12 @@ def test_prefill_worker_killed_falls_back_or_fails_with_503(one_by_one: Callable
                 strict_client.completions.create(model=MODEL, prompt=_prefixed(20 + n), max_tokens=4)
             assert failure.value.status_code == 503 and "--enforce-disagg" in failure.value.message
         relaxed = deployment.metrics()
-        assert _sample(relaxed, "dynamo_frontend_remote_prefills_total", outcome="ok") == 1
-        assert _sample(relaxed, "dynamo_frontend_remote_prefills_total", outcome="fallback") >= 1
+        assert metric_sum(relaxed, "dynamo_frontend_remote_prefills_total", outcome="ok") == 1
+        assert metric_sum(relaxed, "dynamo_frontend_remote_prefills_total", outcome="fallback") >= 1
         enforced = httpx.get(f"{strict.ready[0]}/metrics").text
-        assert _sample(enforced, "dynamo_frontend_remote_prefills_total", outcome="ok") == 1
-        assert _sample(enforced, "dynamo_frontend_remote_prefills_total", outcome="error") == 3
-        assert _sample(enforced, "dynamo_frontend_requests_total", status="error") == 3
+        assert metric_sum(enforced, "dynamo_frontend_remote_prefills_total", outcome="ok") == 1
+        assert metric_sum(enforced, "dynamo_frontend_remote_prefills_total", outcome="error") == 3
+        assert metric_sum(enforced, "dynamo_frontend_requests_total", status="error") == 3
     finally:
         strict.stop()
 
@@ -180,8 +173,8 @@ def test_client_cancelling_during_prefill_leaves_nothing_running(one_by_one: Cal
     assert _worker_metric(prefill_url, "dynamo_component_cancellation_total") == 1  # stopped, not finished
     assert _worker_metric(decode_url, "dynamo_component_requests_total") == 0
     metrics = deployment.metrics()
-    assert _sample(metrics, "dynamo_frontend_remote_prefills_total", outcome="cancelled") == 1
-    assert _sample(metrics, "dynamo_frontend_inflight_requests") == 0
+    assert metric_sum(metrics, "dynamo_frontend_remote_prefills_total", outcome="cancelled") == 1
+    assert metric_sum(metrics, "dynamo_frontend_inflight_requests") == 0
 
 
 def test_conditional_disagg_keeps_cached_prompts_on_the_decode_worker(one_by_one: Callable) -> None:
@@ -196,6 +189,6 @@ def test_conditional_disagg_keeps_cached_prompts_on_the_decode_worker(one_by_one
     assert cached >= prompt_tokens - 3 * BLOCK  # prefilled on the decode worker, from its own cache
     _ask(client, "a short question")  # nothing cached: the ratio rule sends it to the prefill worker
     metrics = deployment.metrics()
-    assert _sample(metrics, "dynamo_frontend_remote_prefills_total", outcome="skipped_conditional") == 1
-    assert _sample(metrics, "dynamo_frontend_remote_prefills_total", outcome="ok") == 2
+    assert metric_sum(metrics, "dynamo_frontend_remote_prefills_total", outcome="skipped_conditional") == 1
+    assert metric_sum(metrics, "dynamo_frontend_remote_prefills_total", outcome="ok") == 2
     assert _worker_metric(prefill_url, "dynamo_component_requests_total") == 2

@@ -26,12 +26,11 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.runtime import Context
 from tandem.vllm.handlers import DecodeWorkerHandler, DisaggMetrics, PrefillWorkerHandler
 from tests.conftest import TandemProcess, free_port
-from tests.deployment import MODEL, Deployment
+from tests.deployment import MODEL, Deployment, metric_sum
 
 MAX_TOKENS = 16
 SHORT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -65,9 +64,7 @@ class Disagg:
 
 def metric(url: str, name: str, **labels: str) -> float:
     """Sum of the samples called `name` (with these label values) on a /metrics page."""
-    text = httpx.get(url, timeout=30).text
-    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-               if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()))
+    return metric_sum(httpx.get(url, timeout=30).text, name, **labels)
 
 
 def wait_until(condition: Callable[[], bool], what: str, timeout: float = 120) -> None:

@@ -56,7 +56,7 @@ CPU_BLOCK_MULTIPLE = 32
 # holds ~8.7 GiB, part of it already taken), while 0.25-0.3 starts the 135M default model with a large KV
 # cache and leaves room for a second engine on the same host.
 CPU_GPU_MEMORY_UTILIZATION = 0.3
-NIXL_CPU_EXTENSION = "tandem.vllm.nixl_cpu.ProgressThreadDelay"
+NIXL_CPU_EXTENSION = "tandem.vllm.nixl_cpu.NixlOnCpu"
 NIXL_SIDE_CHANNEL_FIRST_PORT = 5600  # vLLM's default VLLM_NIXL_SIDE_CHANNEL_PORT
 
 # Multimodal role flags (argparse dests) and the component each role serves under (Dynamo §1.6).
@@ -551,7 +551,7 @@ def _apply_engine_defaults(config: Config) -> None:
     if _uses_nixl(config):
         config.nixl_side_channel = _nixl_side_channel(config)
         if config.is_cpu:
-            _delay_nixl_progress_thread(args)
+            _load_nixl_cpu_extension(args)
 
     if config.is_cpu and config.cpu_cores:
         current = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
@@ -636,13 +636,13 @@ def _uses_nixl(config: Config) -> bool:
     return any(isinstance(c, dict) and c.get("kv_connector") == "NixlConnector" for c in nested)
 
 
-def _delay_nixl_progress_thread(args: AsyncEngineArgs) -> None:
-    """On CPU, load `tandem.vllm.nixl_cpu` into vLLM's model process (as its worker extension) so that
-    NIXL's progress thread stops spinning on the engine's core; see that module."""
+def _load_nixl_cpu_extension(args: AsyncEngineArgs) -> None:
+    """On CPU, load `tandem.vllm.nixl_cpu` into vLLM's model process (as its worker extension) so that the
+    model stays on the engine's cores and NIXL's progress thread stops spinning there; see that module."""
     if args.worker_extension_cls:
-        log.warning("--worker-extension-cls %s given: NIXL's UCX progress thread will busy-poll the engine's "
-                    "CPU core (add `import tandem.vllm.nixl_cpu` to that module to avoid it)",
-                    args.worker_extension_cls)
+        log.warning("--worker-extension-cls %s given: vLLM's NIXL connector may move the model off the engine's "
+                    "cores and NIXL's progress thread will busy-poll them (add `import tandem.vllm.nixl_cpu` to "
+                    "that module to avoid it)", args.worker_extension_cls)
         return
     args.worker_extension_cls = NIXL_CPU_EXTENSION
 

@@ -14,9 +14,9 @@ host core; on the CPU backend the thread inherits the engine's core binding (`--
 takes that core from the model: a ~1300-token prefill on one core then ran past vLLM's 300 s step
 timeout and killed the engine.
 
-`ProgressThreadDelay` is given to vLLM as `--worker-extension-cls` on CPU (see `args.py`): vLLM
-imports this module in the process that runs the model before its KV connector creates the NIXL
-agent, and the import gives every agent created there a poll timeout of `PROGRESS_DELAY_US`. The
+`NixlOnCpu` is given to vLLM as `--worker-extension-cls` on CPU (see `args.py`): vLLM imports this
+module in the process that runs the model before its KV connector exists, and the import applies both
+fixes there; every NIXL agent created afterwards gets a poll timeout of `PROGRESS_DELAY_US`. The
 thread still wakes at once on UCX events (it polls UCX's event fd); the timeout only bounds how
 long it sleeps without one.
 """
@@ -86,7 +86,7 @@ def keep_thread_affinity() -> bool:
     return True
 
 
-class ProgressThreadDelay:
+class NixlOnCpu:
     """vLLM worker extension whose only job is the import-time patches below (it adds no methods to
     the worker)."""
 
