@@ -233,7 +233,7 @@ def test_direct_routing_by_header(deployment):
         assert reply.parse().choices[0].message.content == "pinned"
     r = post(deployment, "/v1/chat/completions", {"model": MODEL, "messages": say("x")},
              headers={"x-worker-instance-id": "12345"})
-    assert r.status_code == 503
+    assert r.status_code == 404 and r.json()["error"]["param"] == "x-worker-instance-id"  # a client mistake, not retryable
 
 
 # -- separate deployments --------------------------------------------------------------------------
@@ -328,7 +328,9 @@ def test_lora_adapters_are_listed_and_served(tmp_path: Path, smollm2):
     deployment = Deployment(tmp_path, smollm2, engines=[["--lora", "my-adapter"]])
     try:
         client = deployment.client()
-        models = {m.id: m for m in client.models.list().data}
+        deadline = time.monotonic() + 10  # the base model's and the adapter's cards arrive one after the other
+        while len(models := {m.id: m for m in client.models.list().data}) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert set(models) == {MODEL, "my-adapter"}
         assert models["my-adapter"].model_extra["parent"] == MODEL
         reply = client.chat.completions.create(model="my-adapter", messages=say("adapted"))

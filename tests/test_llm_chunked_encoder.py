@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers
 
-from tandem.llm.chunked_encoder import ChunkedEncoder
+from tandem.llm.chunked_encoder import ChunkedEncoder, TooManyTokens, _size
 from tandem.llm.tokenizer import Tokenizer
 
 UNITS = [" ", "  ", "\n", "\n\n", " \n", "\t", "a", "the", "Hello", "it's", "don't", "12", "345", ".", "!", ",",
@@ -50,11 +51,44 @@ def test_tokenizer_encode_uses_it(tok: Tokenizer) -> None:
     assert tok.encode(text, add_special_tokens=True) == _hf(tok).encode(text, add_special_tokens=True).ids
 
 
-def test_cache_is_bounded(tok: Tokenizer) -> None:
-    encoder = ChunkedEncoder(_hf(tok), chunk_chars=64, capacity=10)
-    for n in range(5):
+def test_cache_is_bounded_in_bytes(tok: Tokenizer) -> None:
+    encoder = ChunkedEncoder(_hf(tok), chunk_chars=64, capacity_bytes=4096)
+    for n in range(20):
         encoder.encode(" ".join(f"w{n}x{i}" for i in range(200)))
-    assert len(encoder._cache) == 10
+    assert 0 < encoder.cached_bytes <= 4096
+    assert encoder.cached_bytes == sum(_size(c, ids) for c, ids in encoder._cache.items())
+
+
+def test_a_run_without_safe_boundary_is_not_cached(tok: Tokenizer) -> None:
+    """A chunk as long as the whole text (digits, no spaces) would evict everything else."""
+    encoder = ChunkedEncoder(_hf(tok), chunk_chars=64)
+    text = "one two " + "7" * 5000 + " three four"
+    assert encoder.encode(text) == _hf(tok).encode(text, add_special_tokens=False).ids
+    assert all(len(chunk) <= 8 * 64 for chunk in encoder._cache)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.sampled_from(UNITS), min_size=0, max_size=600), st.integers(1, 300))
+def test_limit(tok: Tokenizer, units: list[str], limit: int) -> None:
+    """Under the limit: the plain ids. Over it: TooManyTokens, whose count never exceeds the real one."""
+    encoder = ChunkedEncoder(_hf(tok), chunk_chars=16)
+    text = "".join(units)
+    expected = _hf(tok).encode(text, add_special_tokens=False).ids
+    if len(expected) <= limit:
+        assert encoder.encode(text, limit) == expected
+    else:
+        with pytest.raises(TooManyTokens) as raised:
+            encoder.encode(text, limit)
+        assert limit < raised.value.at_least <= len(expected)
+
+
+def test_over_the_limit_stops_early(tok: Tokenizer) -> None:
+    """A long text far over the limit is not encoded to its end."""
+    encoder = ChunkedEncoder(_hf(tok), chunk_chars=64)
+    text = " ".join(f"word{i}" for i in range(20000))
+    with pytest.raises(TooManyTokens):
+        encoder.encode(text, limit=100)
+    assert encoder.misses <= ChunkedEncoder.GROUP_CHUNKS
 
 
 def test_other_tokenizer_families_are_left_alone() -> None:

@@ -8,6 +8,7 @@ kills its request on the worker at once (handler cancellation).
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import ssl
 import time
@@ -26,6 +27,7 @@ from tandem.frontend.openapi import OPENAPI
 from tandem.frontend.pipeline import Attempt, ModelPipeline
 from tandem.frontend.routing import NoWorkerError
 from tandem.llm.postprocess import OutputProcessor
+from tandem.llm.protocols import RoutingHints
 from tandem.runtime import Context, DistributedRuntime, RemoteError, StreamIncompleteError
 
 log = logging.getLogger("tandem.frontend")
@@ -45,6 +47,7 @@ class HttpConfig:
     tls_cert_path: str | None = None
     tls_key_path: str | None = None
     body_limit_bytes: int = 192 * 1024 * 1024
+    body_read_timeout: float = 60.0  # a client that declares a body and never sends it is cut off after this
 
 
 @dataclass
@@ -82,6 +85,7 @@ class FrontendServer:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.list_models)
+        app.router.add_get("/v1/models/{model:.+}", self.get_model)
         app.router.add_get("/health", self.health)
         app.router.add_get("/live", self.live)
         app.router.add_get("/metrics", self.metrics_route)
@@ -115,16 +119,22 @@ class FrontendServer:
         except web.HTTPException as e:
             if e.status == 413:
                 return _error(413, f"request body exceeds the limit of {self.config.body_limit_bytes} bytes")
-            if e.status in (404, 405):
-                return _error(e.status, f"{request.method} {request.path}: {e.reason}",
-                              type_="not_found_error" if e.status == 404 else "invalid_request_error")
+            if isinstance(e, web.HTTPMethodNotAllowed):
+                response = _error(405, f"{request.method} {request.path}: {e.reason}")
+                response.headers["Allow"] = ", ".join(sorted(e.allowed_methods))
+                return response
+            if e.status == 404:
+                return _error(404, f"{request.method} {request.path}: {e.reason}")
             raise
+        except Exception:  # a defect here, never the client's mistake: the route's error shape, one log record
+            log.exception("unexpected error serving %s %s", request.method, request.path)
+            return _error(500, "internal error while serving the request")
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
         key = self.config.api_key
         if key and request.path.startswith("/v1/"):
-            if request.headers.get("Authorization", "") != f"Bearer {key}":
+            if not bearer_matches(request.headers.get("Authorization", ""), key):
                 return web.json_response(
                     {"error": {"message": "Incorrect or missing API key", "type": "invalid_request_error",
                                "param": None, "code": "invalid_api_key"}},
@@ -133,9 +143,18 @@ class FrontendServer:
         return await handler(request)
 
     # -- infra routes --------------------------------------------------------------------------
+    def list_entries(self) -> list[tuple[str, int, str, str | None]]:
+        return [(m.name, m.created, "tandem", m.parent) for m in self.manager.served()]
+
     async def list_models(self, request: web.Request) -> web.Response:
-        entries = [(m.name, m.created, "tandem", m.parent) for m in self.manager.served()]
-        return web.json_response(openai.models_list(entries))
+        return web.json_response(openai.models_list(self.list_entries()))
+
+    async def get_model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        for entry in self.list_entries():
+            if entry[0] == name:
+                return web.json_response(openai.models_list([entry])["data"][0])
+        raise openai.RequestError.model_not_found(name)
 
     async def health(self, request: web.Request) -> web.Response:
         models = self.manager.served()
@@ -164,7 +183,17 @@ class FrontendServer:
             raise openai.RequestError(
                 f"request body exceeds the limit of {self.config.body_limit_bytes} bytes", status=413
             )
-        return await request.read()
+        # A body in another type (text/plain, a form) is what a web page can send without a CORS
+        # preflight: refuse it. No Content-Type at all is read as JSON, as vLLM does.
+        if request.headers.get("Content-Type") is not None and not _is_json(request.content_type):
+            raise openai.RequestError(f"Content-Type must be application/json (got {request.content_type!r})",
+                                      status=415)
+        try:
+            async with asyncio.timeout(self.config.body_read_timeout):
+                return await request.read()
+        except TimeoutError:
+            raise openai.RequestError(f"the request body did not arrive within {self.config.body_read_timeout:g} s",
+                                      status=408) from None
 
     def _model(self, name: str) -> ServedModel:
         model = self.manager.get(name)
@@ -201,12 +230,12 @@ class FrontendServer:
     async def _serve(self, request: web.Request, req: Any, pipeline: ModelPipeline, prompt_ids: list[int],
                      endpoint: str) -> web.StreamResponse:
         hints = openai.routing_hints(req, request.headers)
-        pinned = hints.backend_instance_id if hints else None
+        pinned = _pinned_instance(hints, pipeline, request)
         preprocessed = pipeline.preprocess(req, prompt_ids, hints)
         assert pipeline.preprocessor is not None
         processor = OutputProcessor(pipeline.preprocessor.tokenizer, prompt_ids, preprocessed.stop_conditions,
                                     preprocessed.sampling_options, preprocessed.output_options)
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request_id = uuid.uuid4().hex  # never the client's x-request-id: two clients may send the same one
         context = Context(request_id)
         attempt = Attempt()
         outputs = pipeline.generate(preprocessed, context, attempt, pinned=pinned, guided=req.is_guided)
@@ -306,9 +335,9 @@ class FrontendServer:
             if ttft is not None:
                 metrics.ttft.labels(model_name).observe(ttft)
             log.info(
-                "request %s model=%s worker=%s status=%s prompt_tokens=%d completion_tokens=%d finish=%s "
+                "request %s%s model=%s worker=%s status=%s prompt_tokens=%d completion_tokens=%d finish=%s "
                 "migrations=%d ttft_ms=%s total_ms=%.1f",
-                request_id, model_name, f"{attempt.instance_id:x}" if attempt.instance_id else "-", status,
+                request_id, _client_id(request), model_name, f"{attempt.instance_id:x}" if attempt.instance_id else "-", status,
                 len(prompt_ids), outcome.completion_tokens, outcome.finish_reason, attempt.migrations,
                 f"{ttft * 1000:.1f}" if ttft is not None else "-", elapsed * 1000,
             )
@@ -365,18 +394,18 @@ class FrontendServer:
             return web.json_response(error.body(), status=error.status)
         if not isinstance(error, (NoWorkerError, StreamIncompleteError, RemoteError)):
             log.exception("unexpected error serving %s", model, exc_info=error)
-        return _error(status, str(error), type_="service_unavailable" if status == 503 else "internal_error")
+        return _error(status, str(error))
 
     async def _relay_text(self, request: web.Request, chat: Any, raw: dict[str, Any], pipeline: ModelPipeline,
                           endpoint: str) -> web.StreamResponse:
         """Text-input models (`--use-vllm-tokenizer` workers) template and tokenize in the engine: forward
         the OpenAI request and relay the chat chunks it streams back."""
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request_id = uuid.uuid4().hex
         context = Context(request_id)
         response_id, created, model_name = f"chatcmpl-{request_id}", int(time.time()), pipeline.model.name
         body = dict(raw, model=model_name)
         hints = openai.routing_hints(chat, request.headers)
-        outputs = pipeline.generate(body, context, Attempt(), pinned=hints.backend_instance_id if hints else None)
+        outputs = pipeline.generate(body, context, Attempt(), pinned=_pinned_instance(hints, pipeline, request))
         try:
             try:
                 first: dict[str, Any] = await anext(outputs, {})
@@ -423,6 +452,33 @@ class FrontendServer:
             return response if chat.stream else web.Response(status=499)
         finally:
             await outputs.aclose()
+
+
+def bearer_matches(authorization: str, key: str) -> bool:
+    """`Authorization: Bearer KEY`, the scheme in any case, compared in constant time."""
+    scheme, _, token = authorization.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
+def _is_json(content_type: str) -> bool:
+    return content_type == "application/json" or (content_type.startswith("application/")
+                                                   and content_type.endswith("+json"))
+
+
+def _client_id(request: web.Request) -> str:
+    """The client's own x-request-id, for the log line only."""
+    client = request.headers.get("x-request-id")
+    return f" (x-request-id {client[:128]!r})" if client else ""
+
+
+def _pinned_instance(hints: RoutingHints | None, pipeline: ModelPipeline, request: web.Request) -> int | None:
+    """The worker the request names (header or nvext.backend_instance_id); 404 when it serves no such model."""
+    pinned = hints.backend_instance_id if hints else None
+    if pinned is not None and pinned not in pipeline.model.instances:
+        param = next((h for h in openai.WORKER_HEADERS if h in request.headers), "nvext.backend_instance_id")
+        raise openai.RequestError(f"worker instance {pinned} does not serve model {pipeline.model.name!r}",
+                                  status=404, param=param, code="worker_not_found")
+    return pinned
 
 
 def _status_of(error: BaseException) -> int:

@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="[env DYN_HTTP_PORT, default 8000]")
     http.add_argument("--api-key", default=env_str("DYN_API_KEY"),
                       help="require `Authorization: Bearer KEY` on /v1 routes [env DYN_API_KEY]")
+    http.add_argument("--http-body-timeout", type=float, default=env_number("DYN_HTTP_BODY_TIMEOUT_SECS", 60.0),
+                      help="seconds a client may take to send its request body before a 408 "
+                      "[env DYN_HTTP_BODY_TIMEOUT_SECS, default 60]")
     http.add_argument("--tls-cert-path", default=env_str("DYN_TLS_CERT_PATH"), help="[env DYN_TLS_CERT_PATH]")
     http.add_argument("--tls-key-path", default=env_str("DYN_TLS_KEY_PATH"), help="[env DYN_TLS_KEY_PATH]")
     models = parser.add_argument_group("Models and routing")
@@ -125,6 +128,7 @@ async def serve(args: argparse.Namespace) -> int:
         host=args.http_host, port=args.http_port, api_key=args.api_key, tls_cert_path=args.tls_cert_path,
         tls_key_path=args.tls_key_path,
         body_limit_bytes=int(env_number("DYN_HTTP_BODY_LIMIT_MB", 192) * 1024 * 1024),
+        body_read_timeout=args.http_body_timeout,
     ))
     await server.start()
     runtime.set_ready()

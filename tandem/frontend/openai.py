@@ -27,6 +27,7 @@ from tandem.llm.protocols import (
 )
 
 _U32 = 2**32
+MAX_TOKENS_LIMIT = _U32  # engines count tokens in 32 bits
 MAX_STOP = 16
 MAX_LOGPROBS = 20
 
@@ -227,20 +228,21 @@ _Range = tuple[str, Callable[[Any], bool], str]
 # (field, valid?, message); each message is formatted with the offending value.
 _COMMON_RANGES: list[_Range] = [
     ("n", lambda v: v == 1, "only n=1 is supported (got {})"),
-    ("max_tokens", lambda v: 1 <= v < _U32, "max_tokens must be at least 1 (got {})"),
+    # No upper bound here: the model's context length bounds it (`check_max_tokens`).
+    ("max_tokens", lambda v: 1 <= v, "max_tokens must be at least 1 (got {})"),
     ("temperature", lambda v: 0.0 <= v <= 2.0, "temperature must be between 0 and 2 (got {})"),
     ("top_p", lambda v: 0.0 < v <= 1.0, "top_p must be in (0, 1] (got {})"),
-    ("top_k", lambda v: v == -1 or 1 <= v < _U32, "top_k must be -1 (disabled) or at least 1 (got {})"),
+    ("top_k", lambda v: v == -1 or 1 <= v < _U32, "top_k must be -1 (disabled) or between 1 and 4294967295 (got {})"),
     ("min_p", lambda v: 0.0 <= v <= 1.0, "min_p must be between 0 and 1 (got {})"),
     ("presence_penalty", lambda v: -2.0 <= v <= 2.0, "presence_penalty must be between -2 and 2 (got {})"),
     ("frequency_penalty", lambda v: -2.0 <= v <= 2.0, "frequency_penalty must be between -2 and 2 (got {})"),
     ("repetition_penalty", lambda v: v > 0.0, "repetition_penalty must be greater than 0 (got {})"),
-    ("min_tokens", lambda v: 0 <= v < _U32, "min_tokens must be non-negative (got {})"),
+    ("min_tokens", lambda v: 0 <= v < _U32, "min_tokens must be between 0 and 4294967295 (got {})"),
     ("seed", lambda v: -(2**63) <= v < 2**64, "seed must fit in 64 bits (got {})"),
 ]
 _CHAT_RANGES: list[_Range] = [
     _COMMON_RANGES[1],  # max_tokens, checked before max_completion_tokens replaces it
-    ("max_completion_tokens", lambda v: 1 <= v < _U32, "max_completion_tokens must be at least 1 (got {})"),
+    ("max_completion_tokens", lambda v: 1 <= v, "max_completion_tokens must be at least 1 (got {})"),
     ("top_logprobs", lambda v: 0 <= v <= MAX_LOGPROBS, f"top_logprobs must be between 0 and {MAX_LOGPROBS} (got {{}})"),
 ]
 _COMPLETION_RANGES: list[_Range] = [
@@ -255,6 +257,10 @@ def _decode(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
         raise _from_validation(e) from None
     except msgspec.DecodeError as e:
         raise _fail(None, f"The request body is not valid JSON: {e}.") from None
+    except UnicodeDecodeError as e:  # raised by msgspec for invalid UTF-8 inside a JSON string
+        raise _fail(None, f"The request body is not valid UTF-8 (byte {e.start}).") from None
+    except RecursionError:
+        raise _fail(None, "The request body is nested too deeply.") from None
 
 
 def _check_ranges(raw: Any, table: list[_Range]) -> None:
@@ -268,6 +274,8 @@ def _check_common(raw: _Body) -> dict[str, Any]:
     """Validation shared by both endpoints; returns the normalized/derived fields to override."""
     if not raw.model:
         raise _fail("model", "'model' must be a non-empty string.")
+    if raw.stream_options is not None and not raw.stream:
+        raise _fail("stream_options", "stream_options is only allowed when stream is true.")
     _check_ranges(raw, _COMMON_RANGES)
     if raw.min_tokens is not None and raw.max_tokens is not None and raw.min_tokens > raw.max_tokens:
         raise _fail("min_tokens", f"min_tokens ({raw.min_tokens}) must not exceed max_tokens ({raw.max_tokens}).")
@@ -413,6 +421,8 @@ def _check_prompt(prompt: Any) -> str | list[int]:
     if prompt is None:
         raise _fail("prompt", "Missing required parameter: 'prompt'.")
     if isinstance(prompt, str):
+        if not prompt:
+            raise _fail("prompt", "'prompt' must not be empty.")
         return prompt
     if not isinstance(prompt, list):
         raise _fail("prompt", "'prompt' must be a string, a list of token ids, or a one-item list of either.")
@@ -420,6 +430,8 @@ def _check_prompt(prompt: Any) -> str | list[int]:
         if len(prompt) > 1:
             raise _fail("prompt", "batch prompts are not supported (send one prompt per request).")
         if isinstance(prompt[0], str):
+            if not prompt[0]:
+                raise _fail("prompt[0]", "'prompt[0]' must not be empty.")
             return prompt[0]
         return _token_ids(prompt[0], "prompt[0]")
     return _token_ids(prompt, "prompt")
@@ -469,8 +481,9 @@ def output_options(req: AnyRequest) -> OutputOptions:
 
 
 # Routing headers (dynamo-platform.md §B.2); the first name present wins, newer x-dynamo-* first.
+WORKER_HEADERS = ("x-dynamo-worker-instance-id", "x-worker-instance-id")
 _ROUTING_HEADERS: dict[str, tuple[str, ...]] = {
-    "backend_instance_id": ("x-dynamo-worker-instance-id", "x-worker-instance-id"),
+    "backend_instance_id": WORKER_HEADERS,
     "prefill_worker_id": ("x-dynamo-prefill-instance-id", "x-prefill-instance-id"),
     "dp_rank": ("x-dynamo-dp-rank", "x-dp-rank", "x-data-parallel-rank"),
     "prefill_dp_rank": ("x-dynamo-prefill-dp-rank", "x-prefill-dp-rank"),
@@ -678,5 +691,6 @@ def sse(obj: Any) -> bytes:
 
 
 def sse_error(status: int, message: str, *, type: str | None = None) -> bytes:
-    """An error in the middle of a stream (headers already sent). The openai client raises APIError on it."""
-    return sse({"error": {"message": message, "type": type or error_type(status), "param": None, "code": status}})
+    """An error in the middle of a stream (headers already sent), in the same shape as a unary error body.
+    The openai client raises APIError on it."""
+    return RequestError(message, status=status, type=type).sse()

@@ -30,16 +30,23 @@ from tandem.frontend.models import ModelManager, ServedModel
 from tandem.frontend.routing import LoadMonitor, NoWorkerError, Selector, make_selector
 from tandem.llm.chat_template import ChatTemplate
 from tandem.llm.protocols import PreprocessedRequest, RoutingHints
-from tandem.llm.tokenizer import Tokenizer
+from tandem.llm.tokenizer import Tokenizer, TooManyTokens
 from tandem.router.kv_router import KvRouter
 from tandem.runtime import Client, Context, InstanceUnreachableError, NoInstancesError, StreamIncompleteError
 from tandem.runtime.request_plane import ResponseStream
 
 log = logging.getLogger(__name__)
 
+# Prompt bound for a model whose card declares no context length.
+UNKNOWN_CONTEXT_TOKENS = 1 << 20
+
 
 class Preprocessor:
-    """Chat template + tokenizer of one model (token-input models)."""
+    """Chat template + tokenizer of one model (token-input models).
+
+    A prompt is refused before it is tokenized when it has more characters than could fit the context
+    (context length x the longest token), and tokenizing stops once it has more tokens than fit: a huge
+    body costs a bounded amount of memory and CPU before its 400."""
 
     def __init__(self, model: ServedModel) -> None:
         self.tokenizer = Tokenizer.from_folder(model.folder)
@@ -49,6 +56,9 @@ class Preprocessor:
             if template else None
         )
         self.context_length = model.card.context_length
+        # Prompts may hold at most this many tokens: the context minus one generated token.
+        self.max_prompt_tokens = (self.context_length or UNKNOWN_CONTEXT_TOKENS) - 1
+        self.max_prompt_chars = (self.max_prompt_tokens + 1) * self.tokenizer.longest_token_chars
 
     def chat_prompt(self, request: openai.ChatRequest) -> tuple[list[int], str]:
         if self.template is None:
@@ -62,15 +72,31 @@ class Preprocessor:
                                             chat_template_kwargs=request.chat_template_kwargs)
             except ValueError as e:
                 raise openai.RequestError(f"cannot apply the chat template: {e}", param="messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=False), text
+        return self._encode(text, "messages"), text
 
     def completion_prompt(self, request: openai.CompletionRequest) -> list[int]:
         if isinstance(request.prompt, str):
-            return self.tokenizer.encode(request.prompt, add_special_tokens=False)
+            return self._encode(request.prompt, "prompt")
+        if len(request.prompt) > self.max_prompt_tokens:
+            raise self._too_long(f"{len(request.prompt)} tokens", "prompt")
         vocab = self.tokenizer.vocab_size
         if any(not 0 <= t < vocab for t in request.prompt):
             raise openai.RequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
         return list(request.prompt)
+
+    def _encode(self, text: str, param: str) -> list[int]:
+        if len(text) > self.max_prompt_chars:
+            raise self._too_long(f"{len(text)} characters (at most {self.max_prompt_chars} can fit)", param)
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=False, limit=self.max_prompt_tokens)
+        except TooManyTokens as e:
+            raise self._too_long(f"at least {e.at_least} tokens", param) from None
+
+    def _too_long(self, size: str, param: str) -> openai.RequestError:
+        context = f"{self.context_length} tokens" if self.context_length else \
+            f"{self.max_prompt_tokens + 1} tokens (the model declares none; this is the frontend's bound)"
+        return openai.RequestError(f"this model's maximum context length is {context}, but the prompt has {size}",
+                                   param=param)
 
 
 def _text_of(content: Any) -> str:
@@ -164,6 +190,9 @@ class ModelPipeline:
                     f"{len(prompt_ids)} tokens and max_tokens is {stop.max_tokens}",
                     param="max_tokens",
                 )
+        elif stop.max_tokens is not None and stop.max_tokens >= openai.MAX_TOKENS_LIMIT:
+            raise openai.RequestError(f"max_tokens must be less than {openai.MAX_TOKENS_LIMIT} "
+                                      f"(got {stop.max_tokens})", param="max_tokens")
         eos = list(tokenizer.eos_token_ids)
         if stop.ignore_eos:
             stop.stop = None

@@ -15,10 +15,10 @@ and only after a self-check on tricky text gives exactly the plain encoding.
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from array import array
 from collections import OrderedDict
-from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
 
@@ -52,14 +52,37 @@ def _uses_safe_pre_tokenizer(tokenizer: _HFTokenizer) -> bool:
     return True
 
 
+class TooManyTokens(ValueError):
+    """The text has more tokens than the caller's limit; encoding stopped once that was certain."""
+
+    def __init__(self, limit: int, at_least: int) -> None:
+        super().__init__(f"more than {limit} tokens (at least {at_least})")
+        self.limit = limit
+        self.at_least = at_least
+
+
+def _check_limit(count: int, limit: int | None) -> None:
+    if limit is not None and count > limit:
+        raise TooManyTokens(limit, count)
+
+
 class ChunkedEncoder:
     """`encode(text)` equals `tokenizer.encode(text, add_special_tokens=False).ids`; long texts reuse
-    cached chunks. Thread-safe (the frontend tokenizes long prompts off the event loop)."""
+    cached chunks and stop early past a token limit. Thread-safe (the frontend tokenizes long prompts off
+    the event loop).
 
-    def __init__(self, tokenizer: _HFTokenizer, *, chunk_chars: int = 2048, capacity: int = 4096) -> None:
+    Memory: encoding costs a few hundred bytes per token, so a long text is encoded a group of chunks at a
+    time, and a text over the limit is refused after the first group that crosses it. The cache is bounded
+    in bytes; a chunk far longer than `chunk_chars` (a run with no safe boundary) is never cached."""
+
+    GROUP_CHUNKS = 8  # chunks encoded per batch: bounds the memory of one step to ~8 x chunk_chars of text
+
+    def __init__(self, tokenizer: _HFTokenizer, *, chunk_chars: int = 2048,
+                 capacity_bytes: int = 64 * 1024 * 1024) -> None:  # fmt: skip
         self._tok = tokenizer
         self.chunk_chars = chunk_chars
-        self.capacity = capacity
+        self.capacity_bytes = capacity_bytes
+        self.cached_bytes = 0
         self._cache: OrderedDict[str, array[int]] = OrderedDict()
         self._lock = threading.Lock()
         # None until the first long text: the self-check costs tens of milliseconds
@@ -67,8 +90,13 @@ class ChunkedEncoder:
         self.hits = 0
         self.misses = 0
 
+    def _encode_many(self, texts: list[str]) -> list[list[int]]:
+        # encode_batch_fast skips offsets: the same ids for about half the memory.
+        fast = getattr(self._tok, "encode_batch_fast", None) or self._tok.encode_batch
+        return [e.ids for e in fast(texts, add_special_tokens=False)]
+
     def _plain(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self._encode_many([text])[0]
 
     def _self_check(self) -> bool:
         added = [t.content for t in self._tok.get_added_tokens_decoder().values()][:4]
@@ -93,33 +121,58 @@ class ChunkedEncoder:
         out.append(text[start:])
         return out
 
-    def encode(self, text: str) -> list[int]:
-        if self.enabled is False or len(text) <= 2 * self.chunk_chars:
-            return self._plain(text)
-        if self.enabled is None:
+    def encode(self, text: str, limit: int | None = None) -> list[int]:
+        """The ids of `text`; raises TooManyTokens once it is certain there are more than `limit`."""
+        if self.enabled is None and len(text) > 2 * self.chunk_chars:
             with self._lock:
                 if self.enabled is None:
                     self.enabled = self._self_check()
-            if not self.enabled:
-                return self._plain(text)
-        *prefix, tail = self.chunks(text)
+        if not self.enabled or len(text) <= 2 * self.chunk_chars:
+            ids = self._plain(text)
+            _check_limit(len(ids), limit)
+            return ids
+        pieces = self.chunks(text)
+        out: list[int] = []
+        for first in range(0, len(pieces), self.GROUP_CHUNKS):
+            group = pieces[first:first + self.GROUP_CHUNKS]
+            last_group = first + self.GROUP_CHUNKS >= len(pieces)
+            out.extend(self._encode_group(group, cache_last=not last_group))
+            _check_limit(len(out), limit)
+        return out
+
+    def _encode_group(self, group: list[str], *, cache_last: bool) -> list[int]:
+        """The ids of consecutive chunks, from the cache where it has them. The text's final chunk is not
+        cached: it is where the next turn of a conversation differs."""
+        cacheable = group if cache_last else group[:-1]
         with self._lock:
-            found = {c: self._cache.get(c) for c in prefix}
+            found = {c: self._cache.get(c) for c in cacheable}
             for chunk, ids in found.items():
                 if ids is not None:
                     self._cache.move_to_end(chunk)
-        missing = [c for c, ids in found.items() if ids is None]
-        encoded: list[Any] = self._tok.encode_batch([*missing, tail], add_special_tokens=False)
-        new = {c: array("I", e.ids) for c, e in zip(missing, encoded, strict=False)}
+        missing = [c for c in group if found.get(c) is None]
+        new = dict(zip(missing, self._encode_many(missing), strict=True))
         with self._lock:
-            self.hits += len(found) - len(missing)
-            self.misses += len(missing)
-            for chunk, ids in new.items():
-                self._cache[chunk] = ids
-            while len(self._cache) > self.capacity:
-                self._cache.popitem(last=False)
+            fresh = [c for c in cacheable if found[c] is None]
+            self.hits += len(cacheable) - len(fresh)
+            self.misses += len(fresh)
+            for chunk in fresh:
+                self._store(chunk, array("I", new[chunk]))
         out: list[int] = []
-        for chunk in prefix:
-            out.extend(found[chunk] or new[chunk])
-        out.extend(encoded[-1].ids)
+        for chunk in group:
+            cached = found.get(chunk)
+            out.extend(cached if cached is not None else new[chunk])
         return out
+
+    def _store(self, chunk: str, ids: array[int]) -> None:
+        """Cache one chunk's ids (the lock is held), evicting the least recently used past the byte bound."""
+        if chunk in self._cache or len(chunk) > 8 * self.chunk_chars:
+            return
+        self._cache[chunk] = ids
+        self.cached_bytes += _size(chunk, ids)
+        while self.cached_bytes > self.capacity_bytes and self._cache:
+            old, old_ids = self._cache.popitem(last=False)
+            self.cached_bytes -= _size(old, old_ids)
+
+
+def _size(chunk: str, ids: array[int]) -> int:
+    return sys.getsizeof(chunk) + ids.itemsize * len(ids)

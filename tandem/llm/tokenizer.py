@@ -8,6 +8,7 @@ half character (see dynamo-platform.md §B.6).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -17,7 +18,7 @@ from typing import Any
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders as _decoders
 
-from tandem.llm.chunked_encoder import ChunkedEncoder
+from tandem.llm.chunked_encoder import ChunkedEncoder, TooManyTokens
 
 # tokenizers >= 0.21 has a Rust DecodeStream (seedable with prompt ids since 0.22); else PyDecodeStream.
 _NativeDecodeStream: Any = getattr(_decoders, "DecodeStream", None)
@@ -201,12 +202,23 @@ class Tokenizer:
 
     # -- encode / decode ---------------------------------------------------------------------------
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False, limit: int | None = None) -> list[int]:
         """Token ids of `text`; long texts without special-token insertion reuse the ids of chunks seen
-        before (`ChunkedEncoder`), with exactly the same result."""
+        before (`ChunkedEncoder`), with exactly the same result. With `limit`, raises TooManyTokens as
+        soon as the text certainly has more tokens than that (long texts are not encoded to the end)."""
         if add_special_tokens:
-            return self._tok.encode(text, add_special_tokens=True).ids
-        return self._chunked.encode(text)
+            ids = self._tok.encode(text, add_special_tokens=True).ids
+            if limit is not None and len(ids) > limit:
+                raise TooManyTokens(limit, len(ids))
+            return ids
+        return self._chunked.encode(text, limit)
+
+    @functools.cached_property
+    def longest_token_chars(self) -> int:
+        """The most characters one token can stand for (its vocabulary entry's length: a byte-level piece
+        has one character per byte, so this is never less). A text longer than context length x this
+        cannot fit the context, whatever it holds."""
+        return max(len(piece) for piece in self._tok.get_vocab(with_added_tokens=True))
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
