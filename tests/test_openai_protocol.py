@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 import httpx
+import jsonschema
 import msgspec
 import openai
 import pytest
@@ -17,6 +18,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from tandem.frontend import openai as oai
 from tandem.frontend.openai import RequestError
+from tandem.frontend.openapi import openapi_spec
 from tandem.llm.postprocess import TokenLogprob, TopLogprob
 from tandem.llm.protocols import (
     GuidedDecoding,
@@ -597,3 +599,31 @@ def test_chunk_usage_key():
 ])  # fmt: skip
 def test_finish_reason(reason, expected):
     assert oai.finish_reason(reason) == expected
+
+
+# -- the OpenAPI contract says what the parser refuses ----------------------------------------------
+# Rules JSON Schema cannot state: between two fields' values, at most one of several fields, and what a
+# string field must hold (a JSON schema given as a string).
+_SERVER_ONLY = ("must not exceed", "only one", "not valid JSON", "schema object")
+
+
+@pytest.mark.parametrize("parse,make,fields,param,message", ERROR_CASES)
+def test_openapi_schema_rejects_what_the_parser_rejects(parse, make, fields, param, message):
+    """Generated clients and fuzzers learn the contract from /openapi.json: a body the parser refuses for
+    one field is invalid by the schema too (model "" and response_format {} used to pass it)."""
+    if any(rule in message for rule in _SERVER_ONLY):
+        pytest.skip("a rule only the server checks")
+    schemas = openapi_spec(["m"])["components"]["schemas"]
+    name = "ChatCompletionRequest" if parse is oai.parse_chat_request else "CompletionRequest"
+    validator = jsonschema.Draft202012Validator(schemas[name])
+    assert not validator.is_valid(json.loads(make(**fields))), fields
+
+
+@pytest.mark.parametrize("fields", [{"model": ""}, {"response_format": {}}, {"response_format": {"type": "xml"}},
+                                    {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+                                    {"stream_options": {"include_usage": True}}])
+def test_openapi_schema_rejects_the_reported_cases(fields):
+    schema = openapi_spec(["m"])["components"]["schemas"]["ChatCompletionRequest"]
+    assert not jsonschema.Draft202012Validator(schema).is_valid(json.loads(chat_body(**fields)))
+    with pytest.raises(RequestError):
+        oai.parse_chat_request(chat_body(**fields))

@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tandem.frontend import openai
 from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.models import ModelManager, ServedModel
-from tandem.frontend.openapi import OPENAPI
+from tandem.frontend.openapi import openapi_spec
 from tandem.frontend.pipeline import Attempt, ModelPipeline
 from tandem.frontend.routing import NoWorkerError
 from tandem.llm.postprocess import OutputProcessor
@@ -175,7 +175,7 @@ class FrontendServer:
         return web.Response(body=generate_latest(self.runtime.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def openapi(self, request: web.Request) -> web.Response:
-        return web.json_response(OPENAPI)
+        return web.json_response(openapi_spec([entry[0] for entry in self.list_entries()]))
 
     # -- inference routes ----------------------------------------------------------------------
     async def _body(self, request: web.Request) -> bytes:

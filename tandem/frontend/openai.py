@@ -223,6 +223,7 @@ class CompletionRequest(_CompletionBody, _Derived, kw_only=True):
 
 _chat_decoder = msgspec.json.Decoder(_ChatBody)
 _completion_decoder = msgspec.json.Decoder(_CompletionBody)
+_any_decoder = msgspec.json.Decoder()
 
 _Range = tuple[str, Callable[[Any], bool], str]
 # (field, valid?, message); each message is formatted with the offending value.
@@ -254,13 +255,33 @@ def _decode(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
     try:
         return decoder.decode(body)
     except msgspec.ValidationError as e:  # a subclass of DecodeError, so first
-        raise _from_validation(e) from None
+        if "got `float`" not in str(e):
+            raise _from_validation(e) from None
+        first = e
     except msgspec.DecodeError as e:
         raise _fail(None, f"The request body is not valid JSON: {e}.") from None
     except UnicodeDecodeError as e:  # raised by msgspec for invalid UTF-8 inside a JSON string
-        raise _fail(None, f"The request body is not valid UTF-8 (byte {e.start}).") from None
+        raise _fail(None, "The request body is not valid UTF-8.") from None
     except RecursionError:
         raise _fail(None, "The request body is nested too deeply.") from None
+    # 8.0 is an integer to JSON Schema (and to OpenAI and vLLM): read integral floats as ints and retry.
+    plain = _decode(_any_decoder, body)  # the same answers for invalid JSON, UTF-8 or nesting
+    try:
+        return msgspec.convert(_integral_floats_as_ints(plain), decoder.type)
+    except msgspec.ValidationError as again:
+        raise _from_validation(again) from None
+    except RecursionError:
+        raise _from_validation(first) from None
+
+
+def _integral_floats_as_ints(value: Any) -> Any:
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else value
+    if isinstance(value, list):
+        return [_integral_floats_as_ints(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _integral_floats_as_ints(v) for k, v in value.items()}
+    return value
 
 
 def _check_ranges(raw: Any, table: list[_Range]) -> None:

@@ -1,0 +1,127 @@
+"""The frontend against its own contract and against fuzzed bytes, on a real frontend process with a test
+engine:
+
+- schemathesis generates requests from /openapi.json (valid ones and ones the schema calls invalid) and
+  checks every answer: no 5xx, a documented status, the documented content type and schema, and every
+  request the schema rejects refused with a 4xx;
+- hypothesis throws arbitrary bodies (bytes, deep nesting, wrong types, huge numbers) at every route and
+  asserts a documented 4xx (or a 200) in OpenAI's error shape, never a 5xx or a hang.
+
+Both run derandomized with a fixed example budget, so a run is repeatable.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from schemathesis.checks import not_a_server_error
+from schemathesis.generation.modes import GenerationMode
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    negative_data_rejection,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from tests.deployment import MODEL, Deployment
+
+FUZZ = settings(derandomize=True, deadline=None, database=None, max_examples=60,
+                suppress_health_check=list(HealthCheck))
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory, smollm2):
+    deployment = Deployment(tmp_path_factory.mktemp("contract"), smollm2, engines=[[]],
+                            env={"DYN_HTTP_BODY_LIMIT_MB": "1"})
+    yield deployment
+    deployment.stop()
+
+
+@pytest.fixture(scope="module")
+def api_schema(deployment):
+    return schemathesis.openapi.from_url(f"{deployment.url}/openapi.json")
+
+
+OPERATIONS = [("/v1/chat/completions", "POST", 40), ("/v1/completions", "POST", 40), ("/v1/models/{model}", "GET", 10),
+              ("/v1/models", "GET", 1), ("/health", "GET", 1), ("/live", "GET", 1), ("/metrics", "GET", 1)]
+
+
+@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
+@pytest.mark.parametrize(("path", "method", "examples"), OPERATIONS)
+def test_openapi_contract(api_schema, deployment, path, method, examples, mode):
+    operation = api_schema[path][method]
+    if mode.is_negative and not operation.body:  # a string path parameter cannot be made invalid
+        pytest.skip("nothing to make invalid")
+
+    @settings(FUZZ, max_examples=examples)
+    @given(case=operation.as_strategy(generation_mode=mode))
+    def check(case: schemathesis.Case) -> None:
+        case.call_and_validate(base_url=deployment.url, timeout=60, checks=[
+            not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
+            negative_data_rejection])
+
+    check()
+
+
+def test_the_contract_names_the_served_model(deployment):
+    spec = httpx.get(f"{deployment.url}/openapi.json").json()
+    request = spec["components"]["schemas"]["ChatCompletionRequest"]
+    assert request["properties"]["model"]["enum"] == [MODEL]
+    roles = [set(m["properties"]["role"].get("enum", [m["properties"]["role"].get("const")]))
+             for m in request["properties"]["messages"]["items"]["anyOf"]]
+    assert set.union(*roles) == {"system", "developer", "user", "assistant", "tool"}
+
+
+# -- hypothesis over raw bodies ------------------------------------------------------------------------
+_JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70) | st.floats() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+_FIELDS = ["model", "messages", "prompt", "stream", "stream_options", "max_tokens", "max_completion_tokens",
+           "temperature", "top_p", "top_k", "stop", "seed", "n", "logprobs", "top_logprobs", "response_format",
+           "nvext", "tools", "tool_choice", "guided_json", "structured_outputs", "min_tokens", "echo"]
+
+
+@st.composite
+def _bodies(draw: st.DrawFn) -> bytes:
+    kind = draw(st.sampled_from(["fields", "bytes", "nested", "json"]))
+    if kind == "bytes":
+        return draw(st.binary(max_size=200))
+    if kind == "nested":
+        depth = draw(st.sampled_from([1, 64, 900, 1200, 5000, 50_000]))
+        return b'{"model": "' + MODEL.encode() + b'", "x": ' + b"[" * depth + b"]" * depth + b', "prompt": "a"}'
+    if kind == "json":
+        return json.dumps(draw(_JSON_VALUES)).encode()
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "[[say:ok]]"}], "prompt": "[[say:ok]]",
+            "max_tokens": 8}
+    for name in draw(st.lists(st.sampled_from(_FIELDS), max_size=4, unique=True)):
+        body[name] = draw(_JSON_VALUES)
+    text = json.dumps(body, allow_nan=True)
+    if draw(st.booleans()):  # raw bytes spliced into the JSON text: invalid UTF-8, control characters
+        at = draw(st.integers(0, len(text)))
+        return text[:at].encode() + draw(st.binary(min_size=1, max_size=4)) + text[at:].encode()
+    return text.encode()
+
+
+_MESSAGE = f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "%s"}}], "prompt": "%s", "max_tokens": 2.0}}'
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@FUZZ
+@given(body=_bodies())
+@example(body=(_MESSAGE % ("a\\xff", "b")).encode().replace(b"\\xff", b"\xff"))  # invalid UTF-8 in a string
+@example(body=(_MESSAGE % ("\\ud800", "\\udfff")).encode())  # lone surrogates, escaped
+@example(body=b'{"model": "m", "x": ' + b"[" * 1200 + b"]" * 1200 + b', "prompt": "a", "max_tokens": 1.0}')
+def test_fuzzed_bodies_never_get_a_server_error(deployment, path, body):
+    r = httpx.post(f"{deployment.url}{path}", content=body, headers={"Content-Type": "application/json"},
+                   timeout=30)  # a hang fails here
+    assert r.status_code in (200, 400, 404, 413), r.text[:500]
+    if r.status_code != 200:
+        error = r.json()["error"]
+        assert isinstance(error["message"], str) and error["type"] == "invalid_request_error" or r.status_code == 404
