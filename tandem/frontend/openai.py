@@ -260,7 +260,7 @@ def _decode(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
         first = e
     except msgspec.DecodeError as e:
         raise _fail(None, f"The request body is not valid JSON: {e}.") from None
-    except UnicodeDecodeError as e:  # raised by msgspec for invalid UTF-8 inside a JSON string
+    except UnicodeDecodeError:  # raised by msgspec for invalid UTF-8 inside a JSON string
         raise _fail(None, "The request body is not valid UTF-8.") from None
     except RecursionError:
         raise _fail(None, "The request body is nested too deeply.") from None
