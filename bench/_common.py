@@ -198,16 +198,18 @@ def fmt(value: float) -> str:
     return f"{value:.1f}" if abs(value) >= 10 else f"{value:.2f}"
 
 
-IMPL_LABELS = {"tandem": "tandem", "dynamo": "Dynamo 1.6.1"}
+IMPL_LABELS = {"tandem": "tandem", "dynamo": "Dynamo 1.6.1", "base": "tandem, baseline tree"}
 
 
 def comparison_table(results: dict[str, dict[str, float]], rows: list[tuple[str, str, str | None]],
                      ratio_header: str, ratio: Callable[[float, float, str], str]) -> list[str]:
     """Markdown rows `| metric | tandem | Dynamo | ratio |` for the `rows` (key, label, "low"/"high"/None
     = which is better) present in `results` (implementation -> key -> value); `ratio(t, d, better)`
-    fills the last column when both implementations ran and the metric has a direction."""
+    fills the last column when tandem and a baseline (Dynamo, else tandem's baseline tree) ran and the
+    metric has a direction."""
     names = list(results)
-    both = "tandem" in results and "dynamo" in results
+    baseline = "dynamo" if "dynamo" in results else "base"
+    both = "tandem" in results and baseline in results
     lines = ["| metric | " + " | ".join(IMPL_LABELS[n] for n in names) + (f" | {ratio_header} |" if both else " |"),
              "|---" * (len(names) + 1 + both) + "|"]
     for key, label, better in rows:
@@ -216,7 +218,7 @@ def comparison_table(results: dict[str, dict[str, float]], rows: list[tuple[str,
         row = [fmt(results[n][key]) if key in results[n] else "n/a" for n in names]
         extra = ""
         if both:
-            t, d = results["tandem"].get(key), results["dynamo"].get(key)
+            t, d = results["tandem"].get(key), results[baseline].get(key)
             extra = " | —" if better is None or not t or not d or t <= 0 or d <= 0 else f" | {ratio(t, d, better)}"
         lines.append(f"| {label} | " + " | ".join(row) + extra + " |")
     return lines

@@ -4,6 +4,7 @@ tandem's frontend + its test engine against Dynamo 1.6.1's frontend + its mocker
     python bench/frontend_bench.py                       # tandem, plus Dynamo if its venv has ai-dynamo
     python bench/frontend_bench.py --dynamo-python PATH  # Python with ai-dynamo + ai-dynamo-runtime 1.6.1
     python bench/frontend_bench.py --impl tandem --profile prof.out   # cProfile tandem's frontend
+    python bench/frontend_bench.py --impl tandem --baseline-tree WORKTREE  # vs tandem at another commit
 
 `bash bench/setup_baselines.sh` creates the Dynamo venv at .bench/dynamo-venv. Both deployments
 use file discovery and the TCP request plane; the frontend is pinned to core 0, the engine and the
@@ -52,6 +53,7 @@ from _common import tree as _tree
 from _common import wait_quiet as _wait_quiet
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
+TANDEMS = ("tandem", "base")  # this checkout, and tandem from --baseline-tree
 NAMESPACE = "bench"
 ENDPOINT = f"{NAMESPACE}.backend.generate"
 MESSAGES = [{"role": "user", "content": "Write one sentence about a quick brown fox."}]
@@ -64,7 +66,7 @@ def start_deployment(impl: str, python: str, env: dict[str, str], logdir: str, s
                      profile: str | None) -> tuple[Proc, Proc, str]:
     """(engine, frontend, base url); the engine answers at once unless `slow` (the RSS test)."""
     model = _model_path()
-    if impl == "tandem":
+    if impl in TANDEMS:
         engine = Proc("engine", [python, "-m", "tandem.testing.engine", "--model", model, "--discovery-backend",
                                  "file", "--delay-ms", "50" if slow else "0"], env, logdir, ENGINE_CORE)
         engine.wait_line("READY")
@@ -194,7 +196,7 @@ async def hold_streams(url: str, streams: int, max_tokens: int, frontend: int) -
 
 # -- direct role: the engine without the frontend, through the implementation's runtime client -----
 async def direct(impl: str, token_ids: list[int], eos: list[int], duration: float) -> dict[str, float]:
-    if impl == "tandem":
+    if impl in TANDEMS:
         from tandem.runtime import DistributedRuntime, RuntimeConfig
 
         runtime = await DistributedRuntime.create(RuntimeConfig.from_env())
@@ -233,7 +235,7 @@ async def direct(impl: str, token_ids: list[int], eos: list[int], duration: floa
             latencies.append(time.perf_counter() - start)
         latencies.sort()
         result[f"direct_{max_tokens}_p50_ms"] = _pct(latencies, 0.5) * 1e3
-    if impl == "tandem":
+    if impl in TANDEMS:
         await runtime.shutdown()
     else:
         runtime.shutdown()
@@ -258,7 +260,8 @@ def run_client(args: argparse.Namespace) -> None:
     os.makedirs(logdir)
     env = {**os.environ, "DYN_FILE_KV": os.path.join(kv, "kv"), "DYN_NAMESPACE": NAMESPACE,
            "DYN_DISCOVERY_BACKEND": "file", "DYN_REQUEST_PLANE": "tcp", "DYN_EVENT_PLANE": "zmq",
-           "DYN_TCP_RPC_HOST": "127.0.0.1", "PYTHONPATH": REPO, "DYN_SYSTEM_ENABLED": "false"}
+           "DYN_TCP_RPC_HOST": "127.0.0.1", "DYN_SYSTEM_ENABLED": "false",
+           "PYTHONPATH": args.baseline_tree if args.impl == "base" else REPO}
     env.pop("DYN_LOG", None)  # each frontend at its default log level (both log each request at info)
     import uvloop
 
@@ -316,7 +319,7 @@ def run_impl(impl: str, args: argparse.Namespace) -> dict[str, float]:
     disturbed one is kept, with a warning)."""
     cmd = [sys.executable, __file__, "--role", "client", "--impl", impl, "--duration", str(args.duration),
            "--streams", str(args.streams), "--stream-tokens", str(args.stream_tokens),
-           "--dynamo-python", args.dynamo_python]
+           "--dynamo-python", args.dynamo_python, "--baseline-tree", args.baseline_tree or ""]
     if args.profile:
         cmd += ["--profile", args.profile]
     failures, kept = 0, []
@@ -351,7 +354,7 @@ def derive(impl: str, r: dict[str, float]) -> dict[str, float]:
         out["per_token_direct_us"] = (r["direct_32_p50_ms"] - r["direct_1_p50_ms"]) / 31 * 1e3
         # Dynamo's direct path is its Python binding, which pays a Rust/Python crossing per item
         # (~26 us/token here) that its all-Rust frontend does not: the subtraction would be meaningless.
-        if impl == "tandem":
+        if impl in TANDEMS:
             out["added_per_request_us"] = (r["p50_ms_c1"] - r["direct_32_p50_ms"]) * 1e3
             out["added_per_token_us"] = out["per_token_frontend_us"] - out["per_token_direct_us"]
     out["frontend_capacity_per_s_c64"] = 1e6 / r["frontend_cpu_us_per_req_c64"]
@@ -398,7 +401,10 @@ ROWS = [  # key, label, better: "low" / "high" / None
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--role", choices=["orchestrate", "client", "direct"], default="orchestrate")
-    parser.add_argument("--impl", choices=["tandem", "dynamo", "both"], default="both")
+    parser.add_argument("--impl", choices=["tandem", "dynamo", "both", "base"], default="both")
+    parser.add_argument("--baseline-tree", default=None,
+                        help="also run tandem from this checkout (e.g. a git worktree of the previous commit), "
+                        "interleaved; the ratio column then compares with it")
     parser.add_argument("--duration", type=float, default=4.0, help="seconds per load level")
     parser.add_argument("--streams", type=int, default=1000, help="streams held open for the RSS test (0: skip)")
     parser.add_argument("--stream-tokens", type=int, default=100, help="tokens per held stream")
@@ -422,6 +428,8 @@ def main() -> None:
         return
 
     impls = ["tandem"] if args.impl in ("tandem", "both") else []
+    if args.baseline_tree:
+        impls.append("base")
     if args.impl in ("dynamo", "both"):
         if has_dynamo(args.dynamo_python):
             impls.append("dynamo")
@@ -440,7 +448,7 @@ def main() -> None:
           f"on core {FRONTEND_CORE}, engine + load generator on core {ENGINE_CORE}\n")
     rows = [(key, label.format(streams=args.streams), better) for key, label, better in ROWS]
     print("\n".join(comparison_table(results, rows, "tandem advantage",
-                                     lambda t, d, better: f"{d / t if better == 'low' else t / d:.1f}x")))
+                                     lambda t, d, better: f"{d / t if better == 'low' else t / d:.3f}x")))
     print("\n" + json.dumps(results))
 
 
