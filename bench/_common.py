@@ -83,11 +83,13 @@ class Proc:
     """A server process with its output in a log file, in its own session; stop() ends it, its process
     group and every descendant it had (also those that started sessions of their own)."""
 
-    def __init__(self, name: str, cmd: list[str], env: dict[str, str], logdir: str, core: int | None = None) -> None:
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], logdir: str, core: int | None = None,
+                 cwd: str = REPO) -> None:
+        """`cwd`: where `python -m` finds its package first (a baseline tree runs from its own folder)."""
         self.name = name
         self.log_path = os.path.join(logdir, f"{name}.log")
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO,
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd=cwd,
                                      preexec_fn=pinned(core), start_new_session=True)
         self.pid = self.proc.pid
 

@@ -67,14 +67,15 @@ def start_deployment(impl: str, python: str, env: dict[str, str], logdir: str, s
     """(engine, frontend, base url); the engine answers at once unless `slow` (the RSS test)."""
     model = _model_path()
     if impl in TANDEMS:
+        tree = env["PYTHONPATH"]  # this checkout or the baseline tree
         engine = Proc("engine", [python, "-m", "tandem.testing.engine", "--model", model, "--discovery-backend",
-                                 "file", "--delay-ms", "50" if slow else "0"], env, logdir, ENGINE_CORE)
+                                 "file", "--delay-ms", "50" if slow else "0"], env, logdir, ENGINE_CORE, cwd=tree)
         engine.wait_line("READY")
         frontend_cmd = [python, "-m", "tandem.frontend", "--http-host", "127.0.0.1", "--http-port", "0",
                         "--discovery-backend", "file"]
         if profile:
             frontend_cmd[1:3] = ["-m", "cProfile", "-o", profile, "-m", "tandem.frontend"]
-        frontend = Proc("frontend", frontend_cmd, env, logdir, FRONTEND_CORE)
+        frontend = Proc("frontend", frontend_cmd, env, logdir, FRONTEND_CORE, cwd=tree)
         url = frontend.wait_line("READY").split()[1]
     else:
         # --speedup-ratio 0 is documented as "no simulation delays" but 1.6.1 still paces decode

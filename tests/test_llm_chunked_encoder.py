@@ -13,7 +13,7 @@ from tokenizers import decoders, models, normalizers, pre_tokenizers
 from tandem.llm.chunked_encoder import ChunkedEncoder, TooManyTokens, _size
 from tandem.llm.tokenizer import Tokenizer
 
-UNITS = [" ", "  ", "\n", "\n\n", " \n", "\t", "a", "the", "Hello", "it's", "don't", "12", "345", ".", "!", ",",
+UNITS = [" ", "  ", "\n", "\n\n", " \n", "\t", "a", "the", "Hello", "it's", "don't", "12", "345", ".", "!", ",", "x9", "½",
          "(", ")", '"', "é", "東京", "🙂", "<|im_start|>", "<|im_end|>", "user", "\r\n", "-", "--", "/", "x1"]
 
 
@@ -82,10 +82,14 @@ def test_limit(tok: Tokenizer, units: list[str], limit: int) -> None:
         assert limit < raised.value.at_least <= len(expected)
 
 
-def test_over_the_limit_stops_early(tok: Tokenizer) -> None:
-    """A long text far over the limit is not encoded to its end."""
+@pytest.mark.parametrize("kind", ["words", "letters and digits, no spaces"])
+def test_over_the_limit_stops_early(tok: Tokenizer, kind: str) -> None:
+    """A long text far over the limit is not encoded to its end, also without spaces (base64-like text is
+    cut where an ASCII letter meets a digit)."""
     encoder = ChunkedEncoder(_hf(tok), chunk_chars=64)
-    text = " ".join(f"word{i}" for i in range(20000))
+    rng = random.Random(5)
+    text = (" ".join(f"word{i}" for i in range(20000)) if kind == "words"
+            else "".join(rng.choice("abcXYZ0123456789") for _ in range(200_000)))
     with pytest.raises(TooManyTokens):
         encoder.encode(text, limit=100)
     assert encoder.misses <= ChunkedEncoder.GROUP_CHUNKS

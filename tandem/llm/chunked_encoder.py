@@ -2,9 +2,10 @@
 
 Multi-turn chats and agents resend the same long prefix every turn; tokenizing 7k tokens costs tens of
 milliseconds of CPU here. Byte-level BPE tokenizers (GPT-2 style regex pre-tokenizer, no normalizer)
-never let a pre-token run from a non-space character into a following space, and their regexes look
-neither behind nor past the next character. So at any *safe boundary* (a space preceded by a
-non-whitespace character) the text can be cut and both sides tokenized alone with the same result.
+never let a pre-token run from a non-space character into a following space, nor from an ASCII letter
+into a digit or back, and their regexes look neither behind nor past the next character. So at any
+*safe boundary* (a space preceded by a non-whitespace character, or a switch between an ASCII letter
+and an ASCII digit) the text can be cut and both sides tokenized alone with the same result.
 
 `ChunkedEncoder` cuts the text at the first safe boundary after every `chunk_chars` characters. The cuts
 depend only on the text before them, so two prompts sharing a prefix share its chunks; each chunk's ids
@@ -15,6 +16,7 @@ and only after a self-check on tricky text gives exactly the plain encoding.
 from __future__ import annotations
 
 import json
+import re
 import sys
 import threading
 from array import array
@@ -28,7 +30,10 @@ _SELF_CHECK_UNITS = (
     "Hello", " world", "  two  spaces", "\n\nnew paragraph", " \t tab", "it's", " don't", " 12345", " 3.14159",
     "!?", " (paren)", ' "quoted"', " naïve café", " 東京タワー", " Привет", " 🙂🙃", " a\r\nb", " x\n \ny",
     " end.", "    indented", " ---", " /path/to/file.py", " user@example.com", " $100",
+    "abc123", "x1y2z3", " v2.0", "I'm3", "'s9d", "COVID19vaccine", "½1a", "٣4b", "0xFF00aa", "QmFzZTY0IGJsb2I=",
 )
+# Where a text may be cut: a space after a non-space, or a switch between an ASCII letter and digit.
+_BOUNDARY = re.compile(r"(?<=\S) |(?<=[A-Za-z])(?=[0-9])|(?<=[0-9])(?=[A-Za-z])")
 
 
 def _uses_safe_pre_tokenizer(tokenizer: _HFTokenizer) -> bool:
@@ -102,7 +107,7 @@ class ChunkedEncoder:
         added = [t.content for t in self._tok.get_added_tokens_decoder().values()][:4]
         units = [*_SELF_CHECK_UNITS, *added, *(f" {t}" for t in added)]
         text = "".join(units[(i * 7) % len(units)] for i in range(len(units) * 3))
-        safe = [p for p in range(1, len(text)) if text[p] == " " and not text[p - 1].isspace()]
+        safe = [m.start() for m in _BOUNDARY.finditer(text, 1)]
         expected = self._plain(text)
         return all(self._plain(text[:p]) + self._plain(text[p:]) == expected for p in safe[::max(len(safe) // 48, 1)])
 
@@ -111,11 +116,10 @@ class ChunkedEncoder:
         out = []
         start = 0
         while len(text) - start > self.chunk_chars:
-            cut = text.find(" ", start + self.chunk_chars)
-            while cut > 0 and text[cut - 1].isspace():
-                cut = text.find(" ", cut + 1)
-            if cut <= 0:
+            boundary = _BOUNDARY.search(text, start + self.chunk_chars)
+            if boundary is None:
                 break
+            cut = boundary.start()
             out.append(text[start:cut])
             start = cut
         out.append(text[start:])
