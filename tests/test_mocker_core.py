@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tandem.mocker.engine import SyntheticTokens
 from tandem.mocker.kv_manager import KvEvent, KvManager
 from tandem.mocker.perf_model import InterpolatedPerfModel, PolynomialPerfModel, load_perf_model
 from tandem.mocker.scheduler import Scheduler, SchedulerConfig, SimRequest, StepOutput, StepResult
@@ -491,3 +493,28 @@ def test_random_workloads_are_consistent(seed: int) -> None:
                 cached.remove(h)
     assert len(cached) == s.kv.num_inactive
     assert all(s.kv.match_prefix([h]) == 1 for h in cached)
+
+
+def test_simulated_logprobs(tok) -> None:  # type: ignore[no-untyped-def]
+    tokens = SyntheticTokens(tok, seed=0)
+    prompt = [100, 200, 300]
+    token = tokens.for_request(prompt)
+    generated = [token(i) for i in range(50)]
+    simulate = tokens.logprobs_for(prompt, None, 5)
+    steps = [simulate(t) for t in generated]
+    for t, (values, tops) in zip(generated, steps, strict=True):
+        (value,), (top,) = values, tops
+        assert [e["rank"] for e in top] == [1, 2, 3, 4, 5]
+        assert (top[0]["token_id"], top[0]["logprob"]) == (t, value)  # the generated token, the likeliest
+        ids, logprobs = [e["token_id"] for e in top], [e["logprob"] for e in top]
+        assert len(set(ids)) == 5 and set(ids) <= set(tokens.catalog)
+        assert logprobs == sorted(logprobs, reverse=True)
+        assert all(math.isfinite(v) and v <= 0 for v in logprobs)
+        assert sum(math.exp(v) for v in logprobs) <= 1.0
+    again = tokens.logprobs_for(prompt, None, 5)
+    assert [again(t) for t in generated] == steps
+    other = tokens.logprobs_for(prompt, 7, 5)
+    assert [other(t) for t in generated] != steps
+    alone = tokens.logprobs_for(prompt, None, 0)
+    values, tops = alone(generated[0])
+    assert tops == [[{"rank": 1, "token_id": generated[0], "token": None, "logprob": values[0]}]]

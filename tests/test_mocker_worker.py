@@ -4,6 +4,7 @@ openai client, the runtime's event plane."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -214,3 +215,60 @@ def test_invalid_flags_exit_2(smollm2: str) -> None:
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "--block-size must be positive" in proc.stderr
+
+
+def _check_logprobs(tokens: list[str], values: list[float], tops: list[int], text: str, top: int,
+                    completion_tokens: int) -> None:
+    assert len(tokens) == len(values) == len(tops) == completion_tokens  # every generated token
+    assert "".join(tokens) == text
+    assert all(math.isfinite(v) and v <= 0 for v in values)
+    assert tops == [top] * completion_tokens
+
+
+def test_logprobs_are_simulated(mocker: Deployment) -> None:
+    client = mocker.client()
+    messages = [{"role": "user", "content": "Rate this"}]
+    asking = {"model": MODEL, "messages": messages, "max_tokens": 10, "logprobs": True, "top_logprobs": 3}
+    chat = client.chat.completions.create(**asking)
+    content = chat.choices[0].logprobs.content
+    for t in content:
+        alternatives = [a.logprob for a in t.top_logprobs]
+        assert alternatives == sorted(alternatives, reverse=True)
+        assert all(math.isfinite(a) and a <= 0 for a in alternatives)
+        assert len({a.token for a in t.top_logprobs}) == 3 and t.token in {a.token for a in t.top_logprobs}
+    _check_logprobs([t.token for t in content], [t.logprob for t in content],
+                    [len(t.top_logprobs) for t in content], chat.choices[0].message.content, 3,
+                    chat.usage.completion_tokens)
+    again = client.chat.completions.create(**asking)
+    assert again.choices[0].logprobs == chat.choices[0].logprobs  # deterministic
+
+    stream = client.chat.completions.create(**asking, stream=True)
+    streamed, text = [], ""
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            streamed += chunk.choices[0].logprobs.content if chunk.choices[0].logprobs else []
+    assert streamed == content and text == chat.choices[0].message.content
+
+    completion = client.completions.create(model=MODEL, prompt="Rate this", max_tokens=10, logprobs=2)
+    lp = completion.choices[0].logprobs
+    _check_logprobs(lp.tokens, lp.token_logprobs, [len(t) for t in lp.top_logprobs],
+                    completion.choices[0].text, 2, completion.usage.completion_tokens)
+    assert all(max(t.values()) == v for t, v in zip(lp.top_logprobs, lp.token_logprobs, strict=True))
+    stream = client.completions.create(model=MODEL, prompt="Rate this", max_tokens=10, logprobs=2,
+                                       stream=True)
+    tokens, values, tops, text = [], [], [], ""
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].text
+            if chunk.choices[0].logprobs:
+                tokens += chunk.choices[0].logprobs.tokens
+                values += chunk.choices[0].logprobs.token_logprobs
+                tops += chunk.choices[0].logprobs.top_logprobs
+    assert (tokens, values, tops) == (lp.tokens, lp.token_logprobs, lp.top_logprobs)
+    assert text == completion.choices[0].text
+
+    plain = client.completions.create(model=MODEL, prompt="Rate this", max_tokens=10)
+    assert plain.choices[0].logprobs is None and plain.choices[0].text == completion.choices[0].text
+    plain_chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10)
+    assert plain_chat.choices[0].logprobs is None

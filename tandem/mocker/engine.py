@@ -6,14 +6,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from tandem.llm.tokenizer import Tokenizer
 from tandem.mocker.scheduler import Scheduler, SchedulerLoad, SimRequest, StepOutput, StepResult
 from tandem.router.hashing import tokens_to_bytes
 
 log = logging.getLogger(__name__)
+
+# One output's `log_probs` and `top_logprobs` (see tandem.llm.protocols).
+SimLogprobs = tuple[list[float], list[list[dict[str, Any]]]]
+# Mixed into the request's seed for the logprob draws, a stream apart from the tokens'.
+_LOGPROBS_STREAM = 0x6C6F6770726F6273
 
 # Words the synthetic output is drawn from, so that streamed text reads as text.
 _CATALOG_TEXT = (
@@ -39,12 +46,15 @@ class SyntheticTokens:
             raise ValueError("the tokenizer produced no usable tokens for synthetic output")
         self.seed = seed
 
-    def for_request(self, prompt: Sequence[int], seed: int | None = None) -> Callable[[int], int]:
-        """`token(i)`: the request's i-th generated token."""
+    def _digest(self, prompt: Sequence[int], seed: int | None) -> int:
         from xxhash import xxh3_64_intdigest
 
-        rng = random.Random(xxh3_64_intdigest(tokens_to_bytes(prompt), seed=(self.seed if seed is None else seed)
-                                              & 0xFFFFFFFFFFFFFFFF))
+        return xxh3_64_intdigest(tokens_to_bytes(prompt),
+                                 seed=(self.seed if seed is None else seed) & 0xFFFFFFFFFFFFFFFF)
+
+    def for_request(self, prompt: Sequence[int], seed: int | None = None) -> Callable[[int], int]:
+        """`token(i)`: the request's i-th generated token."""
+        rng = random.Random(self._digest(prompt, seed))
         catalog, tokens = self.catalog, []
 
         def token(i: int) -> int:
@@ -53,6 +63,38 @@ class SyntheticTokens:
             return tokens[i]
 
         return token
+
+    def logprobs_for(self, prompt: Sequence[int], seed: int | None, top: int) -> Callable[[int], SimLogprobs]:
+        """`logprobs(token_id)`: the `log_probs` and `top_logprobs` of the request's next generated token,
+        in the vLLM worker's wire format. Called once per generated token, in order.
+
+        Synthetic, deterministic per prompt and seed like the tokens (from a stream of their own, so
+        asking for logprobs does not change the output). As vLLM: the top list holds the `top` most
+        likely tokens, ranks from 1, the generated token among them (here always the likeliest, rank
+        1); for `top` 0 it holds the generated token alone. Alternatives are distinct catalog words
+        (distinct texts, so a completions `top_logprobs` map keeps them all), at most the catalog."""
+        rng = random.Random(self._digest(prompt, seed) ^ _LOGPROBS_STREAM)
+        catalog = self.catalog
+        others = min(max(top, 1), len(catalog)) - 1
+
+        def logprobs(token_id: int) -> SimLogprobs:
+            # A proper distribution: the generated token takes at least half of the mass, so it is the
+            # likeliest; each runner-up a share of what is left, so all are > 0 (finite logs) and sum <= 1.
+            chosen = rng.uniform(0.5, 0.99)
+            rest, probs = 1.0 - chosen, []
+            for _ in range(others):
+                p = rest * rng.uniform(0.1, 0.6)
+                probs.append(p)
+                rest -= p
+            probs.sort(reverse=True)
+            alternatives = [t for t in rng.sample(catalog, others + 1) if t != token_id][:others]
+            lp = math.log(chosen)
+            entries = [{"rank": 1, "token_id": token_id, "token": None, "logprob": lp}]
+            entries += [{"rank": rank, "token_id": t, "token": None, "logprob": math.log(p)}
+                        for rank, (t, p) in enumerate(zip(alternatives, probs, strict=True), 2)]
+            return [lp], [entries]
+
+        return logprobs
 
 
 class MockEngine:

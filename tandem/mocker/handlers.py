@@ -4,11 +4,11 @@ wire format as the vLLM worker's, see `tandem.vllm.handlers`) and `clear_kv_bloc
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from tandem.mocker.args import MockerConfig
-from tandem.mocker.engine import MockEngine, SyntheticTokens
+from tandem.mocker.engine import MockEngine, SimLogprobs, SyntheticTokens
 from tandem.mocker.scheduler import SimRequest, StepOutput
 from tandem.router.hashing import request_seed
 
@@ -25,6 +25,7 @@ class MockerHandler:
         try:
             sim = self._sim_request(request, context.id())
             engine = self._engine(request)
+            logprobs = self._logprobs(request)
         except (KeyError, TypeError, ValueError) as e:
             yield _failed(e)
             return
@@ -51,6 +52,8 @@ class MockerHandler:
                 if output.cached_tokens is not None:
                     cached = output.cached_tokens
                 item: dict[str, Any] = {"token_ids": [output.token_id]}
+                if logprobs is not None:
+                    item["log_probs"], item["top_logprobs"] = logprobs(output.token_id)
                 if transfer_ms is not None and generated == 1:
                     item["kv_transfer_ms"] = transfer_ms
                 if output.finished:
@@ -104,6 +107,18 @@ class MockerHandler:
             output_token=self.tokens.for_request(token_ids, seed), hash_seed=request_seed(None, salt),
             prefilled=self.config.disaggregation_mode == "decode" and bool(transfer),
         )
+
+    def _logprobs(self, request: dict[str, Any]) -> Callable[[int], SimLogprobs] | None:
+        """The simulated logprobs when `output_options.logprobs` asks for them (the number of
+        alternatives, 0 = the generated token's alone); None, and no cost per token, otherwise."""
+        top = (request.get("output_options") or {}).get("logprobs")
+        if top is None:
+            return None
+        top = int(top)
+        if top < 0:
+            raise ValueError(f"logprobs must be at least 0, got {top}")
+        seed = (request.get("sampling_options") or {}).get("seed")
+        return self.tokens.logprobs_for(request["token_ids"], seed, top)
 
     def _transfer_params(self, request_id: str, prompt_len: int) -> dict[str, Any]:
         """What a decode worker needs to 'pull' the KV (nothing real moves in the mocker)."""
