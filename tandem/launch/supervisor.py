@@ -79,8 +79,11 @@ def _child_setup(cores: tuple[int, ...] | None) -> Callable[[], None]:
 
     def setup() -> None:
         if _prctl is not None:
-            # If the launcher is killed outright (no chance to stop its children), the child still gets SIGTERM.
-            _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+            # If the launcher is killed outright, the child goes too, at once: with SIGTERM a worker would drain
+            # for its grace period with nobody left to stop it. Its engine processes follow it
+            # (tandem.vllm.lifeline). The signal comes when the forking thread exits: here the event loop's,
+            # which lives as long as the launcher.
+            _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         if cores:
             os.sched_setaffinity(0, cores)
 

@@ -20,6 +20,7 @@ from tandem.vllm.checkpoint_restore import get_checkpoint_config
 from tandem.vllm.engine_monitor import VllmEngineMonitor
 from tandem.vllm.handlers import BaseWorkerHandler, DecodeWorkerHandler, DisaggMetrics, PrefillWorkerHandler
 from tandem.vllm.health_check import bos_token_id_of, health_check_payload
+from tandem.vllm.lifeline import mark_owner
 
 log = logging.getLogger("tandem.vllm")
 
@@ -31,6 +32,7 @@ def setup_vllm_engine(config: Config, stat_loggers: list[Any] | None = None) -> 
     prometheus_client's default registry, which `_expose_engine_metrics` serves."""
     os.environ["VLLM_NO_USAGE_STATS"] = "1"
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    mark_owner()  # the engine's processes die with this one, however it ends
     engine_args = config.engine_args
     if engine_args.enable_lora:
         os.environ.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
