@@ -24,7 +24,7 @@ from tandem.frontend import openai
 from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.models import ModelManager, ServedModel
 from tandem.frontend.openapi import openapi_spec
-from tandem.frontend.pipeline import Attempt, ModelPipeline
+from tandem.frontend.pipeline import Attempt, ModelPipeline, StreamLost
 from tandem.frontend.routing import NoWorkerError
 from tandem.llm.postprocess import OutputProcessor
 from tandem.llm.protocols import RoutingHints
@@ -285,7 +285,7 @@ class FrontendServer:
                             flushed = True
                 except (StreamIncompleteError, RemoteError, NoWorkerError) as e:
                     log.warning("request %s failed mid-stream: %s", request_id, e)
-                    pending.append(openai.sse_error(_status_of(e), str(e)))
+                    pending.append(openai.sse_error(_status_of(e), _public_message(e)))
                     await response.write(b"".join(pending))
                     await response.write_eof()
                     return response
@@ -394,7 +394,9 @@ class FrontendServer:
             return web.json_response(error.body(), status=error.status)
         if not isinstance(error, (NoWorkerError, StreamIncompleteError, RemoteError)):
             log.exception("unexpected error serving %s", model, exc_info=error)
-        return _error(status, str(error))
+        else:
+            log.warning("%s request to %s failed: %s", endpoint, model, error)
+        return _error(status, _public_message(error))
 
     async def _relay_text(self, request: web.Request, chat: Any, raw: dict[str, Any], pipeline: ModelPipeline,
                           endpoint: str) -> web.StreamResponse:
@@ -435,7 +437,7 @@ class FrontendServer:
             except (StreamIncompleteError, RemoteError, NoWorkerError) as e:
                 if not chat.stream:
                     return self._failure(e, model_name, endpoint)
-                await response.write(openai.sse_error(_status_of(e), str(e)))
+                await response.write(openai.sse_error(_status_of(e), _public_message(e)))
                 await response.write_eof()
                 return response
             if chat.stream:
@@ -479,6 +481,18 @@ def _pinned_instance(hints: RoutingHints | None, pipeline: ModelPipeline, reques
         raise openai.RequestError(f"worker instance {pinned} does not serve model {pipeline.model.name!r}",
                                   status=404, param=param, code="worker_not_found")
     return pinned
+
+
+def _public_message(error: BaseException) -> str:
+    """What the client is told: the frontend's own messages and the errors a worker reports; the request
+    plane's details (addresses, ports) stay in the log."""
+    if isinstance(error, (openai.RequestError, NoWorkerError, RemoteError)):
+        return str(error)
+    if isinstance(error, StreamLost):
+        return error.public
+    if isinstance(error, StreamIncompleteError):
+        return "the worker serving this request stopped before finishing it"
+    return "internal error while serving the request"
 
 
 def _status_of(error: BaseException) -> int:

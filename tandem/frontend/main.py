@@ -44,9 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "visible here [env DYN_MODEL_PATH]")
     models.add_argument("--router-mode", default=env_str("DYN_ROUTER_MODE", "round-robin"), choices=ROUTER_MODES,
                         help="how to pick a worker [env DYN_ROUTER_MODE, default round-robin]")
-    models.add_argument("--migration-limit", type=int, default=int(env_number("DYN_MIGRATION_LIMIT", 0, int)),
-                        help="times a request may move to another worker when its worker fails "
-                        "[env DYN_MIGRATION_LIMIT, default 0 = off]")
+    models.add_argument("--migration-limit", type=int, default=int(env_number("DYN_MIGRATION_LIMIT", 3, int)),
+                        help="times a streaming request may move to another worker when its worker fails "
+                        "mid-stream (a request no worker has accepted yet always goes to another) "
+                        "[env DYN_MIGRATION_LIMIT, default 3; 0 = off]")
     models.add_argument("--migration-max-seq-len", type=int,
                         default=int(v) if (v := env_str("DYN_MIGRATION_MAX_SEQ_LEN")) else None,
                         help="no migration once prompt + generated tokens exceed this [env DYN_MIGRATION_MAX_SEQ_LEN]")

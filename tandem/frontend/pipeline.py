@@ -120,6 +120,15 @@ def _finished(output: dict[str, Any]) -> bool:
     return any(choice.get("finish_reason") for choice in output.get("choices") or ())
 
 
+class StreamLost(StreamIncompleteError):
+    """A stream cut off that could not move to another worker; `public` says why, for the client (the
+    request plane's detail, with addresses, is the message, for the log)."""
+
+    def __init__(self, cut: StreamIncompleteError, reason: str) -> None:
+        super().__init__(f"{cut}; {reason}")
+        self.public = f"the worker serving this request stopped before finishing it; {reason}"
+
+
 @dataclass
 class Attempt:
     """Bookkeeping of one request across migrations."""
@@ -302,8 +311,14 @@ class ModelPipeline:
             # A migrated request recomputes its prompt on the next worker (`_continuation`).
             decode_stage = (isinstance(request, PreprocessedRequest) and request.prefill_result is not None
                             and not attempt.generated)
-            instance, dp_rank, prefill_pending = self.route(request, pinned, exclude, context.id(),
-                                                            preferred=preferred, decode_stage=decode_stage)
+            try:
+                instance, dp_rank, prefill_pending = self.route(request, pinned, exclude, context.id(),
+                                                                preferred=preferred, decode_stage=decode_stage)
+            except NoWorkerError as e:
+                if exclude and not e.busy and not attempt.generated:
+                    raise NoWorkerError(f"no worker of model {self.model.name!r} could take the request "
+                                        f"({len(exclude)} unreachable)") from None
+                raise
             preferred = None
             attempt.instance_id = instance
             outgoing: Any = request
@@ -321,15 +336,15 @@ class ModelPipeline:
                 try:
                     stream = attempt.stream = await client.direct(outgoing, instance, child)
                 except (InstanceUnreachableError, NoInstancesError) as e:
-                    if budget > 0 and pinned is None and not attempt.generated:
-                        budget -= 1
-                        attempt.migrations += 1
-                        exclude.add(instance)
-                        self.metrics.migration(self.model.name, "new_request")
-                        log.warning("request %s: worker %x unreachable (%s); retrying elsewhere",
-                                    context.id(), instance, e)
-                        continue
-                    raise NoWorkerError(str(e)) from None
+                    # The worker never accepted the request: another one can take it, whatever the
+                    # migration limit. The client has left it out of routing for everyone meanwhile.
+                    log.warning("request %s: worker %x unreachable (%s)%s", context.id(), instance, e,
+                                "" if pinned is not None else "; trying another")
+                    if pinned is not None:
+                        raise NoWorkerError(f"worker instance {pinned} is unreachable") from None
+                    exclude.add(instance)
+                    self.metrics.migration(self.model.name, "new_request")
+                    continue
                 try:
                     async for output in stream:
                         if decode_stage:
@@ -353,12 +368,15 @@ class ModelPipeline:
                     too_long = self.migration_max_seq_len is not None and seq_len > self.migration_max_seq_len
                     if too_long:
                         self.metrics.migration_max_seq_len_exceeded(self.model.name)
-                    if budget <= 0 or guided or too_long or pinned is not None:
-                        if guided and budget > 0:
-                            raise StreamIncompleteError(
-                                f"{e}; guided-decoding requests cannot be migrated to another worker"
-                            ) from None
-                        raise
+                    if guided:
+                        raise StreamLost(e, "guided-decoding requests cannot be migrated to another worker") from None
+                    if too_long:
+                        raise StreamLost(e, "it is too long to migrate (--migration-max-seq-len)") from None
+                    if pinned is not None:
+                        raise StreamLost(e, "it names that worker") from None
+                    if budget <= 0:
+                        raise StreamLost(e, f"it was moved to another worker {attempt.migrations} times "
+                                            f"(--migration-limit {self.migration_limit})") from None
                     budget -= 1
                     attempt.migrations += 1
                     exclude = {instance}

@@ -1,0 +1,66 @@
+"""A worker dying under load with the frontend's default flags: no request that had not started fails,
+streams cut mid-way move to another worker (default --migration-limit 3) with exactly the tokens asked
+for, and no client sees an internal address."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import threading
+import time
+
+import httpx
+
+from tests.deployment import MODEL, Deployment, metric_sum
+
+MOCKER = ["--speedup-ratio", "1", "--block-size", "16"]  # streams of 100 tokens last about a second
+
+
+def _stream(url: str, prompt: str, max_tokens: int) -> tuple[int, int, str | None, str]:
+    """(status, tokens streamed, finish reason, raw body) of one streamed completion."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        raw = r.read().decode()
+    tokens, finish = 0, None
+    for line in raw.splitlines():
+        if line.startswith("data: {"):
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            for choice in chunk.get("choices") or ():
+                finish = choice.get("finish_reason") or finish
+    return r.status_code, tokens, finish, raw
+
+
+def test_a_worker_killed_under_load_fails_no_request(tmp_path, smollm2):
+    deployment = Deployment(tmp_path, smollm2, engine_module="tandem.mocker", engines=[MOCKER] * 3)
+    try:
+        victim = deployment.engines[0]
+        results: list[tuple[int, int, str | None, str]] = []
+        lock = threading.Lock()
+        stop_at = time.monotonic() + 4.0
+
+        def client(n: int) -> None:
+            i = 0
+            while time.monotonic() < stop_at:  # new requests keep arriving before, during and after the kill
+                result = _stream(deployment.url, f"client {n} request {i} tell me a story", 100)
+                with lock:
+                    results.append(result)
+                i += 1
+
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            futures = [pool.submit(client, n) for n in range(12)]
+            time.sleep(1.0)
+            victim.proc.kill()  # SIGKILL: its streams are cut, its discovery entries stay until their lease ends
+            for future in futures:
+                future.result()
+        assert len(results) >= 24
+        failed = [r for r in results if r[0] != 200 or r[2] != "length" or r[1] != 100]
+        assert not failed, failed[:3]
+        assert not any("127.0.0.1" in raw or "error" in raw for *_, raw in results)
+        # the kill did cut streams, and they moved on
+        assert metric_sum(deployment.metrics(), "dynamo_frontend_model_migration_total",
+                          migration_type="ongoing_request") > 0
+    finally:
+        deployment.stop()
