@@ -1,11 +1,13 @@
-"""A worker dying under load with the frontend's default flags: no request that had not started fails,
-streams cut mid-way move to another worker (default --migration-limit 3) with exactly the tokens asked
-for, and no client sees an internal address."""
+"""Losing a process without losing requests. A worker dying under load with the frontend's default flags:
+no request that had not started fails, streams cut mid-way move to another worker (default
+--migration-limit 3) with exactly the tokens asked for, and no client sees an internal address. A frontend
+stopped with SIGTERM finishes its streams first."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import signal
 import threading
 import time
 
@@ -62,5 +64,27 @@ def test_a_worker_killed_under_load_fails_no_request(tmp_path, smollm2):
         # the kill did cut streams, and they moved on
         assert metric_sum(deployment.metrics(), "dynamo_frontend_model_migration_total",
                           migration_type="ongoing_request") > 0
+    finally:
+        deployment.stop()
+
+
+def test_a_frontend_alone_drains_on_sigterm(tmp_path, smollm2):
+    """`tandem frontend` on SIGTERM: streams in flight finish, new requests get 503, the process exits 0."""
+    deployment = Deployment(tmp_path, smollm2, engine_module="tandem.mocker", engines=[MOCKER])
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            streams = [pool.submit(_stream, deployment.url, f"drain {n}", 100) for n in range(4)]
+            deadline = time.monotonic() + 30
+            while metric_sum(deployment.metrics(), "dynamo_frontend_inflight_requests") < 4:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            deployment.frontend.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 30
+            while (late := httpx.post(f"{deployment.url}/v1/completions", timeout=10,
+                                      json={"model": MODEL, "prompt": "late", "max_tokens": 2})).status_code == 200:
+                assert time.monotonic() < deadline
+            assert late.status_code == 503 and "shutting down" in late.json()["error"]["message"]
+            assert [(s.result()[1], s.result()[2]) for s in streams] == [(100, "length")] * 4
+        assert deployment.frontend.proc.wait(30) == 0
     finally:
         deployment.stop()

@@ -4,11 +4,14 @@ and end to end through the real `tandem run` process with the deterministic test
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import io
+import json
 import os
 import re
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -405,3 +408,64 @@ async def test_scale_adds_and_removes_workers(smollm2: str, tmp_path: Path) -> N
     finally:
         await deployment.stop(5)
     assert all(child.done.is_set() for child in deployment.children)
+
+
+def _stream(url: str, n: int, max_tokens: int, started: threading.Barrier) -> str:
+    """One streamed completion's raw SSE text; waits at `started` once its first chunk arrived."""
+    body = {"model": MODEL, "prompt": f"stream {n}: tell me a long story", "max_tokens": max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}}
+    lines = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {") and not lines:
+                started.wait(30)
+            lines.append(line)
+    return "\n".join(lines)
+
+
+def _tokens_and_finish(raw: str) -> tuple[int, str | None]:
+    tokens, finish = 0, None
+    for line in raw.splitlines():
+        if line.startswith("data: {"):
+            chunk = json.loads(line[6:])
+            tokens = chunk["usage"]["completion_tokens"] if chunk.get("usage") else tokens
+            for choice in chunk.get("choices") or ():
+                finish = choice.get("finish_reason") or finish
+    return tokens, finish
+
+
+@pytest.mark.timeout(120)
+def test_stop_drains_streams_in_flight(launch) -> None:  # type: ignore[no-untyped-def]
+    """SIGTERM with 16 streams in flight: the frontend refuses new requests, finishes the 16, and only then
+    do the workers stop."""
+    run = launch("--workers", "2", "--", "--speedup-ratio", "1")
+    url = run.serving()
+    started = threading.Barrier(17)
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        streams = [pool.submit(_stream, url, n, 150, started) for n in range(16)]
+        started.wait(30)  # every stream has its first token
+        run.proc.send_signal(signal.SIGTERM)
+        run.wait_for(r"frontend +\| .*draining 16 in-flight requests")
+        late = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "late", "max_tokens": 4}, timeout=10)
+        assert late.status_code == 503 and "shutting down" in late.json()["error"]["message"]
+        assert [_tokens_and_finish(s.result()) for s in streams] == [(150, "length")] * 16
+    assert run.proc.wait(30) == 0
+    assert run.leftovers() == []
+
+
+@pytest.mark.timeout(60)
+def test_streams_past_the_drain_bound_get_a_shutdown_error(launch) -> None:  # type: ignore[no-untyped-def]
+    """A stream still running when the drain bound passes (--stop-timeout 3: the frontend drains 1 s) ends
+    with an error that says the server is shutting down, not that a worker failed."""
+    run = launch("--workers", "1", "--stop-timeout", "3", "--", "--speedup-ratio", "0.05")
+    url = run.serving()
+    started = threading.Barrier(2)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        stream = pool.submit(_stream, url, 0, 2000, started)
+        started.wait(30)
+        run.proc.send_signal(signal.SIGTERM)
+        raw = stream.result()
+    error = json.loads(next(line for line in raw.splitlines() if line.startswith('data: {"error"'))[6:])["error"]
+    assert "the server is shutting down" in error["message"] and error["type"] == "service_unavailable"
+    assert run.proc.wait(30) == 0
+    assert run.leftovers() == []

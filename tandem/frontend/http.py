@@ -77,11 +77,14 @@ class FrontendServer:
         self.config = config
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
+        self._inflight: dict[str, Context] = {}  # generation requests being served, by request id
+        self.draining = False  # new generation requests are refused (shutdown)
+        self._drain_expired = False  # the drain's bound passed: what still runs is being cut off
 
     # -- app -----------------------------------------------------------------------------------
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.body_limit_bytes,
-                              middlewares=[self._errors, self._auth])
+                              middlewares=[self._errors, self._gate, self._auth])
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.list_models)
@@ -131,6 +134,33 @@ class FrontendServer:
             return _error(500, "internal error while serving the request")
 
     @web.middleware
+    async def _gate(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if self.draining and request.method == "POST" and request.path.startswith("/v1/"):
+            response = _error(503, "the server is shutting down; send the request to another frontend")
+            response.headers["Connection"] = "close"
+            return response
+        return await handler(request)
+
+    async def drain(self, timeout: float) -> None:
+        """Shutdown: refuse new generation requests (503, and /health says unhealthy), let those in flight
+        finish for at most `timeout` seconds, then cut the rest off with a "shutting down" error."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        if self._inflight:
+            log.info("draining %d in-flight requests (at most %.0f s)", len(self._inflight), timeout)
+        while self._inflight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self._inflight:
+            log.warning("drain bound reached: cutting off %d requests", len(self._inflight))
+            self._drain_expired = True
+            for context in list(self._inflight.values()):
+                context.kill()
+            cutoff = loop.time() + 5.0  # their handlers write the error and end
+            while self._inflight and loop.time() < cutoff:
+                await asyncio.sleep(0.05)
+
+    @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
         key = self.config.api_key
         if key and request.path.startswith("/v1/"):
@@ -157,6 +187,9 @@ class FrontendServer:
         raise openai.RequestError.model_not_found(name)
 
     async def health(self, request: web.Request) -> web.Response:
+        if self.draining:
+            return web.json_response({"status": "unhealthy", "message": "shutting down", "endpoints": [],
+                                      "instances": []}, status=503)
         models = self.manager.served()
         endpoints = sorted({path for m in models for path in m.instances.values()})
         instances = sorted({i for m in models for i in m.instances})
@@ -252,6 +285,7 @@ class FrontendServer:
         metrics.queued.labels(model_name).inc()  # until the first token
         metrics.isl.labels(model_name).observe(len(prompt_ids))
         response: web.StreamResponse | None = None
+        self._inflight[request_id] = context
         try:
             # Route and open the worker stream before answering, so routing failures get a status code.
             try:
@@ -323,6 +357,7 @@ class FrontendServer:
             # A write hit the closed connection: nothing to answer, and nothing worth a traceback.
             return response or web.Response(status=499)
         finally:
+            del self._inflight[request_id]
             await outputs.aclose()
             elapsed = time.perf_counter() - started
             metrics.inflight.labels(model_name).dec()
@@ -374,10 +409,16 @@ class FrontendServer:
                     context.stop_generating()  # stopped here (stop string, max tokens): the worker can stop
                 return
             output = await anext(outputs, None)
+        self._raise_if_cut_off(context)
         tail = processor.finish()
         if tail.text:
             outcome.text.append(tail.text)
             yield tail
+
+    def _raise_if_cut_off(self, context: Context) -> None:
+        """A stream that ended because the shutdown's drain bound passed fails with that reason."""
+        if self._drain_expired and context.is_killed():
+            raise NoWorkerError("the server is shutting down: the request was cut off before it finished")
 
     @staticmethod
     def _usage(prompt_ids: list[int], outcome: Outcome) -> dict[str, Any]:
@@ -408,6 +449,7 @@ class FrontendServer:
         body = dict(raw, model=model_name)
         hints = openai.routing_hints(chat, request.headers)
         outputs = pipeline.generate(body, context, Attempt(), pinned=_pinned_instance(hints, pipeline, request))
+        self._inflight[request_id] = context
         try:
             try:
                 first: dict[str, Any] = await anext(outputs, {})
@@ -434,6 +476,8 @@ class FrontendServer:
                     nxt = await anext(outputs, None)
                     if nxt is not None:
                         chunks.append(nxt)
+                    else:
+                        self._raise_if_cut_off(context)
             except (StreamIncompleteError, RemoteError, NoWorkerError) as e:
                 if not chat.stream:
                     return self._failure(e, model_name, endpoint)
@@ -453,6 +497,7 @@ class FrontendServer:
                 raise
             return response if chat.stream else web.Response(status=499)
         finally:
+            del self._inflight[request_id]
             await outputs.aclose()
 
 

@@ -132,6 +132,7 @@ async def serve(args: argparse.Namespace) -> int:
         body_read_timeout=args.http_body_timeout,
     ))
     await server.start()
+    runtime.add_drain(server.drain)  # SIGTERM: finish the HTTP streams before the planes close
     runtime.set_ready()
     scheme = "https" if args.tls_cert_path else "http"
     print(f"READY {scheme}://{args.http_host}:{server.port}", flush=True)

@@ -107,7 +107,11 @@ class Plan:
         argv = [sys.executable, "-m", "tandem.frontend", "--http-port", str(self.spec.http_port)]
         if self.spec.router_mode:
             argv += ["--router-mode", self.spec.router_mode]
-        return ProcessSpec("frontend", (*argv, *self.spec.frontend.args), {**self.common_env, **self.spec.frontend.env})
+        # The frontend's drain ends a little before the launcher's kill, so that streams still running get
+        # a "shutting down" error rather than a dropped connection.
+        drain = {"DYN_RUNTIME_GRACEFUL_SHUTDOWN_TIMEOUT_SECS": f"{max(self.spec.stop_timeout - 2, 0):g}"}
+        return ProcessSpec("frontend", (*argv, *self.spec.frontend.args),
+                           {**drain, **self.common_env, **self.spec.frontend.env})
 
     def worker(self, group: WorkerGroup, index: int, slot: int) -> ProcessSpec:
         """Worker `index` of `group`, in deployment-wide `slot`."""

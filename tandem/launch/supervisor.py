@@ -287,7 +287,10 @@ class Deployment:
                 await forget_instance(self.plan.common_env["DYN_FILE_KV"], self.plan.spec.namespace, ready[0])
 
     async def stop(self, grace: float) -> None:
-        await asyncio.gather(*(child.stop(grace) for child in self.children))
+        """The frontend first: it stops taking requests and finishes its streams (within `grace`), and only
+        then do the workers that serve those streams stop."""
+        await self.frontend.stop(grace)
+        await asyncio.gather(*(child.stop(grace) for child in self.children if child is not self.frontend))
 
     def kill(self) -> None:
         for child in self.children:

@@ -55,6 +55,7 @@ class DistributedRuntime:
         self._closed = asyncio.Event()
         self._shutdown_task: asyncio.Task[None] | None = None
         self._shutdown_hooks: list[Callable[[], Awaitable[None]]] = []
+        self._drains: list[Callable[[float], Awaitable[None]]] = []
 
     @classmethod
     async def create(cls, config: RuntimeConfig | None = None, **overrides: Any) -> DistributedRuntime:
@@ -186,6 +187,12 @@ class DistributedRuntime:
         e.g. a worker aborting what still runs so those streams end as incomplete and migrate."""
         self._shutdown_hooks.append(hook)
 
+    def add_drain(self, drain: Callable[[float], Awaitable[None]]) -> None:
+        """Run `await drain(seconds_left)` during shutdown, with the served endpoints' drain and under the
+        same bound (DYN_RUNTIME_GRACEFUL_SHUTDOWN_TIMEOUT_SECS), while the planes are still open: e.g. the
+        frontend finishing its HTTP streams."""
+        self._drains.append(drain)
+
     def install_signal_handlers(self) -> None:
         """First SIGTERM/SIGINT: graceful shutdown. A second one: exit at once."""
         install_signal_handlers([self])
@@ -216,6 +223,8 @@ class DistributedRuntime:
             # 4. Drain in-flight streams of graceful endpoints, bounded.
             draining = [s for s in self._served.values() if s.graceful_shutdown]
             deadline = asyncio.get_running_loop().time() + config.graceful_shutdown_timeout
+            for drain in self._drains:
+                await drain(max(deadline - asyncio.get_running_loop().time(), 0.0))
             while any(self.request_server.inflight(s.path) for s in draining):
                 if asyncio.get_running_loop().time() >= deadline:
                     log.warning("graceful shutdown timed out with streams still running")
