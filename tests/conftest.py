@@ -22,7 +22,8 @@ REPO = Path(__file__).resolve().parent.parent
 def runtime_config(**overrides: object) -> RuntimeConfig:
     """Loopback, no grace period: what an in-process test wants."""
     base = RuntimeConfig(
-        discovery_backend="mem", tcp_host="127.0.0.1", graceful_shutdown_grace_period=0, graceful_shutdown_timeout=5
+        discovery_backend="mem", tcp_host="127.0.0.1", system_host="127.0.0.1", graceful_shutdown_grace_period=0,
+        graceful_shutdown_timeout=5,
     )
     return base.replace(**overrides)
 
@@ -101,7 +102,8 @@ class TandemProcess:
     """A `python -m <module>` process of this repo that prints `READY <info...>` once serving."""
 
     def __init__(self, module: str, *args: str, env: dict[str, str] | None = None, timeout: float = 120) -> None:
-        full_env = {**os.environ, "DYN_TCP_RPC_HOST": "127.0.0.1", "PYTHONPATH": str(REPO), **(env or {})}
+        full_env = {**os.environ, "DYN_TCP_RPC_HOST": "127.0.0.1", "DYN_SYSTEM_HOST": "127.0.0.1",
+                    "PYTHONPATH": str(REPO), **(env or {})}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module, *args], env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True, cwd=REPO, start_new_session=True,  # its own process group: stop() takes its children too

@@ -135,3 +135,67 @@ async def test_leave_and_rejoin_discovery(runtimes, namespace):
     assert not [k for k in await runtime.store.get_prefix(prefix) if namespace in k]
     await runtime.rejoin_discovery()
     assert {k: v for k, v in (await runtime.store.get_prefix(prefix)).items() if namespace in k} == before
+
+
+# -- which routes need the key ---------------------------------------------------------------------
+async def _statuses(runtime, headers: dict[str, str] | None = None) -> dict[str, int]:
+    """Status of each kind of route: open ones (health, live, metrics) and guarded ones (engine, custom)."""
+    base = f"http://127.0.0.1:{runtime.system_server.port}"
+    out = {}
+    async with aiohttp.ClientSession(headers=headers) as http:
+        for name, method, path in (("health", "GET", "/health"), ("live", "GET", "/live"),
+                                   ("metrics", "GET", "/metrics"), ("engine", "POST", "/engine/sleep"),
+                                   ("custom", "POST", "/v1/loras")):
+            async with http.request(method, f"{base}{path}", json={}) as r:
+                out[name] = r.status
+                if r.status in (401, 403):
+                    assert (await r.json())["error"]["message"]
+    return out
+
+
+async def _guarded_runtime(runtimes, **config):
+    runtime = await runtimes(system_port=0, system_starting_health_status="ready", **config)
+
+    async def sleep_route(body):
+        return {"status": "ok"}
+
+    async def loras(body, params):
+        return 200, {"status": "ok"}
+
+    runtime.register_engine_route("sleep", sleep_route)
+    runtime.register_system_route("POST", "/v1/loras", loras)
+    return runtime
+
+
+OPEN = {"health": 200, "live": 200, "metrics": 200}
+
+
+async def test_non_loopback_bind_without_key_refuses_state_changing_routes(runtimes):
+    runtime = await _guarded_runtime(runtimes, system_host="0.0.0.0")
+    assert await _statuses(runtime) == OPEN | {"engine": 403, "custom": 403}
+
+
+async def test_the_key_opens_them_on_any_bind(runtimes):
+    runtime = await _guarded_runtime(runtimes, system_host="0.0.0.0", system_api_key="k3y")
+    assert await _statuses(runtime) == OPEN | {"engine": 401, "custom": 401}
+    assert await _statuses(runtime, {"Authorization": "Bearer wrong"}) == OPEN | {"engine": 401, "custom": 401}
+    assert await _statuses(runtime, {"Authorization": "Bearer k3y"}) == OPEN | {"engine": 200, "custom": 200}
+    assert await _statuses(runtime, {"Authorization": "bearer k3y"}) == OPEN | {"engine": 200, "custom": 200}
+
+
+async def test_loopback_bind_is_open_and_the_opt_out_restores_the_old_behaviour(runtimes):
+    loopback = await _guarded_runtime(runtimes, system_host="127.0.0.1")
+    assert await _statuses(loopback) == OPEN | {"engine": 200, "custom": 200}
+    opted_out = await _guarded_runtime(runtimes, system_host="0.0.0.0", system_allow_unauthenticated=True)
+    assert await _statuses(opted_out) == OPEN | {"engine": 200, "custom": 200}
+
+
+def test_keys_come_from_the_environment(monkeypatch):
+    from tandem.runtime import RuntimeConfig
+
+    monkeypatch.setenv("DYN_API_KEY", "frontend-key")
+    assert RuntimeConfig.from_env().system_api_key == "frontend-key"
+    monkeypatch.setenv("DYN_SYSTEM_API_KEY", "system-key")
+    assert RuntimeConfig.from_env().system_api_key == "system-key"
+    monkeypatch.setenv("DYN_SYSTEM_ALLOW_UNAUTHENTICATED", "true")
+    assert RuntimeConfig.from_env().system_allow_unauthenticated

@@ -350,7 +350,7 @@ async def test_engine_failure_is_reported(manager: LoRAManager, tmp_path: Path) 
 
 
 async def test_system_routes(tmp_path: Path) -> None:
-    config = RuntimeConfig(discovery_backend="mem", tcp_host="127.0.0.1", system_port=0,
+    config = RuntimeConfig(discovery_backend="mem", tcp_host="127.0.0.1", system_host="127.0.0.1", system_port=0,
                            graceful_shutdown_grace_period=0)
     runtime = await DistributedRuntime.create(config)
     try:

@@ -8,7 +8,6 @@ kills its request on the worker at once (handler cancellation).
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import ssl
 import time
@@ -29,6 +28,7 @@ from tandem.frontend.routing import NoWorkerError
 from tandem.llm.postprocess import OutputProcessor
 from tandem.llm.protocols import RoutingHints
 from tandem.runtime import Context, DistributedRuntime, RemoteError, StreamIncompleteError
+from tandem.runtime.auth import bearer_matches
 
 log = logging.getLogger("tandem.frontend")
 
@@ -499,12 +499,6 @@ class FrontendServer:
         finally:
             del self._inflight[request_id]
             await outputs.aclose()
-
-
-def bearer_matches(authorization: str, key: str) -> bool:
-    """`Authorization: Bearer KEY`, the scheme in any case, compared in constant time."""
-    scheme, _, token = authorization.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
 
 
 def _is_json(content_type: str) -> bool:

@@ -63,6 +63,9 @@ class RuntimeConfig:
     # System status server
     system_host: str = "0.0.0.0"
     system_port: int | None = None
+    # Key for the system server's routes other than health, liveness and metrics (required on a non-loopback bind).
+    system_api_key: str | None = None
+    system_allow_unauthenticated: bool = False  # the old behaviour: those routes open on any bind
     system_starting_health_status: str = "notready"
     system_health_path: str = "/health"
     system_live_path: str = "/live"
@@ -104,6 +107,8 @@ class RuntimeConfig:
             event_host=env_str("DYN_EVENT_PLANE_HOST"),
             system_host=env_str("DYN_SYSTEM_HOST", "0.0.0.0"),  # type: ignore[arg-type]
             system_port=_port("DYN_SYSTEM_PORT", system_port) if system_port else None,
+            system_api_key=env_str("DYN_SYSTEM_API_KEY") or env_str("DYN_API_KEY"),
+            system_allow_unauthenticated=env_bool("DYN_SYSTEM_ALLOW_UNAUTHENTICATED"),
             system_starting_health_status=(env_str("DYN_SYSTEM_STARTING_HEALTH_STATUS") or "notready").lower(),
             system_health_path=env_str("DYN_SYSTEM_HEALTH_PATH", "/health"),  # type: ignore[arg-type]
             system_live_path=env_str("DYN_SYSTEM_LIVE_PATH", "/live"),  # type: ignore[arg-type]

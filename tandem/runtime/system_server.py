@@ -1,4 +1,9 @@
-"""Per-process system status server (DYN_SYSTEM_PORT): health, liveness, metrics, engine routes."""
+"""Per-process system status server (DYN_SYSTEM_PORT): health, liveness, metrics, engine routes.
+
+Health, liveness and metrics are open (probes and scrapers need them). Every other route changes or
+reveals the engine's state (`/engine/*`, LoRA loading): it needs `Authorization: Bearer KEY` when a key is
+set (DYN_SYSTEM_API_KEY, else DYN_API_KEY), and without one it is served only on a loopback bind, unless
+DYN_SYSTEM_ALLOW_UNAUTHENTICATED=true."""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from tandem.runtime.auth import bearer_matches, is_loopback
 from tandem.runtime.config import RuntimeConfig
 
 log = logging.getLogger(__name__)
@@ -88,7 +94,7 @@ class SystemStatusServer:
         return {self._config.system_health_path, self._config.system_live_path, "/metrics"}
 
     async def start(self) -> None:
-        app = web.Application(client_max_size=16 * 1024 * 1024)
+        app = web.Application(client_max_size=16 * 1024 * 1024, middlewares=[self._guard])
         app.router.add_get(self._config.system_health_path, self._health_route)
         if self._config.system_live_path != self._config.system_health_path:
             app.router.add_get(self._config.system_live_path, self._health_route)
@@ -101,6 +107,21 @@ class SystemStatusServer:
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         log.info("system status server on http://%s:%d", self._config.system_host, self.port)
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """Routes other than health, liveness and metrics need the key (see the module's docstring)."""
+        if request.method in ("GET", "HEAD") and request.path in self._builtin_paths():
+            return await handler(request)
+        config = self._config
+        if config.system_api_key:
+            if not bearer_matches(request.headers.get("Authorization", ""), config.system_api_key):
+                return _error(401, "this route of the system port needs Authorization: Bearer <DYN_SYSTEM_API_KEY>")
+        elif not config.system_allow_unauthenticated and not is_loopback(config.system_host):
+            return _error(403, f"this route of the system port is disabled: the port listens on "
+                               f"{config.system_host}, not loopback, and no key is set. Set DYN_SYSTEM_API_KEY, "
+                               "or bind DYN_SYSTEM_HOST=127.0.0.1, or set DYN_SYSTEM_ALLOW_UNAUTHENTICATED=true")
+        return await handler(request)
 
     async def _health_route(self, request: web.Request) -> web.Response:
         report = self._health.report()
