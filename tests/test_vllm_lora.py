@@ -58,7 +58,7 @@ async def first(stream: Any) -> dict[str, Any]:
 
 @pytest.fixture
 def manager(tmp_path: Path) -> LoRAManager:
-    return LoRAManager(cache_dir=str(tmp_path / "cache"), allowed_roots=None)
+    return LoRAManager(cache_dir=str(tmp_path / "cache"), allowed_roots=[str(tmp_path)])
 
 
 def service_for(manager: LoRAManager | None, engine: FakeEngine, **kw: Any) -> LoRAService:
@@ -99,50 +99,53 @@ async def test_manager_copies_local_adapter_into_cache(manager: LoRAManager, tmp
     assert not [p for p in manager.cache_root.iterdir() if p.name.startswith(".")]  # no temp dirs left
 
 
+REFUSED = "is not an adapter folder (one with adapter_config.json) under the allowed roots"
+
+
 async def test_manager_rejections(tmp_path: Path) -> None:
+    """Outside the roots, '..', missing, a file, no adapter_config.json, a symlink leading out of the roots
+    (as the folder or inside it), a dangling one: every refusal says the same, so that it tells nothing
+    about which paths exist."""
     allowed = tmp_path / "allowed"
     inside = make_adapter(allowed)
     outside = make_adapter(tmp_path / "elsewhere")
     manager = LoRAManager(cache_dir=str(tmp_path / "cache"), allowed_roots=[str(allowed)])
     assert (await manager.download_lora(str(inside)))["status"] == "success"
 
-    dotdot = f"{allowed}/../elsewhere/adapter"
-    for uri in (dotdot, f"file://{dotdot}", f"file://{allowed}/%2E%2E/elsewhere/adapter"):
-        result = await manager.download_lora(uri)
-        assert result["status"] == "error" and "'..'" in result["message"], result
-    result = await manager.download_lora(f"file://{outside}")
-    assert result["status"] == "error" and "outside the allowed roots" in result["message"]
-    # a symlink inside an allowed root that points outside is refused too
+    (allowed / "not_peft").mkdir()
+    (allowed / "a_file").write_text("x")
     (allowed / "sneaky").symlink_to(outside)
-    result = await manager.download_lora(str(allowed / "sneaky"))
-    assert result["status"] == "error" and "outside the allowed roots" in result["message"]
+    (allowed / "dangling").symlink_to(tmp_path / "nowhere")
+    dotdot = f"{allowed}/../elsewhere/adapter"
+    refused = [dotdot, f"file://{dotdot}", f"file://{allowed}/%2E%2E/elsewhere/adapter", f"file://{outside}",
+               str(outside), str(allowed / "missing"), str(tmp_path / "missing"), str(allowed / "not_peft"),
+               str(allowed / "a_file"), str(allowed / "sneaky"), str(allowed / "dangling")]
+    messages = set()
+    for uri in refused:
+        result = await manager.download_lora(uri)
+        assert result["status"] == "error" and REFUSED in result["message"], (uri, result)
+        messages.add(result["message"].replace(repr(uri), "URI"))
+    assert len(messages) == 1, messages
+    # a symlink inside the adapter that leads out of the roots: refused, and nothing is copied
     (inside / "weights.safetensors").symlink_to(outside / "adapter_model.safetensors")
-    result = await manager.download_lora(str(inside))
-    assert result["status"] == "error" and "outside the allowed roots" in result["message"]
-
-    open_manager = LoRAManager(cache_dir=str(tmp_path / "cache2"), allowed_roots=None)
-    assert (await open_manager.download_lora(str(outside)))["status"] == "success"
-    result = await open_manager.download_lora(str(tmp_path / "missing"))
-    assert result["status"] == "error" and "does not exist" in result["message"]
-    (tmp_path / "not_peft").mkdir()
-    result = await open_manager.download_lora(str(tmp_path / "not_peft"))
-    assert result["status"] == "error" and "adapter_config.json" in result["message"]
-    result = await open_manager.download_lora("s3://bucket/adapter")
+    result = await manager.download_lora(str(inside) + "/")
+    assert result["status"] == "error" and REFUSED in result["message"]
+    result = await manager.download_lora("s3://bucket/adapter")
     assert result["status"] == "error" and "'s3'" in result["message"]
 
 
-def test_allowed_roots_from_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("DYN_LORA_ALLOWED_ROOTS", f"{tmp_path / 'a'}:{tmp_path / 'b'}")
-    monkeypatch.setenv("DYN_LORA_PATH", str(tmp_path / "cache"))
+async def test_default_root_is_the_cache_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset DYN_LORA_ALLOWED_ROOTS: only adapters under DYN_LORA_PATH load; `/` restores the old behaviour."""
+    monkeypatch.delenv("DYN_LORA_ALLOWED_ROOTS", raising=False)
+    monkeypatch.setenv("DYN_LORA_PATH", str(tmp_path / "loras"))
+    inside = make_adapter(tmp_path / "loras" / "mine")
+    outside = make_adapter(tmp_path / "tmp")
     manager = LoRAManager()
-    assert manager.allowed_roots == [(tmp_path / "a").resolve(), (tmp_path / "b").resolve()]
-    assert manager.cache_root == tmp_path / "cache"
-    monkeypatch.delenv("DYN_LORA_ALLOWED_ROOTS")
-    monkeypatch.delenv("DYN_LORA_PATH")
-    monkeypatch.setenv("HOME", str(tmp_path))
-    manager = LoRAManager()
-    assert manager.allowed_roots is None
-    assert manager.cache_root == tmp_path / ".cache" / "dynamo_loras"
+    assert manager.allowed_roots == [(tmp_path / "loras").resolve()]
+    assert (await manager.download_lora(f"file://{inside}"))["status"] == "success"
+    assert REFUSED in (await manager.download_lora(str(outside)))["message"]
+    monkeypatch.setenv("DYN_LORA_ALLOWED_ROOTS", "/")
+    assert (await LoRAManager().download_lora(str(outside)))["status"] == "success"
 
 
 async def test_custom_source(manager: LoRAManager, tmp_path: Path) -> None:
@@ -285,8 +288,8 @@ async def test_load_download_errors(tmp_path: Path) -> None:
     manager = LoRAManager(cache_dir=str(tmp_path / "cache"), allowed_roots=[str(allowed)])
     engine = FakeEngine()
     service = service_for(manager, engine)
-    for uri, part in ((f"file://{allowed}/../outside/adapter", "'..'"),
-                      (f"file://{outside}", "outside the allowed roots"),
+    for uri, part in ((f"file://{allowed}/../outside/adapter", REFUSED),
+                      (f"file://{outside}", REFUSED),
                       ("gs://bucket/lora", "'gs'")):
         reply = await first(service.load_lora({"lora_name": "x", "source": {"uri": uri}}))
         assert reply["status"] == "error" and reply["message"].startswith("Failed to download LoRA: ")
@@ -354,7 +357,7 @@ async def test_system_routes(tmp_path: Path) -> None:
                            graceful_shutdown_grace_period=0)
     runtime = await DistributedRuntime.create(config)
     try:
-        manager = LoRAManager(cache_dir=str(tmp_path / "cache"), allowed_roots=None)
+        manager = LoRAManager(cache_dir=str(tmp_path / "cache"), allowed_roots=[str(tmp_path)])
         engine = FakeEngine()
         service = service_for(manager, engine)
         assert not install_lora_routes(runtime, service, enabled=False)

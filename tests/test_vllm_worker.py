@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import jsonschema
@@ -29,14 +28,16 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 def vllm(tmp_path_factory, smollm2):
     """Frontend + one aggregated vLLM worker (LoRA, prefix caching, KV events) pinned to core 1."""
     system_port = free_port()
+    lora_root = tmp_path_factory.mktemp("loras")  # DYN_LORA_PATH: adapters load from under it only
     deployment = Deployment(
         tmp_path_factory.mktemp("vllm"), smollm2, engine_module="tandem.vllm", engine_timeout=600,
         engines=[["--max-model-len", "1024", "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",
                   "--cpu-cores", "1", "--connector", "none", "--served-model-name", MODEL]],
-        engine_env={"DYN_SYSTEM_PORT": str(system_port), "DYN_LORA_ENABLED": "true",
+        engine_env={"DYN_SYSTEM_PORT": str(system_port), "DYN_LORA_ENABLED": "true", "DYN_LORA_PATH": str(lora_root),
                     "DYN_VLLM_KV_EVENT_PORT": str(free_port(20000, 40000)), "PYTHONHASHSEED": "0"},
     )
     deployment.system_url = f"http://127.0.0.1:{system_port}"  # type: ignore[attr-defined]
+    deployment.lora_root = lora_root  # type: ignore[attr-defined]
     yield deployment
     deployment.stop()
 
@@ -141,8 +142,8 @@ def test_cancelled_stream_aborts_the_engine_request(vllm):
     assert _vllm_metric(vllm, "vllm:generation_tokens_total") - before < 400
 
 
-def test_lora_load_select_list_unload(vllm, tmp_path: Path):
-    adapter = tmp_path / "adapter"
+def test_lora_load_select_list_unload(vllm):
+    adapter = vllm.lora_root / "adapter"
     subprocess.run([sys.executable, "-c", MAKE_ADAPTER, vllm.model_path, str(adapter)], check=True)
     base = ask(vllm, max_tokens=12)
     loaded = httpx.post(f"{vllm.system_url}/v1/loras",

@@ -94,11 +94,13 @@ class LoRAManager:
     """Fetches adapters into a local cache; `download_lora` never raises (except on cancellation).
 
     Local adapters (`file:///abs/dir`, `file://localhost/abs/dir` or a plain path) must be folders
-    with `adapter_config.json`. No path with a `..` component is accepted, and when `allowed_roots`
-    is set (default: `DYN_LORA_ALLOWED_ROOTS`, colon-separated; unset = any local path; an empty
-    list = none) the resolved folder, and every symlink inside it, must lie under one of them. The
-    folder is copied to `cache_dir/<key>` (copy into a temporary folder, then rename) and the copy
-    is reused while the source's files (names, sizes, mtimes) are unchanged.
+    with `adapter_config.json` under an allowed root: `allowed_roots`, else `DYN_LORA_ALLOWED_ROOTS`
+    (colon-separated; `/` allows any path, the old behaviour), else the cache folder (`DYN_LORA_PATH`).
+    No path with a `..` component is accepted; the folder is resolved (symlinks followed) before the
+    check, and so is every symlink inside it. Every refusal gives the same message, so that a caller
+    cannot learn which paths exist. The folder is copied to `cache_dir/<key>` (copy into a temporary
+    folder, then rename) and the copy is reused while the source's files (names, sizes, mtimes) are
+    unchanged.
 
     Any other scheme goes through a source registered with `register_custom_source(scheme, source)`;
     its result is cached the same way and reused without asking the source again.
@@ -113,10 +115,8 @@ class LoRAManager:
         self._cache_root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
         if allowed_roots is None:
             env = os.environ.get("DYN_LORA_ALLOWED_ROOTS", "")
-            allowed_roots = [root for root in env.split(":") if root] or None
-        self.allowed_roots: list[Path] | None = (
-            None if allowed_roots is None else [Path(root).expanduser().resolve() for root in allowed_roots]
-        )
+            allowed_roots = [root for root in env.split(":") if root] or [str(self._cache_root)]
+        self.allowed_roots: list[Path] = [Path(root).expanduser().resolve() for root in allowed_roots]
         self._sources: dict[str, LoRASource] = dict(sources or {})
 
     @property
@@ -167,35 +167,34 @@ class LoRAManager:
             raw = uri
         if not raw:
             raise LoRAError(f"LoRA URI {uri!r} names no path")
+        refused = _refused(uri)
         path = Path(raw).expanduser()
         if ".." in path.parts or ".." in raw.replace("\\", "/").split("/"):
-            raise LoRAError(f"LoRA path {raw!r} must not contain '..'")
+            raise refused
         try:
             resolved = path.resolve(strict=True)
         except (OSError, RuntimeError):
-            raise LoRAError(f"LoRA path {raw!r} does not exist") from None
-        self._check_allowed(resolved, raw)
-        if not resolved.is_dir():
-            raise LoRAError(f"LoRA path {raw!r} is not a directory (expected a PEFT adapter folder)")
-        if not (resolved / ADAPTER_CONFIG).is_file():
-            raise LoRAError(f"LoRA path {raw!r} has no {ADAPTER_CONFIG} (not a PEFT adapter folder)")
+            raise refused from None
+        if not self._allowed(resolved) or not resolved.is_dir() or not (resolved / ADAPTER_CONFIG).is_file():
+            raise refused
         return resolved
 
-    def _check_allowed(self, resolved: Path, shown: str) -> None:
-        if self.allowed_roots is None:
-            return
-        if not any(resolved == root or resolved.is_relative_to(root) for root in self.allowed_roots):
-            roots = [str(root) for root in self.allowed_roots]
-            raise LoRAError(f"LoRA path {shown!r} is outside the allowed roots {roots} (DYN_LORA_ALLOWED_ROOTS)")
+    def _allowed(self, resolved: Path) -> bool:
+        return any(resolved == root or resolved.is_relative_to(root) for root in self.allowed_roots)
 
-    def _fingerprint(self, folder: Path) -> list[list[Any]]:
+    def _fingerprint(self, folder: Path) -> list[list[Any]] | None:
+        """(name, size, mtime) of every file; None when a symlink in it leads outside the roots or nowhere."""
         entries: list[list[Any]] = []
         for dirpath, dirnames, filenames in os.walk(folder, followlinks=False):
             dirnames.sort()
             for name in sorted(dirnames + filenames):
                 full = Path(dirpath) / name
                 if full.is_symlink():
-                    self._check_allowed(full.resolve(), str(full))
+                    try:
+                        if not self._allowed(full.resolve(strict=True)):
+                            return None
+                    except (OSError, RuntimeError):
+                        return None
                 if full.is_file():
                     stat = full.stat()
                     entries.append([str(full.relative_to(folder)), stat.st_size, stat.st_mtime_ns])
@@ -203,7 +202,10 @@ class LoRAManager:
 
     def _copy_local(self, uri: str) -> Path:
         source = self.local_path_of(uri)
-        manifest = {"uri": uri, "source": str(source), "files": self._fingerprint(source)}
+        files = self._fingerprint(source)
+        if files is None:
+            raise _refused(uri)
+        manifest = {"uri": uri, "source": str(source), "files": files}
         dest = self.cache_path(uri)
         if self._read_manifest(dest) == manifest:
             return dest
@@ -276,6 +278,12 @@ class LoRAManager:
             return dest
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _refused(uri: str) -> LoRAError:
+    """The one answer to every local path refused: it must not tell which paths exist."""
+    return LoRAError(f"LoRA source {uri!r} is not an adapter folder (one with {ADAPTER_CONFIG}) under the allowed "
+                     "roots (DYN_LORA_ALLOWED_ROOTS; by default the LoRA cache folder, DYN_LORA_PATH)")
 
 
 def _move_contents(src: Path, dst: Path) -> None:
