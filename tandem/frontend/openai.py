@@ -12,7 +12,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -115,17 +115,20 @@ class StructuredOutputs(msgspec.Struct):
     grammar: str | None = None
 
 
+_InstanceId = Annotated[int, msgspec.Meta(ge=0)]
+
+
 class Nvext(msgspec.Struct, omit_defaults=True):
     """Dynamo's request extensions (`nvext`); fields not listed here are kept in `extra`."""
 
-    backend_instance_id: int | None = None
-    prefill_worker_id: int | None = None
-    decode_worker_id: int | None = None
+    backend_instance_id: _InstanceId | None = None
+    prefill_worker_id: _InstanceId | None = None
+    decode_worker_id: _InstanceId | None = None
     annotations: list[str] = []
     use_raw_prompt: bool | None = None
     greed_sampling: bool | None = None
     cache_salt: str | None = None
-    max_thinking_tokens: int | None = None
+    max_thinking_tokens: Annotated[int, msgspec.Meta(ge=0, lt=_U32)] | None = None
     extra: dict[str, Any] = {}
 
 
