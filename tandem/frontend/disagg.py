@@ -1,4 +1,4 @@
-"""Policies of disaggregated serving in the frontend (reference §B.8); `ModelPipeline` runs the flow.
+"""Policies of disaggregated serving in the frontend; `ModelPipeline` runs the flow.
 
 A token request of a model with prefill workers goes to a prefill worker first (a copy with
 `max_tokens` 1), then to a decode worker with the prefill's KV transfer parameters in

@@ -96,7 +96,7 @@ async def serve(args: argparse.Namespace) -> int:
             block_size = model.card.kv_cache_block_size
             kv_router = KvRouter(runtime, model.name, block_size=block_size, config=router_config,
                                  metrics=router_metrics)
-            # Prefill workers: by cached prefix, without tracking their short-lived requests' blocks (§B.8).
+            # Prefill workers: by cached prefix, without tracking their short-lived requests' blocks.
             prefill_router = KvRouter(runtime, model.name, block_size=block_size, metrics=router_metrics,
                                       config=replace(router_config, track_active_blocks=False, replica_sync=False))
         return ModelPipeline(model, manager, router_mode=args.router_mode, migration_limit=args.migration_limit,

@@ -504,7 +504,7 @@ def output_options(req: AnyRequest) -> OutputOptions:
     return OutputOptions(logprobs=logprobs, skip_special_tokens=req.skip_special_tokens)
 
 
-# Routing headers (dynamo-platform.md §B.2); the first name present wins, newer x-dynamo-* first.
+# Routing headers; the first name present wins, newer x-dynamo-* first.
 WORKER_HEADERS = ("x-dynamo-worker-instance-id", "x-worker-instance-id")
 _ROUTING_HEADERS: dict[str, tuple[str, ...]] = {
     "backend_instance_id": WORKER_HEADERS,

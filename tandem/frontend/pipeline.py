@@ -255,7 +255,7 @@ class ModelPipeline:
         return client is not None and client.transport_of(instance_id) is not None
 
     def _cache_keys(self, request: PreprocessedRequest) -> dict[str, Any]:
-        """What seeds the request's block hashes besides its tokens (§C.3), for the KV routers."""
+        """What seeds the request's block hashes besides its tokens, for the KV routers."""
         lora = self.model.card.lora
         return {"lora_name": lora.name if lora else None,
                 "cache_salt": request.routing.cache_salt if request.routing else None}
@@ -388,7 +388,7 @@ class ModelPipeline:
                 if self.kv_router is not None:
                     self.kv_router.free(context.id())
 
-    # -- disaggregated prefill (reference §B.8) ------------------------------------------------
+    # -- disaggregated prefill ------------------------------------------------
     async def _disaggregate(self, request: PreprocessedRequest,
                             context: Context) -> tuple[PreprocessedRequest, int | None]:
         """The request for the decode stage and, under conditional disaggregation, the decode worker that

@@ -1,5 +1,5 @@
 """Model deployment cards (MDC): what a worker publishes in discovery so frontends can serve its
-model (dynamo-platform.md §B.4). Key: `v1/mdc/{ns}/{component}/{endpoint}/{instance:x}[/{lora}]`.
+model. Key: `v1/mdc/{ns}/{component}/{endpoint}/{instance:x}[/{lora}]`.
 
 A card names the model, says where its tokenizer, chat template and generation config come from
 (a folder plus content checksums, so a frontend can check that its copy is the same), and carries

@@ -1,4 +1,4 @@
-"""Dynamo's Backend operator (dynamo-platform.md §B.6): engine output maps -> client text deltas.
+"""Dynamo's Backend operator: engine output maps -> client text deltas.
 
 Per request, an `OutputProcessor` detokenizes the engine's new token ids incrementally (unless the
 engine sent `text`), and enforces the stop conditions: hidden stop ids (EOS) -> "eos", user stop

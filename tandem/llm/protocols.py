@@ -1,4 +1,4 @@
-"""Wire formats between the frontend and the workers (Dynamo's, see dynamo-platform.md §B.5-B.6).
+"""Wire formats between the frontend and the workers (Dynamo's).
 
 The frontend sends a `PreprocessedRequest` to a worker's `generate` endpoint; the worker streams
 `LLMEngineOutput` maps back. Both travel as msgpack maps; absent optional fields are omitted.

@@ -1,4 +1,4 @@
-"""Stop strings over streamed text, with Dynamo's "jail" (dynamo-platform.md §B.6).
+"""Stop strings over streamed text, with Dynamo's "jail".
 
 Text that could be the start of a stop string is held back until it either completes a stop
 string (the stream stops there) or can no longer match (it is released). The first stop string to

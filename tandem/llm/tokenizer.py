@@ -3,7 +3,7 @@
 `Tokenizer.from_folder` reads a Hugging Face model folder (tokenizer.json, tokenizer_config.json,
 generation_config.json, config.json, chat_template.jinja). `decode_stream` gives an incremental
 detokenizer for generated tokens: each `step` returns the text a token makes complete, never a
-half character (see dynamo-platform.md §B.6).
+half character.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Mocker: a GPU-free simulated vLLM engine (Dynamo's mocker, §D of the reference).
+"""Mocker: a GPU-free simulated vLLM engine (Dynamo's mocker).
 
 The simulation core is synchronous and deterministic: `scheduler.Scheduler` runs vLLM v1-style
 steps over a `kv_manager.KvManager` block pool (prefix caching, router-compatible KV events) and

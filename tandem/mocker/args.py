@@ -1,4 +1,4 @@
-"""Flags of `tandem mocker` (Dynamo's `python -m dynamo.mocker`, dynamo-platform.md §D).
+"""Flags of `tandem mocker` (Dynamo's `python -m dynamo.mocker`).
 
 Engine flags carry vLLM's names and defaults where vLLM has them; `--extra-engine-args` takes a JSON
 file of the same options (underscored names) for values not given on the command line.

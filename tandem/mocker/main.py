@@ -1,4 +1,4 @@
-"""`tandem mocker` / `python -m tandem.mocker`: simulated vLLM workers (dynamo-platform.md §D).
+"""`tandem mocker` / `python -m tandem.mocker`: simulated vLLM workers.
 
 Each of the `--num-workers` engines is its own worker instance (own runtime, lease, endpoints, KV
 event stream and load metrics) in this one process; only the first serves DYN_SYSTEM_PORT. To the

@@ -1,4 +1,4 @@
-"""KV router configuration (Dynamo §C.6): the flags we support, their env fallbacks, per-request overrides.
+"""KV router configuration: the flags we support, their env fallbacks, per-request overrides.
 
 Precedence is CLI over env over default. Flags default to None so `config_from_args` can tell "not
 given" (fall back to the env, then the default) from "given"; invalid values raise ValueError naming
@@ -37,7 +37,7 @@ class KvRouterConfig:
     assume_kv_reuse: bool = True
     track_prefill_tokens: bool = True
     active_request_expiry_secs: float = 300.0
-    # Conditional disaggregation (§B.8, policy isl_bounding): the frontend skips the remote prefill when
+    # Conditional disaggregation (policy isl_bounding): the frontend skips the remote prefill when
     # the decode worker it would pick already caches most of the prompt.
     conditional_disagg: bool = False
     conditional_disagg_eff_isl_threshold: int = 2048
@@ -77,7 +77,7 @@ _OVERRIDE_KEYS = {
     "prefill_load_scale": "prefill_load_scale",
 }
 # router_config_override switches (Dynamo's RouterConfigOverride has them too): the decode stage of a
-# disaggregated request turns both off (§B.8).
+# disaggregated request turns both off.
 _OVERRIDE_SWITCHES = ("assume_kv_reuse", "track_prefill_tokens")
 
 
@@ -161,7 +161,7 @@ _ENV_ONLY: tuple[_Option, ...] = (
 
 
 def add_router_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    """The KV router flags (§C.6) with their legacy aliases; defaults are resolved by `config_from_args`."""
+    """The KV router flags with their legacy aliases; defaults are resolved by `config_from_args`."""
     group = parser.add_argument_group("KV router options (--router-mode kv)")
     defaults = KvRouterConfig()
     for option in _OPTIONS:

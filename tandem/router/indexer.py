@@ -1,4 +1,4 @@
-"""The router's global prefix index (Dynamo `lib/kv-router/src/indexer`, §C.4).
+"""The router's global prefix index (Dynamo's `lib/kv-router/src/indexer`).
 
 `RadixTree` holds, for every block any worker reported stored, one node keyed by the block's
 local hash (`tokens_hash`) under its parent; `find_matches` walks a request's local hashes from

@@ -1,4 +1,4 @@
-"""The KV-aware router of one model (reference §C): pick the worker whose cache holds the longest
+"""The KV-aware router of one model: pick the worker whose cache holds the longest
 prefix of a request, weighed against the load this router has put on each worker.
 
 * Prefix index: fed by the workers' KV events on their components' `kv-events` topics (event ids
@@ -182,7 +182,7 @@ class KvRouter:
                             gap.first_missing, gap.last_missing, worker_id)
         log.debug("recovered %d KV events from worker %x", applied, worker_id)
 
-    # -- replica sync (reference §C.7) -----------------------------------------------------------
+    # -- replica sync -----------------------------------------------------------
     async def _follow_replicas(self, namespace: str, component: str) -> None:
         """Publish this router's active-sequence changes and apply the other routers' ones."""
         scope = self.runtime.namespace(namespace).component(component)

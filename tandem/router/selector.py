@@ -1,4 +1,4 @@
-"""Worker cost and selection for KV-aware routing (Dynamo §C.5).
+"""Worker cost and selection for KV-aware routing.
 
 Costs are in blocks: the prefill a worker would still have to do for this request (on top of the
 prompts already queued on it) plus the decode blocks it holds. The current formula credits each cached

@@ -1,4 +1,4 @@
-"""Active sequence tracking (Dynamo §C.7, the router's "slot manager").
+"""Active sequence tracking (the router's "slot manager").
 
 The router's own view of each worker's in-flight load, updated as it routes: KV blocks held by active
 requests (ref-counted per worker, so a prefix shared by several requests counts once), prompt tokens

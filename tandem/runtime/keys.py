@@ -1,4 +1,4 @@
-"""Discovery key layout, as in Dynamo's KV-store discovery (see dynamo-platform.md §A.2)."""
+"""Discovery key layout, as in Dynamo's KV-store discovery."""
 
 from __future__ import annotations
 

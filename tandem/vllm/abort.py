@@ -1,4 +1,4 @@
-"""Request abort on cancellation or worker shutdown (dynamo-vllm-worker.md §7.3).
+"""Request abort on cancellation or worker shutdown.
 
 Every `generate` call runs inside `abort_monitor(...)`. A background task waits for the first of
 

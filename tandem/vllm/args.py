@@ -59,7 +59,7 @@ CPU_GPU_MEMORY_UTILIZATION = 0.3
 NIXL_CPU_EXTENSION = "tandem.vllm.nixl_cpu.NixlOnCpu"
 NIXL_SIDE_CHANNEL_FIRST_PORT = 5600  # vLLM's default VLLM_NIXL_SIDE_CHANNEL_PORT
 
-# Multimodal role flags (argparse dests) and the component each role serves under (Dynamo §1.6).
+# Multimodal role flags (argparse dests) and the component each role serves under.
 MULTIMODAL_ROLES: dict[str, str] = {
     "multimodal_processor": "processor",
     "ec_processor": "processor",
@@ -163,7 +163,7 @@ class Config:
         return int(self.engine_args.data_parallel_rank or 0)
 
     def validate(self) -> None:
-        """Dynamo's validation rules (§1.4); raises ValueError (FileNotFoundError for the template)."""
+        """Dynamo's validation rules; raises ValueError (FileNotFoundError for the template)."""
         if self.is_prefill_worker and self.is_decode_worker:
             raise ValueError("Cannot set both --is-prefill-worker and --is-decode-worker")
         roles = [name for name in MULTIMODAL_ROLES if getattr(self, name)]
@@ -523,7 +523,7 @@ def platform_is_cpu() -> bool:
 
 
 def _apply_engine_defaults(config: Config) -> None:
-    """The values Dynamo forces on vLLM's engine args (§1.5) and tandem's CPU defaults."""
+    """The values Dynamo forces on vLLM's engine args and tandem's CPU defaults."""
     args = config.engine_args
     if args.enable_prefix_caching is None:
         args.enable_prefix_caching = True

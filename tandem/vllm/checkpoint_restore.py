@@ -1,4 +1,4 @@
-"""Checkpoint/restore ("chrek") lifecycle of the vLLM worker (dynamo-vllm-worker.md §7.6).
+"""Checkpoint/restore ("chrek") lifecycle of the vLLM worker.
 
 A Kubernetes DaemonSet CRIU-checkpoints a fully loaded worker and later restores it elsewhere.
 Checkpoint mode is on when `DYN_READY_FOR_CHECKPOINT_FILE` is set:

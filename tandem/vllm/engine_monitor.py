@@ -1,4 +1,4 @@
-"""Engine monitor of the vLLM worker (dynamo-vllm-worker.md §7.4).
+"""Engine monitor of the vLLM worker.
 
 Two background tasks:
 

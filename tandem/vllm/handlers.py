@@ -1,4 +1,4 @@
-"""The worker's endpoint handlers (dynamo-vllm-worker.md §4, §5, §7): `generate` in token and text
+"""The worker's endpoint handlers: `generate` in token and text
 mode for aggregated / decode workers and for prefill workers, `clear_kv_blocks`, and the sleep /
 wake engine routes."""
 
@@ -22,14 +22,14 @@ log = logging.getLogger(__name__)
 
 _SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
 _GUIDED_KEYS = ("json", "regex", "choice", "grammar", "whitespace_pattern", "structural_tag")
-# OpenAI request fields a text-mode request may set on SamplingParams (§4.6).
+# OpenAI request fields a text-mode request may set on SamplingParams.
 _TEXT_MODE_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "top_k",
                      "repetition_penalty", "min_p", "length_penalty", "max_tokens", "stop", "ignore_eos",
                      "min_tokens")
 
 
 def build_sampling_params(request: dict[str, Any], defaults: dict[str, Any], model_max_len: int | None) -> SamplingParams:
-    """A PreprocessedRequest's options -> vLLM SamplingParams (§4.2). Stop strings stay with the
+    """A PreprocessedRequest's options -> vLLM SamplingParams. Stop strings stay with the
     frontend; the hidden EOS ids join stop_token_ids; the frontend detokenizes."""
     kwargs: dict[str, Any] = dict(defaults)
     sampling = request.get("sampling_options") or {}
@@ -160,7 +160,7 @@ class BaseWorkerHandler:
 
     # -- prompts -------------------------------------------------------------------------------
     def _prompt(self, request: dict[str, Any]) -> tuple[Any, int]:
-        """§4.3: prompt embeddings (base64 torch tensor) or token ids; returns (prompt, prompt length)."""
+        """Prompt embeddings (base64 torch tensor) or token ids; returns (prompt, prompt length)."""
         embeds = request.get("prompt_embeds")
         if embeds:
             import torch
@@ -193,7 +193,7 @@ class BaseWorkerHandler:
         self, request: dict[str, Any], context: Any, sampling: SamplingParams, *, prefill: bool,
         remote_prefill: bool = False,
     ) -> AsyncIterator[dict[str, Any]]:
-        """Run one request on the engine and yield Dynamo LLMEngineOutput deltas (§4.5, §5). A
+        """Run one request on the engine and yield Dynamo LLMEngineOutput deltas. A
         `remote_prefill` request's first output also reports its KV wait as `kv_transfer_ms`."""
         try:
             prompt, prompt_len = self._prompt(request)
@@ -253,7 +253,7 @@ class BaseWorkerHandler:
             yield {"status": "error", "message": str(e)}
 
     async def sleep(self, body: dict[str, Any] | None) -> dict[str, Any]:
-        """Engine route /engine/sleep: leave discovery first so nothing new is routed here (§7.1)."""
+        """Engine route /engine/sleep: leave discovery first so nothing new is routed here."""
         level = int((body or {}).get("level", getattr(self.config, "sleep_mode_level", 1)))
         try:
             if self.on_sleep is not None:
@@ -303,7 +303,7 @@ class DecodeWorkerHandler(BaseWorkerHandler):
             yield item
 
     async def _generate_text(self, request: dict[str, Any], context: Any) -> AsyncIterator[dict[str, Any]]:
-        """§4.6: an OpenAI request in, OpenAI chat chunks out; the engine templates and detokenizes."""
+        """An OpenAI request in, OpenAI chat chunks out; the engine templates and detokenizes."""
         tokenizer = self.engine_client.tokenizer
         kwargs: dict[str, Any] = dict(self.default_sampling_params)
         for key in _TEXT_MODE_FIELDS:
@@ -351,7 +351,7 @@ def _text_chunk(response_id: str, text: str, finish_reason: str | None) -> dict[
 
 
 class PrefillWorkerHandler(BaseWorkerHandler):
-    """Prefill workers (§5.1): compute the prompt's KV, generate one token, hand the KV transfer
+    """Prefill workers: compute the prompt's KV, generate one token, hand the KV transfer
     parameters back for the decode worker."""
 
     async def generate(self, request: dict[str, Any], context: Any) -> AsyncIterator[dict[str, Any]]:

@@ -1,4 +1,4 @@
-"""Canary health-check payloads of the vLLM worker (dynamo-vllm-worker.md §3.9).
+"""Canary health-check payloads of the vLLM worker.
 
 The runtime sends the payload as an ordinary request to an idle endpoint when canary checks are
 enabled (`serve_endpoint(..., health_check_payload=...)`). `DYN_HEALTH_CHECK_PAYLOAD` (a JSON object)

@@ -1,4 +1,4 @@
-"""Dynamic LoRA adapters for the vLLM worker (dynamo-vllm-worker.md §6).
+"""Dynamic LoRA adapters for the vLLM worker.
 
 * `LoRAManager` fetches an adapter named by a URI into a local cache (`DYN_LORA_PATH`): local
   folders (`file://` or a plain path) are copied in; other schemes need a registered custom source.
@@ -327,7 +327,7 @@ def _vllm_lora_request(**kwargs: Any) -> Any:
 
 
 class LoRAService:
-    """The worker's `load_lora` / `unload_lora` / `list_loras` endpoints (§6.2–6.4).
+    """The worker's `load_lora` / `unload_lora` / `list_loras` endpoints.
 
     `engine_client` has vLLM AsyncLLM's `async add_lora(LoRARequest)` and `async remove_lora(id)`.
     `register(name, id)` publishes the adapter in discovery after the engine has it, `unregister(name)`
@@ -358,7 +358,7 @@ class LoRAService:
         return self.request_class(lora_name=name, lora_int_id=lora_id, lora_path=path)
 
     def lora_request(self, model_name: str | None) -> Any:
-        """The LoRARequest selecting adapter `model_name` when it is loaded, else None (§4.4)."""
+        """The LoRARequest selecting adapter `model_name` when it is loaded, else None."""
         if not model_name or model_name not in self.loaded:
             return None
         return self._make_request(model_name, self.loaded[model_name], self.paths.get(model_name, ""))
@@ -531,7 +531,7 @@ async def _first(stream: AsyncIterator[dict[str, Any]]) -> dict[str, Any]:
 
 def install_lora_routes(runtime: Any, service: LoRAService, *, enabled: bool | None = None) -> bool:
     """Serve `GET /v1/loras`, `POST /v1/loras` and `DELETE /v1/loras/{name}` (the name may contain
-    `/`) on the system port, calling `service` in-process (§6.1). Only when `enabled` (default:
+    `/`) on the system port, calling `service` in-process. Only when `enabled` (default:
     `DYN_LORA_ENABLED` is truthy) and the system status server runs; returns whether installed.
 
     Responses are the endpoint's message with HTTP 200 (errors reported by the endpoint included);

@@ -1,4 +1,4 @@
-"""`tandem vllm` / `python -m tandem.vllm`: a vLLM worker (dynamo-vllm-worker.md §3).
+"""`tandem vllm` / `python -m tandem.vllm`: a vLLM worker.
 
 Startup: parse flags, (checkpoint lifecycle), runtime, engine, handlers, KV event relays and the
 stat logger, engine routes, LoRA, endpoints per role, model registration, then serve until SIGTERM.
@@ -26,7 +26,7 @@ log = logging.getLogger("tandem.vllm")
 
 
 def setup_vllm_engine(config: Config, stat_loggers: list[Any] | None = None) -> tuple[Any, Any, dict[str, Any]]:
-    """Create the AsyncLLM (§3.3). Returns (engine, vllm_config, default sampling params).
+    """Create the AsyncLLM. Returns (engine, vllm_config, default sampling params).
 
     vLLM v1 records its metrics in this process (the engine core reports to it), so they land in
     prometheus_client's default registry, which `_expose_engine_metrics` serves."""
