@@ -317,7 +317,9 @@ async def test_relay_close_releases_the_publisher(runtimes, namespace, engine) -
     component = rt.namespace(namespace).component("backend")
     relay = await KvEventRelay(component, worker_id=1, kv_block_size=BS, zmq_endpoint=engine.endpoint).start()
     await connect_relay(engine, relay)
+    assert await rt.store.get_prefix("v1/event_channels/")  # the relay's publisher is registered
     await relay.close()
+    assert await rt.store.get_prefix("v1/event_channels/") == {}  # ... and gone: subscribers drop it
     await relay.close()  # idempotent; runtime shutdown closing the publisher again is harmless too
 
 
