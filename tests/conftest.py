@@ -2,12 +2,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -110,16 +110,25 @@ class TandemProcess:
         )
         self.stderr_lines: list[str] = []
         threading.Thread(target=self._drain_stderr, daemon=True).start()
-        deadline = time.monotonic() + timeout
-        line = ""
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()  # type: ignore[union-attr]
-            if not line or line.startswith("READY"):
-                break
+        ready: queue.Queue[str] = queue.Queue()  # the READY line, or "" when stdout closed without one
+        threading.Thread(target=self._find_ready, args=(ready,), daemon=True).start()
+        try:
+            line = ready.get(timeout=timeout)  # a process that hangs silently cannot outlast `timeout`
+        except queue.Empty:
+            line = f"(nothing within {timeout:g} s)"
         if not line.startswith("READY"):
             self.stop()  # its whole process group: a vLLM engine core it started too
             raise RuntimeError(f"{module} did not start: {line!r}\n{self.stderr()}")
         self.ready = line.split()[1:]
+
+    def _find_ready(self, ready: queue.Queue[str]) -> None:
+        found = False
+        for line in self.proc.stdout:  # type: ignore[union-attr]  # read to the end: a full pipe blocks it
+            if not found and line.startswith("READY"):
+                found = True
+                ready.put(line)
+        if not found:
+            ready.put("")
 
     def _drain_stderr(self) -> None:
         for line in self.proc.stderr:  # type: ignore[union-attr]
@@ -179,3 +188,24 @@ def launch(smollm2: str) -> Iterator:
     yield start
     for run in started:
         run.kill()
+
+
+# -- real vLLM engines shared by the session (tests/engines.py), the suite's own plugins (tests/plugins.py)
+def pytest_configure(config: pytest.Config) -> None:
+    from tests.plugins import EngineOrder, SkipGuard
+
+    config.pluginmanager.register(EngineOrder(), EngineOrder.NAME)
+    config.pluginmanager.register(SkipGuard(), SkipGuard.NAME)
+
+
+@pytest.fixture(scope="session")
+def engine_pool(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, smollm2: str) -> Iterator:
+    from tests.engines import EnginePool
+    from tests.plugins import EngineOrder
+
+    pool = EnginePool(tmp_path_factory.mktemp, smollm2, tmp_path_factory.mktemp("loras"))
+    order = request.config.pluginmanager.get_plugin(EngineOrder.NAME)
+    order.pool = pool
+    yield pool
+    order.pool = None
+    pool.stop()

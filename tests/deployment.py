@@ -43,6 +43,7 @@ class Deployment:
         self.engine_module = engine_module
         self.env = {"DYN_FILE_KV": str(kv), "DYN_NAMESPACE": self.namespace, "DYN_DISCOVERY_TTL_SECS": "3",
                     **(env or {})}
+        self.namespace = self.env["DYN_NAMESPACE"]  # `env` may name a namespace whose engines run already
         self.engines: list[TandemProcess] = []
         self.frontend: TandemProcess | None = None
         try:
@@ -85,15 +86,17 @@ class Deployment:
             discovery_backend="file", file_kv_root=self.env["DYN_FILE_KV"], tcp_host="127.0.0.1",
             graceful_shutdown_grace_period=0))
 
-    def call(self, path: str, request: object) -> list:
-        """Call a worker endpoint (`ns.component.endpoint` without the namespace) through the runtime."""
+    def call(self, path: str, request: object, instance: int | None = None) -> list:
+        """Call a worker endpoint (`ns.component.endpoint` without the namespace) through the runtime: on
+        `instance`, or on any one instance."""
 
         async def go() -> list:
             runtime = await self.runtime()
             try:
                 client = await runtime.endpoint(f"{self.namespace}.{path}").client()
                 await client.wait_for_instances(1, timeout=30)
-                return [item async for item in await client.round_robin(request)]
+                stream = await (client.round_robin(request) if instance is None else client.direct(request, instance))
+                return [item async for item in stream]
             finally:
                 await runtime.shutdown()
 

@@ -29,12 +29,28 @@ def _sessions() -> dict[int, int]:
     return found
 
 
-def _children(pid: int) -> list[int]:
+def _main_thread_children(pid: int) -> list[int]:
+    """The children its main thread started (cheap: one file), which is where the launcher starts them."""
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as f:
             return [int(p) for p in f.read().split()]
     except OSError:
         return []
+
+
+def children(pid: int) -> list[int]:
+    """The live child processes of `pid`, whichever of its threads started them."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+            except OSError:
+                continue
+            if int(ppid) == pid and state != "Z":
+                found.append(int(entry))
+    return found
 
 
 class Run:
@@ -59,7 +75,7 @@ class Run:
 
     def _watch(self) -> None:
         while self.proc.poll() is None:
-            self.sessions = self.sessions | set(_children(self.proc.pid))  # a new set: readers never see it change
+            self.sessions = self.sessions | set(_main_thread_children(self.proc.pid))  # a new set: readers never see it change
             time.sleep(0.02)
 
     def wait_for(self, pattern: str, count: int = 1, timeout: float = 30) -> re.Match[str]:

@@ -14,10 +14,8 @@ aggregated reference output is the same decode engine computing the prompt itsel
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -29,10 +27,11 @@ import pytest
 
 from tandem.runtime import Context
 from tandem.vllm.handlers import DecodeWorkerHandler, DisaggMetrics, PrefillWorkerHandler
-from tests.conftest import TandemProcess, free_port
 from tests.deployment import MODEL, Deployment, metric_sum
+from tests.engines import DISAGG_ARGS, Engine, EngineGroup, EngineSpec, migrate_mid_stream, wait_until
 
 MAX_TOKENS = 16
+MIGRATED_TOKENS = 48
 SHORT = [{"role": "user", "content": "What is the capital of France?"}]
 # ~1200 prompt tokens: each sentence differs, so no two blocks of the prompt repeat.
 LONG = "Here is the diary of a cat named Tom. " + " ".join(
@@ -44,22 +43,39 @@ CONCURRENT = [[{"role": "user", "content": q}] for q in (
 
 @dataclass
 class Disagg:
+    """A frontend on the shared "disaggregated" engines; `prefill` and `decode` are the first live ones."""
+
     deployment: Deployment
-    prefill: TandemProcess
-    decode: TandemProcess
-    prefill_metrics_url: str
-    decode_metrics_url: str
+    group: EngineGroup
+
+    @property
+    def prefill(self) -> Engine:
+        return self.group.alive("prefill")[0]
+
+    @property
+    def decode(self) -> Engine:
+        return self.group.alive("decode")[0]
 
     @property
     def decode_id(self) -> int:
-        return int(self.decode.ready[0], 16)
+        return self.decode.instance_id
+
+    @property
+    def prefill_metrics_url(self) -> str:
+        return f"{self.prefill.system_url}/metrics"
+
+    @property
+    def decode_metrics_url(self) -> str:
+        return f"{self.decode.system_url}/metrics"
 
     def client(self) -> openai.OpenAI:
         return self.deployment.client(timeout=600)
 
     def clear_caches(self) -> None:
-        for component in ("prefill", "backend"):
-            assert self.deployment.call(f"{component}.clear_kv_blocks", {})[0]["status"] == "success"
+        for engine in self.group.alive():
+            component = "prefill" if engine.spec.role == "prefill" else "backend"
+            reply = self.deployment.call(f"{component}.clear_kv_blocks", {}, instance=engine.instance_id)
+            assert reply[0]["status"] == "success", reply
 
 
 def metric(url: str, name: str, **labels: str) -> float:
@@ -67,40 +83,14 @@ def metric(url: str, name: str, **labels: str) -> float:
     return metric_sum(httpx.get(url, timeout=30).text, name, **labels)
 
 
-def wait_until(condition: Callable[[], bool], what: str, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.1)
-
-
 @pytest.fixture(scope="module")
-def disagg(tmp_path_factory: pytest.TempPathFactory, smollm2: str) -> Iterator[Disagg]:
-    deployment = Deployment(tmp_path_factory.mktemp("disagg"), smollm2, engine_module="tandem.vllm",
-                            engine_timeout=900, engines=[])
-    try:
-        ports = {"prefill": free_port(), "decode": free_port()}
-        started: dict[str, TandemProcess] = {}
-
-        def start(role: str, core: int) -> None:
-            # Each engine binds its threads to its own core; NIXL side-channel ports are chosen per worker.
-            # A 1 GiB KV cache (~20k tokens) instead of 30% of the host's memory: other engines share this host.
-            started[role] = deployment.add_engine(
-                f"--is-{role}-worker", "--cpu-cores", str(core), "--max-model-len", "2048",
-                "--kv-cache-memory-bytes", str(1 << 30), "--served-model-name", MODEL,
-                env={"DYN_SYSTEM_PORT": str(ports[role]), "DYN_VLLM_KV_EVENT_PORT": str(free_port(20000, 40000))})
-
-        # Engine start-up is the slow part: both at once, each on its own core.
-        with ThreadPoolExecutor(2) as pool:
-            for job in [pool.submit(start, "prefill", 0), pool.submit(start, "decode", 1)]:
-                job.result()
-        deployment.wait_for_instances(1, timeout=60)
-        wait_until(lambda: httpx.get(f"{deployment.url}/health").json().get("prefill_instances"),
-                   "the frontend sees the prefill worker", timeout=60)
-        yield Disagg(deployment, started["prefill"], started["decode"],
-                     f"http://127.0.0.1:{ports['prefill']}/metrics", f"http://127.0.0.1:{ports['decode']}/metrics")
-    finally:
-        deployment.stop()
+def disagg(engine_pool) -> Iterator[Disagg]:  # type: ignore[no-untyped-def]
+    """One prefill worker (core 0) and one decode worker (core 1), both with the default `--connector nixl`
+    and a fixed 1 GiB KV cache, and a frontend that sees both."""
+    group = engine_pool.group("disaggregated")
+    deployment = group.deployment()
+    yield Disagg(deployment, group)
+    deployment.stop()
 
 
 def _chat(client: openai.OpenAI, messages: list[dict], pinned: int | None = None) -> openai.types.chat.ChatCompletion:
@@ -211,7 +201,6 @@ def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # includes starting both engines
 def test_outputs_match_aggregated_and_decode_pulls_the_kv(disagg: Disagg) -> None:
     d = disagg
     fe = f"{d.deployment.url}/metrics"
@@ -271,13 +260,13 @@ def test_cancel_during_prefill_leaves_no_request_behind(disagg: Disagg) -> None:
                                           **prefill_inflight):
             assert not request.done() and time.monotonic() < deadline, "the prefill worker never got the request"
             await asyncio.sleep(0.05)
-        await asyncio.sleep(0.5)  # into the engine's prefill step
-        request.cancel()  # the client goes away: the connection closes
+        request.cancel()  # the client goes away (the prefill cannot have finished: its engine is frozen)
         with pytest.raises(asyncio.CancelledError):
             await request
         await client.close()
 
-    asyncio.run(cancel_while_prefilling())
+    with d.prefill.engine_frozen():
+        asyncio.run(cancel_while_prefilling())
     wait_until(lambda: metric(fe, "dynamo_frontend_remote_prefills_total", outcome="cancelled") > cancelled_before,
                "the frontend counts the cancelled prefill")
     # A request afterwards runs on both workers: once it is done, neither engine holds another one.
@@ -300,7 +289,36 @@ def test_cancel_during_decode_aborts_it(disagg: Disagg) -> None:
     assert metric(d.decode_metrics_url, "vllm:generation_tokens_total") - generated_before < 400
 
 
+@pytest.fixture
+def two_decoders(disagg: Disagg) -> Disagg:
+    """The disaggregated group with a second decode worker (on core 0: the prefill worker idles while the
+    decode runs)."""
+    if len(disagg.group.alive("decode")) < 2:
+        disagg.group.start(EngineSpec(("--is-decode-worker",), 0, DISAGG_ARGS))
+    disagg.deployment.wait_for_instances(2)
+    return disagg
+
+
 @pytest.mark.slow
+@pytest.mark.kills_engine
+def test_killed_decode_worker_mid_stream_migrates_the_disaggregated_request(two_decoders: Disagg) -> None:
+    """With two decode workers, the decode worker serving a long greedy stream is SIGKILLed mid-decode.
+    The frontend migrates the request (prefill again, then the other decode worker) and the client gets the
+    same text as from an unbroken run, token for token (float32 greedy: every engine here computes alike)."""
+    d = two_decoders
+    client = d.client()
+    request = {"model": MODEL, "prompt": "Migrated. " + LONG[:600], "max_tokens": MIGRATED_TOKENS,
+               "temperature": 0, "extra_body": {"ignore_eos": True}}
+    unbroken = client.completions.create(**request)
+    assert unbroken.usage is not None and unbroken.usage.completion_tokens == MIGRATED_TOKENS
+    migrations = metric(f"{d.deployment.url}/metrics", "dynamo_frontend_model_migration_total")
+    text = migrate_mid_stream(client, request, d.group.alive("decode"))
+    assert text == unbroken.choices[0].text
+    assert metric(f"{d.deployment.url}/metrics", "dynamo_frontend_model_migration_total") - migrations == 1
+
+
+@pytest.mark.slow
+@pytest.mark.kills_engine
 def test_killing_the_prefill_worker_falls_back_to_local_prefill(disagg: Disagg) -> None:
     d = disagg
     fe = f"{d.deployment.url}/metrics"
@@ -313,13 +331,13 @@ def test_killing_the_prefill_worker_falls_back_to_local_prefill(disagg: Disagg) 
     remote_before = metric(d.decode_metrics_url, "dynamo_component_remote_prefill_requests_total")
     decode_before = _prompt_sources(d.decode_metrics_url)
 
-    with ThreadPoolExecutor(1) as pool:
+    prefill = d.prefill
+    with ThreadPoolExecutor(1) as pool, prefill.engine_frozen():  # the prefill cannot finish before the kill
         reply = pool.submit(_complete, client, prompt)
         wait_until(lambda: metric(d.prefill_metrics_url, "dynamo_component_inflight_requests",
                                   dynamo_component="prefill", dynamo_endpoint="generate") > 0,
                    "the prefill worker got the request")
-        os.killpg(d.prefill.proc.pid, signal.SIGKILL)  # the worker and its engine processes
-        d.prefill.proc.wait()
+        prefill.kill()
         # The prefill leg failed: the decode worker computed the prompt itself.
         assert reply.result().choices[0].text == expected
     later = [_chat(client, SHORT).choices[0].message.content for _ in range(2)]
@@ -329,21 +347,3 @@ def test_killing_the_prefill_worker_falls_back_to_local_prefill(disagg: Disagg) 
     assert metric(d.decode_metrics_url, "dynamo_component_remote_prefill_requests_total") == remote_before
     decode = _delta(_prompt_sources(d.decode_metrics_url), decode_before)
     assert decode["external_kv_transfer"] == 0 and decode["local_compute"] > 0
-
-
-@pytest.mark.slow
-def test_enforce_disagg_without_prefill_workers_is_503(disagg: Disagg) -> None:
-    d = disagg
-    frontend = TandemProcess("tandem.frontend", "--http-host", "127.0.0.1", "--http-port", "0",
-                             "--discovery-backend", "file", "--enforce-disagg", env=d.deployment.env)
-    try:
-        url = frontend.ready[0]
-        # The killed prefill worker's registration expires with its lease (DYN_DISCOVERY_TTL_SECS).
-        wait_until(lambda: (h := httpx.get(f"{url}/health").json()).get("instances") and not h.get("prefill_instances"),
-                   "the new frontend sees the decode worker and no prefill worker", timeout=60)
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-        with pytest.raises(openai.APIStatusError) as failure:
-            _chat(client, SHORT)
-        assert failure.value.status_code == 503
-    finally:
-        frontend.stop()

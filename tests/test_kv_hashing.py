@@ -107,7 +107,7 @@ def test_input_types_and_edges() -> None:
     expected = local_block_hashes(tokens, 2)
     assert local_block_hashes(tuple(tokens), 2) == expected
     assert local_block_hashes(array("I", tokens), 2) == expected
-    np = pytest.importorskip("numpy")
+    import numpy as np
     assert local_block_hashes(np.array(tokens, dtype=np.int64), 2) == expected
     assert tokens_to_bytes(tokens) == struct.pack("<4I", *tokens)
     assert local_block_hashes([], 4) == [] and local_block_hashes([1, 2, 3], 4) == []

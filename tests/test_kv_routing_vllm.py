@@ -5,23 +5,23 @@ has cached goes back to that worker, and vLLM itself reports the hit as `cached_
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
 
-from tests.conftest import free_port
 from tests.deployment import MODEL, Deployment
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.engines("aggregated")]
 
 BLOCK = 32  # the CPU attention backend's block size (the worker registers it on its model card)
 
 
-def _conversation(n: int) -> str:
-    # ~300 tokens: 9 full blocks; "n" comes first so no two prompts share a full block.
-    return f"Conversation {n}. " + " ".join(f"item{n}x{i}" for i in range(60))
+def _conversation(deployment: Deployment, n: int) -> str:
+    # ~300 tokens: 9 full blocks; the deployment's tag and "n" come first so no two prompts (of this run or
+    # of another test on the same engines) share a full block.
+    return f"{deployment.tag} conversation {n}. " + " ".join(f"item{n}x{i}" for i in range(60))
 
 
 def _cached(client: openai.OpenAI, prompt: str) -> tuple[int, int]:
@@ -53,35 +53,26 @@ def _first_turn(deployment: Deployment, prompt: str) -> int:
     return prompt_tokens
 
 
-@pytest.fixture(scope="module")
-def kv_vllm(tmp_path_factory: pytest.TempPathFactory, smollm2: str) -> Iterator[Deployment]:
-    """Frontend with the KV router + two vLLM workers, one per core, each with its own KV event port."""
-    deployment = Deployment(tmp_path_factory.mktemp("kv-vllm"), smollm2, engine_module="tandem.vllm",
-                            engine_timeout=600, engines=[], frontend_args=["--router-mode", "kv"])
-    try:
-        ports = set()
-        while len(ports) < 2:
-            ports.add(free_port(20000, 40000))
+# The router's predicted side index (blocks it just routed) would send follow-ups back on its own; with it
+# off ("events-only") only vLLM's KV events can, so that run proves the event path end to end.
+ROUTERS = {"events-only": ("--router-predicted-ttl-secs", "0"), "with-predicted": ()}
 
-        def start(core_and_port: tuple[int, int]) -> None:
-            core, port = core_and_port
-            deployment.add_engine("--max-model-len", "1024", "--cpu-cores", str(core), "--connector", "none",
-                                  "--served-model-name", MODEL, env={"DYN_VLLM_KV_EVENT_PORT": str(port)})
 
-        # Engine start-up is the slow part: start both at once (each on its own core).
-        with ThreadPoolExecutor(2) as pool:
-            for result in [pool.submit(start, job) for job in zip((0, 1), sorted(ports), strict=True)]:
-                result.result()
-        deployment.wait_for_instances(2, timeout=60)
-        yield deployment
-    finally:
-        deployment.stop()
+@pytest.fixture(scope="module", params=list(ROUTERS))
+def kv_vllm(request: pytest.FixtureRequest, engine_pool) -> Iterator[Deployment]:  # type: ignore[no-untyped-def]
+    """A frontend with the KV router on the shared "aggregated" engines: two workers, one per core, each
+    publishing its KV events on its own port."""
+    group = engine_pool.group("aggregated")
+    deployment = group.deployment("--router-mode", "kv", *ROUTERS[request.param])
+    deployment.tag = uuid.uuid4().hex[:8]  # type: ignore[attr-defined]
+    yield deployment
+    deployment.stop()
 
 
 def test_repeated_prefixes_return_to_the_worker_that_cached_them(kv_vllm: Deployment) -> None:
     client = kv_vllm.client()
     for n in range(6):
-        prefix = _conversation(n)
+        prefix = _conversation(kv_vllm, n)
         prompt_tokens = _first_turn(kv_vllm, prefix)
         full_blocks = prompt_tokens // BLOCK
         # The same prefix with a new suffix, then the identical prompt: each time the router must pick the
@@ -93,9 +84,9 @@ def test_repeated_prefixes_return_to_the_worker_that_cached_them(kv_vllm: Deploy
 
 
 def test_router_applied_vllm_kv_events(kv_vllm: Deployment) -> None:
-    _first_turn(kv_vllm, _conversation(100))  # waits for dynamo_component_kv_cache_events_applied_total to grow
+    _first_turn(kv_vllm, _conversation(kv_vllm, 100))  # waits for the applied-events counter to grow
     hits = _metric(kv_vllm, "dynamo_component_router_estimated_hit_blocks_total")
-    cached, _ = _cached(kv_vllm.client(), _conversation(100) + " Again.")
+    cached, _ = _cached(kv_vllm.client(), _conversation(kv_vllm, 100) + " Again.")
     assert cached > 0
     # The router predicted the hit from vLLM's events (at least the blocks vLLM then reported cached).
     assert _metric(kv_vllm, "dynamo_component_router_estimated_hit_blocks_total") - hits >= cached // BLOCK > 0

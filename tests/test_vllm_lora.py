@@ -443,7 +443,7 @@ async def test_card_callbacks_publish_adapter_cards(runtimes: Any, namespace: st
 
 
 async def test_default_request_class_is_vllms(manager: LoRAManager, tmp_path: Path) -> None:
-    request_module = pytest.importorskip("vllm.lora.request")
+    import vllm.lora.request as request_module
     engine = FakeEngine()
     service = LoRAService(engine, manager_factory=lambda: manager)
     src = make_adapter(tmp_path / "loras")

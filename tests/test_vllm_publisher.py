@@ -180,7 +180,7 @@ async def test_relay_translates_vllm_events_onto_the_event_plane(runtimes, names
 
 async def test_relay_real_vllm_publisher(runtimes, namespace) -> None:
     """vLLM's own ZmqEventPublisher and event classes (map-encoded, bytes or int hashes)."""
-    kv_events = pytest.importorskip("vllm.distributed.kv_events")
+    import vllm.distributed.kv_events as kv_events
     rt = await runtimes()
     component = rt.namespace(namespace).component("backend")
     subscriber = await component.subscribe(KV_EVENT_TOPIC)
@@ -402,8 +402,8 @@ def test_gauges_are_registered_once_per_registry() -> None:
 def test_factory_plugs_into_vllm_stat_logger_manager() -> None:
     """vLLM 0.32's per-engine adapter calls `factory(vllm_config, engine_index)` and
     `record(scheduler_stats, iteration_stats, mm_cache_stats=..., engine_idx=...)`."""
-    loggers = pytest.importorskip("vllm.v1.metrics.loggers")
-    stats = pytest.importorskip("vllm.v1.metrics.stats")
+    import vllm.v1.metrics.loggers as loggers
+    import vllm.v1.metrics.stats as stats
     publisher = FakePublisher()
     factory = StatLoggerFactory(publisher, worker_id=9, registry=CollectorRegistry(), dp_rank=None)
     adapter = loggers.PerEngineStatLoggerAdapter(

@@ -4,8 +4,6 @@ official `openai` client. One shared worker for most tests (an engine takes ~30-
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -16,28 +14,25 @@ import jsonschema
 import openai
 import pytest
 
-from tests.conftest import free_port
-from tests.deployment import MODEL, Deployment
+from tests.deployment import MODEL
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.engines("aggregated")]
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def vllm(tmp_path_factory, smollm2):
-    """Frontend + one aggregated vLLM worker (LoRA, prefix caching, KV events) pinned to core 1."""
-    system_port = free_port()
-    lora_root = tmp_path_factory.mktemp("loras")  # DYN_LORA_PATH: adapters load from under it only
-    deployment = Deployment(
-        tmp_path_factory.mktemp("vllm"), smollm2, engine_module="tandem.vllm", engine_timeout=600,
-        engines=[["--max-model-len", "1024", "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",
-                  "--cpu-cores", "1", "--connector", "none", "--served-model-name", MODEL]],
-        engine_env={"DYN_SYSTEM_PORT": str(system_port), "DYN_LORA_ENABLED": "true", "DYN_LORA_PATH": str(lora_root),
-                    "DYN_VLLM_KV_EVENT_PORT": str(free_port(20000, 40000)), "PYTHONHASHSEED": "0"},
-    )
-    deployment.system_url = f"http://127.0.0.1:{system_port}"  # type: ignore[attr-defined]
-    deployment.lora_root = lora_root  # type: ignore[attr-defined]
+def vllm(engine_pool):
+    """A frontend on the shared "aggregated" engines (two workers, one per core); tests that look inside a
+    worker (its metrics, LoRA, sleep) pin their requests to the first one with `x-worker-instance-id`."""
+    group = engine_pool.group("aggregated")
+    deployment = group.deployment()
+    worker = group.alive()[0]
+    deployment.worker = worker  # type: ignore[attr-defined]
+    deployment.pin = {"x-worker-instance-id": str(worker.instance_id)}  # type: ignore[attr-defined]
+    deployment.system_url = worker.system_url  # type: ignore[attr-defined]
+    deployment.lora_root = engine_pool.lora_root  # type: ignore[attr-defined]
+    deployment.group = group  # type: ignore[attr-defined]
     yield deployment
     deployment.stop()
 
@@ -80,11 +75,12 @@ def test_json_schema_output(vllm):
 
 def test_clear_kv_blocks_and_cached_tokens(vllm):
     messages = [{"role": "system", "content": "You are a helpful assistant. " * 20}, *QUESTION]
-    client = vllm.client()
+    client = vllm.client(default_headers=vllm.pin)
     client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
     again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
     assert again.usage.prompt_tokens_details.cached_tokens > 0
-    assert vllm.call("backend.clear_kv_blocks", {}) == [{"status": "success", "message": "KV cache cleared"}]
+    assert vllm.call("backend.clear_kv_blocks", {}, instance=vllm.worker.instance_id) == \
+        [{"status": "success", "message": "KV cache cleared"}]
     cleared = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
     assert cleared.usage.prompt_tokens_details.cached_tokens == 0
 
@@ -93,7 +89,7 @@ def test_kv_events_reach_the_event_plane(vllm):
     import asyncio
 
 
-    vllm.call("backend.clear_kv_blocks", {})
+    vllm.call("backend.clear_kv_blocks", {}, instance=vllm.worker.instance_id)
     prompt_words = "alpha beta gamma delta epsilon " * 30
 
     async def watch() -> tuple[list[dict], int]:
@@ -102,13 +98,15 @@ def test_kv_events_reach_the_event_plane(vllm):
         try:
             subscriber = await runtime.namespace(vllm.namespace).component("backend").subscribe("kv-events")
             await asyncio.sleep(1.0)  # let the subscription reach the worker's publisher
-            reply = await asyncio.to_thread(lambda: vllm.client().completions.create(
+            reply = await asyncio.to_thread(lambda: vllm.client(default_headers=vllm.pin).completions.create(
                 model=MODEL, prompt=prompt_words, max_tokens=1))
             async with asyncio.timeout(15):
                 while sum(len(e["event"]["data"]["stored"]["blocks"]) for e in events
                           if isinstance(e["event"]["data"], dict) and "stored" in e["event"]["data"]) \
                         < reply.usage.prompt_tokens // 32:
-                    events.append(await subscriber.__anext__())
+                    event = await subscriber.__anext__()
+                    if event["worker_id"] == vllm.worker.instance_id:  # the other worker publishes here too
+                        events.append(event)
             return events, reply.usage.prompt_tokens
         finally:
             await runtime.shutdown()
@@ -117,7 +115,7 @@ def test_kv_events_reach_the_event_plane(vllm):
     stored = [b for e in events if isinstance(e["event"]["data"], dict) and "stored" in e["event"]["data"]
               for b in e["event"]["data"]["stored"]["blocks"]]
     assert len(stored) == prompt_tokens // 32  # full blocks of the worker's block size
-    assert all(e["worker_id"] for e in events)
+    assert events
 
 
 def _vllm_metric(vllm, name: str) -> float:  # type: ignore[no-untyped-def]
@@ -130,8 +128,8 @@ def _vllm_metric(vllm, name: str) -> float:  # type: ignore[no-untyped-def]
 
 def test_cancelled_stream_aborts_the_engine_request(vllm):
     before = _vllm_metric(vllm, "vllm:generation_tokens_total")
-    stream = vllm.client().chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=400,
-                                                   extra_body={"ignore_eos": True}, stream=True)
+    stream = vllm.client(default_headers=vllm.pin).chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=400, extra_body={"ignore_eos": True}, stream=True)
     next(iter(stream))
     stream.close()
     deadline = time.monotonic() + 60
@@ -177,14 +175,45 @@ peft_model.save_pretrained(sys.argv[2])
 """
 
 
+PROMPT_EMBEDS = """
+import base64, io, sys, torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
+with torch.no_grad():
+    embeds = model.get_input_embeddings()(torch.tensor([int(t) for t in sys.argv[2].split(",")]))
+buffer = io.BytesIO()
+torch.save(embeds, buffer)
+print(base64.b64encode(buffer.getvalue()).decode())
+"""
+
+
+def test_prompt_embeddings_generate_what_their_token_ids_do(vllm, tok):
+    """`prompt_embeds` (a base64 torch tensor, --enable-prompt-embeds) in a worker request: the model's own
+    input embeddings of a prompt generate the same greedy tokens as the prompt's ids."""
+    ids = tok.encode("The capital of France is")
+    embeds = subprocess.run([sys.executable, "-c", PROMPT_EMBEDS, vllm.model_path, ",".join(map(str, ids))],
+                            check=True, capture_output=True, text=True).stdout.strip()
+    request = {"model": MODEL, "token_ids": ids, "stop_conditions": {"max_tokens": 8, "ignore_eos": True},
+               "sampling_options": {"temperature": 0}}
+
+    def generated(request: dict) -> list[int]:
+        return [t for out in vllm.call("backend.generate", request, instance=vllm.worker.instance_id)
+                for t in out.get("token_ids", [])]
+
+    by_ids = generated(request)
+    assert len(by_ids) == 8
+    assert generated({**request, "token_ids": [], "prompt_embeds": embeds}) == by_ids
+
+
 def test_sleep_then_wake_serves_again(vllm):
     assert httpx.post(f"{vllm.system_url}/engine/sleep", json={"level": 1}).json()["status"] == "ok"
-    vllm.wait_for_instances(0)
+    vllm.wait_for_instances(1)  # the sleeping worker left discovery; the other one serves on
     with pytest.raises(openai.NotFoundError):
-        ask(vllm, max_tokens=2)
-    assert httpx.post(f"{vllm.system_url}/engine/wake_up", json={}).json()["status"] == "ok"
-    vllm.wait_for_instances(1)
+        ask(vllm, max_tokens=2, extra_headers=vllm.pin)
     assert "Paris" in ask(vllm, max_tokens=20)
+    assert httpx.post(f"{vllm.system_url}/engine/wake_up", json={}).json()["status"] == "ok"
+    vllm.wait_for_instances(2)
+    assert "Paris" in ask(vllm, max_tokens=20, extra_headers=vllm.pin)
 
 
 def test_worker_metrics_and_health(vllm):
@@ -213,35 +242,3 @@ def test_validation_errors_exit_2(smollm2):
         outs = list(pool.map(run, [argv for argv, _ in cases]))
     for (argv, message), out in zip(cases, outs, strict=True):
         assert out.returncode == 2 and message in out.stderr, (argv, out.stderr[-500:])
-
-
-def test_text_mode_then_engine_death_exits_nonzero(tmp_path_factory, smollm2, vllm):
-    """A second worker, in text mode (--use-vllm-tokenizer: the engine templates and detokenizes):
-    it answers through the frontend; then its engine core is killed and the worker must exit non-zero."""
-    vllm.stop()  # free the cores: this test starts its own engine
-    deployment = Deployment(tmp_path_factory.mktemp("text"), smollm2, engine_module="tandem.vllm",
-                            engine_timeout=600,
-                            engines=[["--max-model-len", "512", "--cpu-cores", "0", "--connector", "none",
-                                      "--served-model-name", MODEL, "--use-vllm-tokenizer"]])
-    try:
-        reply = deployment.client().chat.completions.create(model=MODEL, messages=QUESTION, temperature=0,
-                                                            max_tokens=20)
-        # (Greedy text depends on the engine's kernels: this smaller config need not say "Paris".)
-        assert reply.choices[0].message.content and reply.choices[0].finish_reason in ("stop", "length")
-        stream = deployment.client().chat.completions.create(model=MODEL, messages=QUESTION, temperature=0,
-                                                             max_tokens=20, stream=True)
-        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == \
-            reply.choices[0].message.content
-        worker = deployment.engines[0].proc
-        children = _children(worker.pid)
-        assert children, "the worker has no engine-core child process"
-        for pid in children:
-            os.kill(pid, signal.SIGKILL)
-        assert worker.wait(timeout=90) != 0
-    finally:
-        deployment.stop()
-
-
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
-    return [int(p) for p in out.stdout.split()]

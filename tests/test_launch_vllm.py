@@ -1,8 +1,10 @@
-"""No vLLM engine process outlives its worker, nor a worker its launcher, whatever kills them (issue 12, item 8).
+"""`tandem run` with real vLLM workers, as `make run` starts it: it serves (text mode; xPyD), a worker whose
+engine dies exits 1, and no worker or engine process outlives the launcher, whatever kills it.
 
-Real `tandem vllm` workers with the `mp` executor, so the whole chain is there: (launcher ->) worker ->
-VLLM::EngineCore -> VLLM::Worker. Each test tags the processes it starts with a unique environment variable
-and follows their sessions in /proc, so processes of other test runs on the machine are not counted.
+The workers use the `mp` executor, so the whole chain is there: launcher -> worker -> VLLM::EngineCore ->
+VLLM::Worker. Each test tags the processes it starts with a unique environment variable and follows their
+sessions in /proc, so processes of other test runs on the machine are not counted. (A worker SIGKILLed on
+its own takes its engine with it too: test_vllm_migration.py checks that.)
 """
 
 from __future__ import annotations
@@ -12,13 +14,14 @@ import signal
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
+import httpx
+import openai
 import pytest
 
-from tests.conftest import TandemProcess
-from tests.deployment import VLLM_TEST_ARGS
-from tests.launcher import Run
+from tests.deployment import VLLM_TEST_ARGS, metric_sum
+from tests.engines import engine_memory_args, on_cpu
+from tests.launcher import Run, children
 
 pytestmark = pytest.mark.slow
 
@@ -26,8 +29,9 @@ TAG = "TANDEM_ORPHAN_TEST"
 ENGINE_NAMES = ("VLLM::EngineCore", "VLLM::Worker")
 GONE_WITHIN = 10.0  # seconds: the issue's bound
 # Small engine, one core, few GB; `mp` starts a separate VLLM::Worker process even with one rank.
-ENGINE_ARGS = (*VLLM_TEST_ARGS, "--distributed-executor-backend", "mp", "--gpu-memory-utilization", "0.2",
+ENGINE_ARGS = (*VLLM_TEST_ARGS, *engine_memory_args(on_cpu()), "--distributed-executor-backend", "mp",
                "--max-model-len", "512", "--max-num-seqs", "4")
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 SLOW_DRAIN = {"DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS": "60"}  # a worker stays in its drain for a minute
 
 
@@ -96,38 +100,48 @@ def tagged() -> Iterator[Tagged]:
             pass
 
 
-@pytest.mark.timeout(400)
-def test_sigkill_of_a_worker_takes_its_engine(tagged: Tagged, smollm2: str, tmp_path: Path) -> None:
-    worker = TandemProcess("tandem.vllm", "--model", smollm2, "--discovery-backend", "file", "--connector", "none",
-                           "--cpu-cores", "1", *ENGINE_ARGS, timeout=300,
-                           env={**tagged.env, "DYN_FILE_KV": str(tmp_path), "DYN_NAMESPACE": "orphans"})
+def launch(tagged: Tagged, *args: str, env: dict[str, str] | None = None) -> tuple[Run, openai.OpenAI]:
+    """`tandem run --model smollm2` with the default engine (vLLM), as `make run` starts it."""
+    run = Run("--model", "smollm2", "--ready-timeout", "300", *args, "--", *ENGINE_ARGS,
+              env={**tagged.env, **(env or {})})
+    url = run.wait_for(r"==> serving \S+ at (\S+)", timeout=300).group(1)
     tagged.find_chain()
-    os.kill(worker.proc.pid, signal.SIGKILL)  # the main process only, as the OOM killer would
-    worker.proc.wait()
-    tagged.assert_all_gone()
+    return run, run.client(url)
 
 
-def launch(tagged: Tagged, smollm2: str) -> Run:
-    run = Run("--model", smollm2, "--engine", "vllm", "--workers", "1", "--ready-timeout", "300", "--",
-              *ENGINE_ARGS, env={**tagged.env, **SLOW_DRAIN})
-    run.wait_for(r"==> serving", timeout=300)
-    tagged.find_chain()
-    return run
+def _answer(client: openai.OpenAI, **options: object) -> str:
+    model = client.models.list().data[0].id
+    reply = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=12,
+                                           **options)  # type: ignore[call-overload]
+    if options.get("stream"):
+        return "".join(chunk.choices[0].delta.content or "" for chunk in reply if chunk.choices)
+    return reply.choices[0].message.content or ""
 
 
-@pytest.mark.timeout(400)
-def test_sigterm_then_sigkill_of_the_launcher_mid_drain(tagged: Tagged, smollm2: str) -> None:
-    run = launch(tagged, smollm2)
-    run.proc.send_signal(signal.SIGTERM)
-    run.wait_for(r"worker-0 +\|.*SIGTERM received: shutting down gracefully")  # the worker is draining
-    run.proc.kill()  # as a process supervisor does when its stop timeout runs out
+def test_text_mode_run_then_engine_death_exits_1_then_sigkill_of_the_launcher(tagged: Tagged) -> None:
+    """`--use-vllm-tokenizer`: the engine templates and detokenizes; the frontend passes text through."""
+    run, client = launch(tagged, "--workers", "1", "--", "--use-vllm-tokenizer")
+    text = _answer(client)
+    assert text and _answer(client, stream=True) == text
+    worker = run.children_running("tandem.vllm")
+    assert len(worker) == 1
+    engine = children(worker[0])
+    assert engine, "the worker has no engine process"
+    for pid in engine:
+        os.kill(pid, signal.SIGKILL)
+    run.wait_for(r"worker-0 +\| exited with code 1", timeout=120)  # the engine monitor's documented status
+    run.proc.kill()
     run.proc.wait()
     tagged.assert_all_gone()
 
 
-@pytest.mark.timeout(400)
-def test_sigkill_of_the_launcher(tagged: Tagged, smollm2: str) -> None:
-    run = launch(tagged, smollm2)
-    run.proc.kill()
+def test_xpyd_run_serves_disaggregated_then_sigterm_then_sigkill_mid_drain(tagged: Tagged) -> None:
+    run, client = launch(tagged, "--prefill-workers", "1", "--decode-workers", "1", env=SLOW_DRAIN)
+    assert _answer(client)
+    metrics = httpx.get(str(client.base_url).removesuffix("/v1/") + "/metrics").text
+    assert metric_sum(metrics, "dynamo_frontend_remote_prefills_total", outcome="ok") == 1  # it was disaggregated
+    run.proc.send_signal(signal.SIGTERM)
+    run.wait_for(r"(prefill|decode)-\d +\|.*SIGTERM received: shutting down gracefully")  # the worker is draining
+    run.proc.kill()  # as a process supervisor does when its stop timeout runs out
     run.proc.wait()
     tagged.assert_all_gone()

@@ -1,0 +1,72 @@
+"""The suite's own pytest plugins (registered in tests/conftest.py)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+
+def engine_order(tests: list[tuple[set[str], bool]]) -> list[int]:
+    """The order to run tests in, given each one's engine groups and whether it kills an engine.
+
+    The users of a group run together where its first user is (so few engines are alive at once), those
+    that kill an engine after the others; every other test keeps its place."""
+    first: dict[str, int] = {}
+    for index, (groups, _) in enumerate(tests):
+        for name in sorted(groups):
+            first.setdefault(name, index)
+
+    def place(index: int) -> tuple[int, bool, int]:
+        groups, kills = tests[index]
+        return min((first[name] for name in groups), default=index), kills, index
+
+    return sorted(range(len(tests)), key=place)
+
+
+def _groups(item: pytest.Item) -> set[str]:
+    return {name for marker in item.iter_markers("engines") for name in marker.args}
+
+
+class EngineOrder:
+    """Orders the tests by `engine_order` and stops each engine group right after its last user."""
+
+    NAME = "tandem-engine-order"
+
+    def __init__(self) -> None:
+        self.pool: Any = None  # the session's EnginePool once a test asked for it
+        self.last_users: dict[str, str] = {}  # node id -> the group it is the last user of
+
+    @pytest.hookimpl(trylast=True)  # after pytest's own reordering by fixture parameters and after -k/-m
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        order = engine_order([(_groups(item), item.get_closest_marker("kills_engine") is not None)
+                              for item in items])
+        items[:] = [items[index] for index in order]
+        last = {name: item for item in items for name in _groups(item)}
+        self.last_users = {item.nodeid: name for name, item in last.items()}
+
+    def pytest_runtest_teardown(self, item: pytest.Item) -> None:
+        name = self.last_users.get(item.nodeid)
+        if name is not None and self.pool is not None:
+            self.pool.release(name)
+
+
+class SkipGuard:
+    """A skipped test fails the run: a skip is how a broken vLLM or NIXL upgrade would hide. Set
+    TANDEM_ALLOW_SKIPS=1 where skips are expected (the reasons print anyway: `-rs`)."""
+
+    NAME = "tandem-skip-guard"
+
+    def __init__(self) -> None:
+        self.skipped: list[str] = []
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.skipped:
+            self.skipped.append(report.nodeid)
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        if self.skipped and os.environ.get("TANDEM_ALLOW_SKIPS") != "1" and session.exitstatus == 0:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+            print(f"\n{len(self.skipped)} test(s) skipped, which fails the run (TANDEM_ALLOW_SKIPS=1 allows it): "
+                  + ", ".join(self.skipped))
