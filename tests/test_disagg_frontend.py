@@ -196,7 +196,7 @@ async def test_prefill_then_decode(runtimes: Any, namespace: str, smollm2: str) 
                                         "prompt_tokens_details": {"cached_tokens": 32}}
     # Usage reports the prefill worker's cache hits, not the decode worker's.
     assert outputs[-1]["completion_usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
-    # The decode stage does not count the prompt as load on the decode worker (§B.8).
+    # The decode stage does not count the prompt as load on the decode worker.
     assert workers.decode_prefill_load == [0]
     assert _count(metrics, "ok") == 1
     assert metrics.prefill_seconds.labels("m")._sum.get() > 0

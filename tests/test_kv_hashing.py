@@ -1,4 +1,4 @@
-"""Router block hashing (Dynamo §C.3) against a naive reference and hand-computed values."""
+"""Router block hashing (Dynamo's) against a naive reference and hand-computed values."""
 
 from __future__ import annotations
 

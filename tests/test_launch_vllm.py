@@ -100,9 +100,10 @@ def tagged() -> Iterator[Tagged]:
             pass
 
 
-def launch(tagged: Tagged, *args: str, env: dict[str, str] | None = None) -> tuple[Run, openai.OpenAI]:
+def launch(tagged: Tagged, *args: str, worker_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
+           ) -> tuple[Run, openai.OpenAI]:
     """`tandem run --model smollm2` with the default engine (vLLM), as `make run` starts it."""
-    run = Run("--model", "smollm2", "--ready-timeout", "300", *args, "--", *ENGINE_ARGS,
+    run = Run("--model", "smollm2", "--ready-timeout", "300", *args, "--", *ENGINE_ARGS, *worker_args,
               env={**tagged.env, **(env or {})})
     url = run.wait_for(r"==> serving \S+ at (\S+)", timeout=300).group(1)
     tagged.find_chain()
@@ -120,7 +121,7 @@ def _answer(client: openai.OpenAI, **options: object) -> str:
 
 def test_text_mode_run_then_engine_death_exits_1_then_sigkill_of_the_launcher(tagged: Tagged) -> None:
     """`--use-vllm-tokenizer`: the engine templates and detokenizes; the frontend passes text through."""
-    run, client = launch(tagged, "--workers", "1", "--", "--use-vllm-tokenizer")
+    run, client = launch(tagged, "--workers", "1", worker_args=("--use-vllm-tokenizer",))
     text = _answer(client)
     assert text and _answer(client, stream=True) == text
     worker = run.children_running("tandem.vllm")

@@ -1,5 +1,6 @@
 """`tandem.vllm.lifeline`: engine processes die with the worker that started them (no vLLM here: plain
-Python processes stand in for the worker and its engine; tests/test_orphans_vllm.py does it with vLLM)."""
+Python processes stand in for the worker and its engine; tests/test_launch_vllm.py and
+tests/test_vllm_migration.py do it with vLLM)."""
 
 from __future__ import annotations
 

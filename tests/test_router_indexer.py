@@ -1,4 +1,4 @@
-"""Router prefix index (Dynamo §C.4): hand cases, RadixTree against a naive reference over random
+"""Router prefix index: hand cases, RadixTree against a naive reference over random
 operation sequences, KvIndexer event ids and gap recovery, ApproxIndexer TTL and pruning."""
 
 from __future__ import annotations

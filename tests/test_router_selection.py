@@ -1,4 +1,4 @@
-"""KV router cost function, worker selection, config and active-sequence tracking (Dynamo §C.5-C.7)."""
+"""KV router cost function, worker selection, config and active-sequence tracking."""
 
 from __future__ import annotations
 
