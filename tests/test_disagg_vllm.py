@@ -284,7 +284,11 @@ def test_cancel_during_decode_aborts_it(disagg: Disagg) -> None:
     stream = d.client().chat.completions.create(model=MODEL, messages=SHORT, max_tokens=400, stream=True,
                                                 extra_body={"ignore_eos": True})
     next(iter(stream))
-    stream.close()
+    decode = d.decode
+    with decode.engine_frozen():  # however fast the hardware, no token is generated until the abort is in
+        stream.close()
+        wait_until(lambda: not metric(d.decode_metrics_url, "dynamo_component_inflight_requests",
+                                      dynamo_endpoint="generate"), "the decode worker dropped the cancelled request")
     wait_until(lambda: _idle(d.decode_metrics_url), "the decode engine dropped the cancelled request", timeout=60)
     assert metric(d.decode_metrics_url, "vllm:generation_tokens_total") - generated_before < 400
 

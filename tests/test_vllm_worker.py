@@ -14,7 +14,8 @@ import jsonschema
 import openai
 import pytest
 
-from tests.deployment import MODEL
+from tests.deployment import MODEL, metric_sum
+from tests.engines import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.engines("aggregated")]
 
@@ -145,11 +146,11 @@ def test_cancelled_stream_aborts_the_engine_request(vllm):
     stream = vllm.client(default_headers=vllm.pin).chat.completions.create(
         model=MODEL, messages=QUESTION, max_tokens=400, extra_body={"ignore_eos": True}, stream=True)
     next(iter(stream))
-    stream.close()
-    deadline = time.monotonic() + 60
-    while _vllm_metric(vllm, "vllm:num_requests_running") and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _vllm_metric(vllm, "vllm:num_requests_running") == 0
+    with vllm.worker.engine_frozen():  # however fast the hardware, no token is generated until the abort is in
+        stream.close()
+        wait_until(lambda: not metric_sum(vllm.worker.metrics(), "dynamo_component_inflight_requests",
+                                          dynamo_endpoint="generate"), "the worker dropped the cancelled request")
+    wait_until(lambda: _vllm_metric(vllm, "vllm:num_requests_running") == 0, "the engine dropped it too", 60)
     # The request left the engine long before its 400 tokens: it was aborted, not finished.
     assert _vllm_metric(vllm, "vllm:generation_tokens_total") - before < 400
 
