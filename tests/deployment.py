@@ -26,6 +26,46 @@ def metric_sum(text: str, name: str, **labels: str) -> float:
                if sample.name == name and labels.items() <= sample.labels.items())
 
 
+KV_EVENTS_APPLIED = "dynamo_component_kv_cache_events_applied_total"
+
+
+def kv_events_emitted(file_kv: str, namespace: str, component: str = "backend", instances: int = 1) -> int:
+    """How many KV events the `instances` workers of `component` have emitted, every dp rank of each:
+    what their `worker_kv_indexer_query` endpoints report as the id of their newest event."""
+
+    async def go() -> int:
+        runtime = await DistributedRuntime.create(RuntimeConfig(
+            discovery_backend="file", file_kv_root=file_kv, tcp_host="127.0.0.1", graceful_shutdown_grace_period=0))
+        try:
+            client = await runtime.endpoint(f"{namespace}.{component}.worker_kv_indexer_query").client()
+            await client.wait_for_instances(instances, timeout=30)
+            total = 0
+            for instance in client.instance_ids():
+                for rank in range(64):
+                    # a start beyond the newest event: no events in the answer, only the newest id
+                    query = {"dp_rank": rank, "start_event_id": 2**62, "end_event_id": None}
+                    [answer] = [a async for a in await client.direct(query, instance)]
+                    if "error" in answer:  # no such rank
+                        break
+                    total += 0 if answer["last_event_id"] is None else answer["last_event_id"] + 1
+            return total
+        finally:
+            await runtime.shutdown()
+
+    return asyncio.run(go())
+
+
+def wait_for_kv_events(url: str, count: int, timeout: float = 15) -> None:
+    """Until the frontend at `url` has applied `count` KV events to its routers' indexes (its
+    `dynamo_component_kv_cache_events_applied_total`): what it knows of the workers' caches is then
+    what they reported."""
+    deadline = time.monotonic() + timeout
+    while (applied := metric_sum(httpx.get(f"{url}/metrics").text, KV_EVENTS_APPLIED)) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the frontend applied {applied:g} KV events of the {count} the workers emitted")
+        time.sleep(0.02)
+
+
 class Deployment:
     def __init__(self, root: Path, model_path: str, *, engines: list[list[str]] | None = None,
                  frontend_args: list[str] | None = None, env: dict[str, str] | None = None,
@@ -66,11 +106,13 @@ class Deployment:
         self.engines.append(engine)
         return engine
 
-    def wait_for_instances(self, count: int, timeout: float = 30, kind: str = "instances") -> None:
-        """Until /health lists `count` ids under `kind` (`instances`, or `prefill_instances`)."""
+    def wait_for_instances(self, count: int, timeout: float = 30, kind: str = "instances",
+                           url: str | None = None) -> None:
+        """Until /health (of this frontend, or the one at `url`) lists `count` ids under `kind`
+        (`instances`, or `prefill_instances`)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            r = httpx.get(f"{self.url}/health", verify=self.verify)
+            r = httpx.get(f"{url or self.url}/health", verify=self.verify)
             if len(r.json().get(kind, [])) == count:
                 return
             time.sleep(0.05)
@@ -101,6 +143,19 @@ class Deployment:
                 await runtime.shutdown()
 
         return asyncio.run(go())
+
+    def kv_events_emitted(self, component: str = "backend", instances: int | None = None) -> int:
+        """KV events the workers of `component` (`instances` of them, default one per engine) emitted."""
+        return kv_events_emitted(self.env["DYN_FILE_KV"], self.namespace, component,
+                                 len(self.engines) if instances is None else instances)
+
+    def wait_for_kv_events(self, component: str = "backend", instances: int | None = None,
+                           url: str | None = None) -> int:
+        """Until the frontend (or the one at `url`) has applied every KV event the workers of `component`
+        emitted; returns their number."""
+        count = self.kv_events_emitted(component, instances)
+        wait_for_kv_events(url or self.url, count)
+        return count
 
     def metrics(self) -> str:
         return httpx.get(f"{self.url}/metrics").text

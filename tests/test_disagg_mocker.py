@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from tests.conftest import TandemProcess, free_port
-from tests.deployment import MODEL, Deployment, metric_sum
+from tests.deployment import MODEL, Deployment, kv_events_emitted, metric_sum, wait_for_kv_events
 
 BLOCK = 16
 MOCKER = ["--block-size", str(BLOCK), "--speedup-ratio", "100"]
@@ -56,20 +56,28 @@ def _port_range(count: int) -> int:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("routing", ["events-only", "with-predicted"])
 @pytest.mark.parametrize(("prefill", "decode"), [(2, 2), (4, 4)])
-def test_xpyd_serves_concurrent_load_through_remote_prefills(launch: Callable, prefill: int, decode: int) -> None:
+def test_xpyd_serves_concurrent_load_through_remote_prefills(launch: Callable, prefill: int, decode: int,
+                                                             routing: str) -> None:
     """Every request prefills remotely and none fails; follow-ups of a conversation go to the prefill
     worker that holds its prefix (its cache hits come back in usage), and the load spreads over the
-    prefill workers."""
+    prefill workers. `events-only`: no predicted index (DYN_ROUTER_PREDICTED_TTL_SECS=0), the follow-ups
+    are sent once the frontend applied every KV event of the prefill workers, so only those events tell
+    the prefill router where a prefix is."""
     base = _port_range(prefill + decode)
     run = launch("--prefill-workers", str(prefill), "--decode-workers", str(decode), "--router-mode", "kv",
-                 "--system-port-base", str(base), "--", "--block-size", str(BLOCK))
+                 "--system-port-base", str(base), "--", "--block-size", str(BLOCK),
+                 env={"DYN_ROUTER_PREDICTED_TTL_SECS": "0" if routing == "events-only" else "5"})
     url = run.serving()  # the frontend knows every worker, prefill workers included
     assert len(httpx.get(f"{url}/health").json()["prefill_instances"]) == prefill
+    discovery = run.wait_for(r"discovery: (\S+) \(namespace (\S+)\)")
     client = run.client(url)
     conversations = range(4 * prefill)
     with ThreadPoolExecutor(8) as pool:
         first = list(pool.map(lambda n: _ask(client, _prefixed(n)), conversations))
+        if routing == "events-only":
+            wait_for_kv_events(url, kv_events_emitted(discovery[1], discovery[2], "prefill", instances=prefill))
         follow_ups = list(pool.map(lambda n: _ask(client, f"{_prefixed(n)} and then {n}?"), conversations))
     assert all(cached == 0 for cached, _ in first)
     for n, (cached, prompt_tokens) in zip(conversations, follow_ups, strict=True):
@@ -177,14 +185,20 @@ def test_client_cancelling_during_prefill_leaves_nothing_running(one_by_one: Cal
     assert metric_sum(metrics, "dynamo_frontend_inflight_requests") == 0
 
 
-def test_conditional_disagg_keeps_cached_prompts_on_the_decode_worker(one_by_one: Callable) -> None:
+@pytest.mark.parametrize("routing", ["events-only", "with-predicted"])
+def test_conditional_disagg_keeps_cached_prompts_on_the_decode_worker(one_by_one: Callable, routing: str) -> None:
     """--router-conditional-disagg: a follow-up whose prefix the decode worker caches prefills there;
-    a prompt it does not cache, short or long, still prefills remotely."""
+    a prompt it does not cache, short or long, still prefills remotely. `events-only`: no predicted
+    index, so only the decode worker's KV events tell the router what it caches."""
+    ttl = "0" if routing == "events-only" else "5"
     deployment, prefill_url, _ = one_by_one(decode_args=["--enable-conditional-disagg"],
-                                            frontend_args=["--router-conditional-disagg"])
+                                            frontend_args=["--router-conditional-disagg", "--router-predicted-ttl-secs", ttl])
     client = deployment.client()
     prompt = _prefixed(1, words=150)
     assert _ask(client, prompt)[0] == 0  # remote prefill; the KV lands in the decode worker's cache
+    if routing == "events-only":  # every event applied, the decode worker's and the prefill worker's
+        wait_for_kv_events(deployment.url, sum(deployment.kv_events_emitted(component, instances=1)
+                                               for component in ("backend", "prefill")))
     cached, prompt_tokens = _ask(client, f"{prompt} and one more thing")
     assert cached >= prompt_tokens - 3 * BLOCK  # prefilled on the decode worker, from its own cache
     _ask(client, "a short question")  # nothing cached: the ratio rule sends it to the prefill worker

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.deployment import MODEL, Deployment
+from tests.deployment import MODEL, Deployment, metric_sum
 
 
 @pytest.fixture(scope="module")
@@ -211,17 +211,54 @@ def test_worker_error_mid_stream_is_an_error_event(deployment):
     assert r.status_code >= 500 and "failed as asked" in r.json()["error"]["message"]
 
 
+def _settled_metrics(deployment: Deployment) -> str:
+    """/metrics once no request is in flight (a stream's client may see its end before the frontend
+    counts it)."""
+    deadline = time.monotonic() + 10
+    while metric_sum(text := deployment.metrics(), "dynamo_frontend_inflight_requests") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return text
+
+
 def test_metrics(deployment):
-    deployment.client().chat.completions.create(model=MODEL, messages=say("count me"))
-    text = deployment.metrics()
-    for name in ("dynamo_frontend_requests_total", "dynamo_frontend_time_to_first_token_seconds",
-                 "dynamo_frontend_inter_token_latency_seconds", "dynamo_frontend_input_sequence_tokens",
-                 "dynamo_frontend_output_sequence_tokens", "dynamo_frontend_request_duration_seconds",
-                 "dynamo_frontend_inflight_requests", "dynamo_frontend_model_context_length"):
-        assert f'{name}' in text and f'model="{MODEL}"' in text, name
-    assert f'dynamo_frontend_model_workers{{model="{MODEL}"}} 2.0' in text
-    assert f'dynamo_frontend_queued_requests{{model="{MODEL}"}} 0.0' in text  # all answered
-    assert f'dynamo_frontend_inflight_requests{{model="{MODEL}"}} 0.0' in text
+    """The request metrics count what was served, by value: one request each (by endpoint, type and
+    status), the tokens of each reply's usage, one latency sample each."""
+    before = _settled_metrics(deployment)
+    client = deployment.client()
+    usages = [client.chat.completions.create(model=MODEL, messages=say(f"count me {n}")).usage for n in range(2)]
+    usages.append(client.completions.create(model=MODEL, prompt="count me too", max_tokens=5).usage)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=say("count me streaming"), stream=True,
+                                                 stream_options={"include_usage": True}))
+    usages.append(chunks[-1].usage)
+    served = _settled_metrics(deployment)
+    with pytest.raises(openai.APIError):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "[[fail]]"}])
+    after = _settled_metrics(deployment)
+
+    def grew(name: str, text: str = after, **labels: str) -> float:
+        return metric_sum(text, name, model=MODEL, **labels) - metric_sum(before, name, model=MODEL, **labels)
+
+    requests = "dynamo_frontend_requests_total"
+    assert grew(requests) == 5
+    assert grew(requests, endpoint="chat_completions", request_type="unary", status="success") == 2
+    assert grew(requests, endpoint="completions", request_type="unary", status="success") == 1
+    assert grew(requests, endpoint="chat_completions", request_type="stream", status="success") == 1
+    assert grew(requests, endpoint="chat_completions", request_type="unary", status="error") == 1
+    for name in ("input_sequence_tokens", "output_sequence_tokens", "time_to_first_token_seconds",
+                 "request_duration_seconds"):
+        assert grew(f"dynamo_frontend_{name}_count") == 5, name  # the failed request too
+    assert all(usage is not None for usage in usages)
+    # the four served requests: their usage, token for token
+    assert grew("dynamo_frontend_input_sequence_tokens_sum", served) == sum(u.prompt_tokens for u in usages)
+    assert grew("dynamo_frontend_output_sequence_tokens_sum", served) == sum(u.completion_tokens for u in usages)
+    # one gap sample per output after the first, which carries one token or more
+    assert 0 < grew("dynamo_frontend_inter_token_latency_seconds_count", served) \
+        <= sum(u.completion_tokens - 1 for u in usages)
+    assert metric_sum(after, "dynamo_frontend_model_workers", model=MODEL) == 2
+    config = json.loads((Path(deployment.model_path) / "config.json").read_text())
+    assert metric_sum(after, "dynamo_frontend_model_context_length", model=MODEL) == config["max_position_embeddings"]
+    assert metric_sum(after, "dynamo_frontend_queued_requests", model=MODEL) == 0  # all answered
+    assert metric_sum(after, "dynamo_frontend_inflight_requests", model=MODEL) == 0
 
 
 def test_direct_routing_by_header(deployment):
@@ -289,10 +326,16 @@ def test_all_workers_busy_is_503(tmp_path: Path, smollm2):
         long_prompt = [{"role": "user", "content": "word " * 100}]  # > 4 blocks of 16 tokens
         stream = client.chat.completions.create(model=MODEL, messages=long_prompt, max_tokens=100, stream=True)
         next(iter(stream))
-        time.sleep(0.5)  # the worker's load event reaches the frontend
-        with pytest.raises(openai.InternalServerError) as info:
-            client.chat.completions.create(model=MODEL, messages=say("x"))
-        assert info.value.status_code == 503 and "busy" in str(info.value)
+        # Requests are let in until the worker's load event, its KV blocks now over half used, arrives.
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.chat.completions.create(model=MODEL, messages=say("x"))
+            except openai.InternalServerError as refused:
+                assert refused.status_code == 503 and "busy" in str(refused)
+                break
+            assert time.monotonic() < deadline, "no request was refused while the worker was busy"
+        assert metric_sum(deployment.metrics(), "dynamo_frontend_model_rejection_total", model=MODEL) == 1
         stream.close()
     finally:
         deployment.stop()

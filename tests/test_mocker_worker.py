@@ -4,6 +4,7 @@ openai client, the runtime's event plane."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import time
 from collections.abc import Iterator
@@ -76,19 +77,34 @@ def test_kv_events_carry_the_routers_block_hashes(mocker: Deployment, tok) -> No
     prompt = _prompt(90, "events")
     token_ids = tok.encode(prompt)
 
+    async def complete(prompt: str | list[int]) -> None:
+        await asyncio.to_thread(lambda: mocker.client().completions.create(model=MODEL, prompt=prompt, max_tokens=1))
+
     async def watch() -> list[dict]:
         runtime = await mocker.runtime()
         events: list[dict] = []
         try:
             subscriber = await runtime.namespace(mocker.namespace).component("backend").subscribe("kv-events")
-            await asyncio.sleep(1.0)  # let the subscription reach the worker's publisher
-            await asyncio.to_thread(lambda: mocker.client().completions.create(
-                model=MODEL, prompt=token_ids, max_tokens=1))
+            # PUB/SUB loses what is published before the subscription reaches the worker: fresh prompts
+            # (each stores blocks, so the worker publishes an event) until one of their events arrives.
+            async with asyncio.timeout(15):
+                for probe in itertools.count():
+                    await complete(_prompt(20, f"probe{probe}"))
+                    try:
+                        async with asyncio.timeout(0.2):
+                            await subscriber.__anext__()
+                        break
+                    except TimeoutError:
+                        continue
+            first_id = await asyncio.to_thread(mocker.kv_events_emitted)  # the prompt's events come from here
+            await complete(token_ids)
             async with asyncio.timeout(15):
                 while sum(len(e["event"]["data"]["stored"]["blocks"]) for e in events) < len(token_ids) // BLOCK:
                     event = await subscriber.__anext__()
-                    if isinstance(event["event"]["data"], dict) and "stored" in event["event"]["data"]:
-                        events.append(event)
+                    if event["event"]["event_id"] < first_id:
+                        continue  # a probe's
+                    assert isinstance(event["event"]["data"], dict) and "stored" in event["event"]["data"], event
+                    events.append(event)
             return events
         finally:
             await runtime.shutdown()

@@ -42,6 +42,8 @@ class MockerConfig:
     context_length: int = 8192
     seed: int = 0
     migration_limit: int = 0
+    # Test hook (env DYN_MOCKER_DROP_KV_EVENTS, 0 = off): every Nth KV event is not published, as if lost.
+    drop_kv_events: int = 0
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
     @property
@@ -176,6 +178,10 @@ def _config(args: argparse.Namespace) -> MockerConfig:
     if options["planner_profile_data"] and not os.path.isfile(str(options["planner_profile_data"])):
         raise ValueError(f"--planner-profile-data {options['planner_profile_data']}: no such file")
 
+    drop_kv_events = env_str("DYN_MOCKER_DROP_KV_EVENTS", "0") or "0"
+    if not drop_kv_events.isdigit():
+        raise ValueError(f"DYN_MOCKER_DROP_KV_EVENTS must be a whole number >= 0, got {drop_kv_events!r}")
+
     model_path = resolve_model(args.model_path)
     model_config = _read_model_config(model_path)
     context_length = args.context_length or int(model_config.get("max_position_embeddings") or 8192)
@@ -192,7 +198,7 @@ def _config(args: argparse.Namespace) -> MockerConfig:
         served_model_name=args.model_name or os.path.basename(model_path.rstrip("/")),
         namespace=namespace, component=component, endpoint=endpoint_name,
         num_workers=args.num_workers, migration_limit=args.migration_limit, context_length=context_length,
-        enable_conditional_disagg=args.enable_conditional_disagg,
+        enable_conditional_disagg=args.enable_conditional_disagg, drop_kv_events=int(drop_kv_events),
         kv_bytes_per_token=int(kv_bytes), runtime=runtime.replace(namespace=namespace), engine=engine,
         **options,  # type: ignore[arg-type]
     )

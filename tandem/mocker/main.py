@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+from typing import Any
 
 from tandem.llm.model_card import ModelType, build_card, register_model
 from tandem.llm.tokenizer import Tokenizer
@@ -21,7 +22,7 @@ from tandem.mocker.handlers import MockerHandler
 from tandem.mocker.perf_model import load_perf_model
 from tandem.mocker.scheduler import Scheduler
 from tandem.router.protocols import KV_EVENT_TOPIC, KV_METRICS_TOPIC, WORKER_KV_INDEXER_QUERY_ENDPOINT
-from tandem.router.publisher import KvEventPublisher, indexer_query_handler
+from tandem.router.publisher import KvEventPublisher, SupportsPublish, indexer_query_handler
 from tandem.runtime import DistributedRuntime, configure_logging, run
 from tandem.runtime.runtime import install_signal_handlers
 from tandem.vllm.health_check import health_check_payload
@@ -30,13 +31,35 @@ from tandem.vllm.publisher import KvMetricsStatLogger
 log = logging.getLogger("tandem.mocker")
 
 
+class DroppingPublisher:
+    """Test hook, `DYN_MOCKER_DROP_KV_EVENTS=N`: of each engine's KV events, ids N-1, 2N-1, ... (every
+    one when N = 1) are numbered and kept for `worker_kv_indexer_query` as usual, but never published,
+    as if the event plane had lost them; a router sees the gap at the next event and fetches it."""
+
+    def __init__(self, publisher: SupportsPublish, every: int) -> None:
+        self.publisher = publisher
+        self.every = every
+
+    def publish(self, event: Any) -> bool:
+        if event["event"]["event_id"] % self.every == self.every - 1:
+            return False
+        return self.publisher.publish(event)
+
+
 async def start_worker(config: MockerConfig, runtime: DistributedRuntime, tokenizer: Tokenizer) -> list[MockEngine]:
     """One worker instance on `runtime`: a simulated engine per data-parallel rank."""
     component = runtime.namespace(config.namespace).component(config.component)
     endpoint = component.endpoint(config.endpoint)
     worker_id = runtime.instance_id
     engine_config = config.engine
-    event_plane = await component.event_publisher(KV_EVENT_TOPIC) if config.publishes_kv_events else None
+    event_plane: SupportsPublish | None = None
+    if config.publishes_kv_events:
+        event_plane = await component.event_publisher(KV_EVENT_TOPIC)
+        if config.drop_kv_events:
+            every = config.drop_kv_events
+            log.warning("DYN_MOCKER_DROP_KV_EVENTS=%d (a test hook): KV events %d, %d, ... of each engine are not "
+                        "published", every, every - 1, 2 * every - 1)
+            event_plane = DroppingPublisher(event_plane, config.drop_kv_events)
     metrics_plane = await component.event_publisher(KV_METRICS_TOPIC)
     engines: list[MockEngine] = []
     publishers: list[KvEventPublisher] = []

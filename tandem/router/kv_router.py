@@ -54,7 +54,8 @@ class RouterMetrics:
         self.hit_blocks = Counter("dynamo_component_router_estimated_hit_blocks",
                                   "Prompt blocks estimated to hit the chosen worker's cache", labels, registry=registry)
         self.events_applied = Counter("dynamo_component_kv_cache_events_applied",
-                                      "KV cache events applied to the router's index", labels, registry=registry)
+                                      "KV cache events applied to the router's index (live, or fetched from a "
+                                      "worker: a gap, or the dump of a worker just seen)", labels, registry=registry)
         self.gaps_recovered = Counter("dynamo_router_event_gaps_recovered",
                                       "Missing KV event ranges fetched from workers", labels, registry=registry)
 
@@ -145,8 +146,9 @@ class KvRouter:
             if event.worker_id not in self._workers:
                 continue  # not (or no longer) a worker of this model
             self._first_live.setdefault((event.worker_id, event.event.dp_rank), event.event.event_id)
+            before = self.indexer.events_applied
             gap = self.indexer.apply_event(event)
-            applied.inc()
+            applied.inc(self.indexer.events_applied - before)  # 0 for a duplicate
             if gap is not None:
                 self.runtime.spawn(self._recover(event.worker_id, gap))
 
@@ -175,6 +177,7 @@ class KvRouter:
             events = [e for e in events
                       if e.event.event_id < self._first_live.get((e.worker_id, e.event.dp_rank), 1 << 63)]
         applied = self.indexer.apply_recovered(events)
+        self.metrics.events_applied.labels(self.model).inc(applied)
         if gap is not None:
             self.metrics.gaps_recovered.labels(self.model).inc()
             if not all(answer.get("complete", True) for answer in answers):
