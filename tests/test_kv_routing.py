@@ -284,9 +284,6 @@ async def test_applied_counts_each_event_once_fetched_ones_too(runtimes, namespa
     assert value(KV_EVENTS_APPLIED) == 4 and value(GAPS) == 1
 
 
-@pytest.mark.xfail(strict=True, reason="known limitation: the event that reveals a gap is applied before the "
-                   "missing events are fetched; blocks it stores under a block of the gap are dropped (unknown "
-                   "parent) and the recovery does not apply it again")
 async def test_blocks_stored_under_a_lost_block_are_indexed_after_the_recovery(runtimes, namespace) -> None:  # type: ignore[no-untyped-def]
     """A conversation's next turn stores blocks under the prefix whose event was lost."""
     router, events, value = await _router_of_a_lossy_worker(runtimes, namespace, lost={1})

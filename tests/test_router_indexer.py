@@ -323,18 +323,44 @@ def test_kv_indexer_gap_recovery_matches_no_gap() -> None:
     indexer = KvIndexer()
     for event in events[:2]:
         indexer.apply_event(event)
-    # events 2 and 3 are lost: event 4 is applied and reveals the gap
-    assert indexer.apply_event(events[4]) == EventGap((1, 0), 2, 3)
+    # events 2 and 3 are lost: event 4 reveals the gap and waits for it, and so does event 5
+    gap = indexer.apply_event(events[4])
+    assert gap == EventGap((1, 0), 2, 3)
     assert indexer.gaps_detected == 1
     assert indexer.last_event_id((1, 0)) == 4
-    # recovered events (in any order) do not move the last seen id back
-    assert indexer.apply_recovered([events[3], events[2]]) == 2
-    assert indexer.last_event_id((1, 0)) == 4
+    assert indexer.apply_event(events[5]) is None
+    assert indexer.events_applied == 2
+    # the fetched events (in any order) fill the gap; then the waiting ones apply, all in id order
+    assert indexer.fill_gap(gap, [events[3], events[2]]) == 4
+    assert indexer.last_event_id((1, 0)) == 5
     assert indexer.events_recovered == 2
-    for event in events[5:]:
+    for event in events[6:]:
         assert indexer.apply_event(event) is None
     assert index_state(indexer) == index_state(reference)
     assert indexer.tree.num_blocks() == reference.tree.num_blocks()
+
+
+def test_kv_indexer_two_gaps_and_a_gap_given_up() -> None:
+    events = conversation_events(1)
+    reference = KvIndexer()
+    for event in events:
+        reference.apply_event(event)
+    indexer = KvIndexer()
+    indexer.apply_event(events[0])
+    first = indexer.apply_event(events[2])  # 1 lost
+    second = indexer.apply_event(events[4])  # 3 lost while the first gap is open
+    assert (first, second) == (EventGap((1, 0), 1, 1), EventGap((1, 0), 3, 3))
+    assert indexer.fill_gap(second, [events[3]]) == 0  # the first gap is still open: all of it waits
+    assert indexer.fill_gap(first, [events[1]]) == 4
+    for event in events[5:]:
+        indexer.apply_event(event)
+    assert index_state(indexer) == index_state(reference)
+    # A gap the worker cannot fill: what waited applies anyway (the index may miss the lost blocks).
+    given_up = KvIndexer()
+    given_up.apply_event(events[0])
+    gap = given_up.apply_event(events[2])
+    assert gap is not None and given_up.fill_gap(gap, []) == 1
+    assert given_up.apply_event(events[3]) is None and given_up.events_applied == 3
 
 
 def test_kv_indexer_full_dump_and_remove_worker() -> None:
@@ -343,7 +369,7 @@ def test_kv_indexer_full_dump_and_remove_worker() -> None:
     for event in events:
         reference.apply_event(event)
     dumped = KvIndexer()
-    assert dumped.apply_recovered(events) == len(events)
+    assert dumped.apply_dump(events) == len(events)
     assert index_state(dumped) == index_state(reference)
     assert dumped.last_event_id((1, 0)) == len(events) - 1
     assert dumped.apply_event(events[-1]) is None  # already seen
@@ -362,6 +388,8 @@ def test_kv_indexer_dp_ranks_have_separate_ids() -> None:
     assert indexer.find_matches([1]).scores == {(1, 0): 1, (1, 1): 1}
     gap = indexer.apply_event(RouterEvent(1, removed_event(3, [11], dp_rank=1)))
     assert gap == EventGap((1, 1), 1, 2)
+    assert indexer.find_matches([1]).scores == {(1, 0): 1, (1, 1): 1}  # rank 1's removal waits for its gap
+    indexer.fill_gap(gap, [])
     assert indexer.find_matches([1]).scores == {(1, 0): 1}
 
 

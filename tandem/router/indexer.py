@@ -281,11 +281,17 @@ class RadixTree:
 
 
 class KvIndexer:
-    """RadixTree plus per-(worker, dp rank) event-id bookkeeping."""
+    """RadixTree plus per-(worker, dp rank) event-id bookkeeping.
+
+    While a worker's missing events are being fetched, its newer live events wait: a block stored
+    under a block of the gap would otherwise find no parent and be dropped. Once every gap of the
+    worker is filled (or given up), the fetched and the waiting events are applied in id order."""
 
     def __init__(self) -> None:
         self.tree = RadixTree()
         self._last: dict[WorkerKey, int] = {}
+        self._open_gaps: dict[WorkerKey, int] = {}  # gaps being fetched, per worker
+        self._waiting: dict[WorkerKey, list[RouterEvent]] = {}  # live and fetched events held meanwhile
         # counters for metrics
         self.events_applied = 0
         self.blocks_applied = 0  # stored + removed blocks
@@ -293,9 +299,9 @@ class KvIndexer:
         self.events_recovered = 0
 
     def apply_event(self, event: RouterEvent) -> EventGap | None:
-        """Apply a live event. A duplicate (id <= last seen) is ignored; an id beyond last + 1 is
-        applied and the missing ids are returned so the caller can fetch them from the worker's
-        ring buffer and pass them to `apply_recovered`."""
+        """Apply a live event. A duplicate (id <= last seen) is ignored; an id beyond last + 1 opens a
+        gap, returned so the caller fetches the missing ids from the worker's ring buffer and passes them
+        to `fill_gap`; until then this worker's events wait."""
         kv = event.event
         worker = (event.worker_id, kv.dp_rank)
         event_id = kv.event_id
@@ -303,15 +309,40 @@ class KvIndexer:
         if last is not None and event_id <= last:
             return None
         self._last[worker] = event_id
-        self._apply(event)
+        gap = None
         if last is not None and event_id > last + 1:
             self.gaps_detected += 1
-            return EventGap(worker, last + 1, event_id - 1)
-        return None
+            self._open_gaps[worker] = self._open_gaps.get(worker, 0) + 1
+            gap = EventGap(worker, last + 1, event_id - 1)
+        if worker in self._open_gaps:
+            self._waiting.setdefault(worker, []).append(event)
+        else:
+            self._apply(event)
+        return gap
 
-    def apply_recovered(self, events: Sequence[RouterEvent]) -> int:
-        """Apply events fetched for a gap (or a worker's full dump) in id order, whatever the last
-        seen id; last seen only moves forward. Returns how many were applied."""
+    def fill_gap(self, gap: EventGap, events: Sequence[RouterEvent]) -> int:
+        """The events fetched for `gap` (none if the worker could not give them). Returns how many events
+        were applied: none while another gap of the worker is open, else everything that waited."""
+        worker = gap.worker
+        self.events_recovered += len(events)
+        waiting = self._waiting.setdefault(worker, [])
+        waiting.extend(events)
+        self._open_gaps[worker] -= 1
+        if self._open_gaps[worker] > 0:
+            return 0
+        del self._open_gaps[worker], self._waiting[worker]
+        applied, seen = 0, set()
+        for event in sorted(waiting, key=lambda e: e.event.event_id):
+            if event.event.event_id not in seen:
+                seen.add(event.event.event_id)
+                self._apply(event)
+                applied += 1
+        return applied
+
+    def apply_dump(self, events: Sequence[RouterEvent]) -> int:
+        """Apply what a worker just seen still has in its buffer, in id order, whatever the last seen id
+        (the caller keeps only what precedes the live events applied); last seen only moves forward.
+        Returns how many were applied."""
         for event in sorted(events, key=lambda e: e.event.event_id):
             worker = (event.worker_id, event.event.dp_rank)
             last = self._last.get(worker)
@@ -330,10 +361,11 @@ class KvIndexer:
             self.blocks_applied += len(stored.blocks) if stored is not None else len(data.removed.block_hashes)  # type: ignore[union-attr]
 
     def remove_worker(self, worker_id: int) -> None:
-        """Forget the worker's blocks and event ids (every dp rank)."""
+        """Forget the worker's blocks, event ids and waiting events (every dp rank)."""
         self.tree.remove_worker(worker_id)
-        for key in [key for key in self._last if key[0] == worker_id]:
-            del self._last[key]
+        for table in (self._last, self._open_gaps, self._waiting):
+            for key in [key for key in table if key[0] == worker_id]:
+                del table[key]
 
     def last_event_id(self, worker: WorkerKey) -> int | None:
         return self._last.get(worker)

@@ -156,12 +156,13 @@ class KvRouter:
         """Fetch missing events from the worker's ring buffer: a gap, or everything dp rank `dp_rank`
         still has (a worker just seen)."""
         path = self._workers.get(worker_id)
-        if path is None:
+        if path is None:  # gone meanwhile (its index and waiting events went with it)
             return
         namespace, component, _ = path.split(".")
         query: dict[str, Any] = {"start_event_id": None, "end_event_id": None, "dp_rank": dp_rank}
         if gap is not None:
             query = {"start_event_id": gap.first_missing, "end_event_id": gap.last_missing, "dp_rank": gap.worker[1]}
+        answers: list[dict[str, Any]] = []
         try:
             endpoint = self.runtime.namespace(namespace).component(component).endpoint(WORKER_KV_INDEXER_QUERY_ENDPOINT)
             client = await endpoint.client()
@@ -169,21 +170,22 @@ class KvRouter:
             answers = [a async for a in await client.direct(query, worker_id)]
         except Exception as e:
             log.info("no KV event recovery from worker %x (%s): its index fills from new events", worker_id, e)
-            return
         events = [router_event_from_builtins(raw) for answer in answers for raw in answer.get("events", [])]
         if gap is None:
             # A dump: only what precedes the live events already applied (an old `removed` must not
             # undo a newer `stored`).
             events = [e for e in events
                       if e.event.event_id < self._first_live.get((e.worker_id, e.event.dp_rank), 1 << 63)]
-        applied = self.indexer.apply_recovered(events)
-        self.metrics.events_applied.labels(self.model).inc(applied)
-        if gap is not None:
-            self.metrics.gaps_recovered.labels(self.model).inc()
-            if not all(answer.get("complete", True) for answer in answers):
-                log.warning("KV events %d-%d of worker %x are gone from its buffer: its index may miss blocks",
+            applied = self.indexer.apply_dump(events)
+        else:
+            applied = self.indexer.fill_gap(gap, events)  # also what waited for it (given up: that alone)
+            if answers:
+                self.metrics.gaps_recovered.labels(self.model).inc()
+            if not answers or not all(answer.get("complete", True) for answer in answers):
+                log.warning("KV events %d-%d of worker %x are gone: its index may miss blocks",
                             gap.first_missing, gap.last_missing, worker_id)
-        log.debug("recovered %d KV events from worker %x", applied, worker_id)
+        self.metrics.events_applied.labels(self.model).inc(applied)
+        log.debug("applied %d KV events after a recovery from worker %x", applied, worker_id)
 
     # -- replica sync -----------------------------------------------------------
     async def _follow_replicas(self, namespace: str, component: str) -> None:
