@@ -307,8 +307,9 @@ def two_decoders(disagg: Disagg) -> Disagg:
 @pytest.mark.kills_engine
 def test_killed_decode_worker_mid_stream_migrates_the_disaggregated_request(two_decoders: Disagg) -> None:
     """With two decode workers, the decode worker serving a long greedy stream is SIGKILLed mid-decode.
-    The frontend migrates the request (prefill again, then the other decode worker) and the client gets the
-    same text as from an unbroken run, token for token (float32 greedy: every engine here computes alike)."""
+    The frontend migrates the request to the other decode worker, which computes the prompt plus the tokens
+    so far itself (the KV handed over was for the first one), and the client gets the same text as from an
+    unbroken run, token for token (float32 greedy: every engine here computes alike)."""
     d = two_decoders
     client = d.client()
     request = {"model": MODEL, "prompt": "Migrated. " + LONG[:600], "max_tokens": MIGRATED_TOKENS,

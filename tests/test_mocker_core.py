@@ -518,3 +518,20 @@ def test_simulated_logprobs(tok) -> None:  # type: ignore[no-untyped-def]
     alone = tokens.logprobs_for(prompt, None, 0)
     values, tops = alone(generated[0])
     assert tops == [[{"rank": 1, "token_id": generated[0], "token": None, "logprob": values[0]}]]
+
+
+def test_synthetic_tokens_resume_like_a_greedy_model(tok) -> None:  # type: ignore[no-untyped-def]
+    """A request resumed with its first k tokens appended to its prompt (a migration) generates exactly the
+    rest of the sequence, logprobs included; another prompt or seed gives another sequence."""
+    tokens = SyntheticTokens(tok, seed=0)
+    prompt = [100, 200, 300]
+    whole = [tokens.for_request(prompt)(i) for i in range(40)]
+    simulate = tokens.logprobs_for(prompt, None, 3)
+    whole_logprobs = [simulate(t) for t in whole]
+    for k in (1, 17, 39):
+        resumed = tokens.for_request(prompt + whole[:k])
+        assert [resumed(i) for i in range(40 - k)] == whole[k:]
+        simulate = tokens.logprobs_for(prompt + whole[:k], None, 3)
+        assert [simulate(t) for t in whole[k:]] == whole_logprobs[k:]
+    assert [tokens.for_request(prompt + [1])(i) for i in range(40)] != whole
+    assert [tokens.for_request(prompt, 5)(i) for i in range(40)] != whole

@@ -34,9 +34,11 @@ _CATALOG_TEXT = (
 
 
 class SyntheticTokens:
-    """Deterministic output tokens: words of the model's vocabulary picked by a PRNG seeded from the
-    engine seed (or the request's own), and the prompt, so the same request always gets the same
-    sequence on any worker."""
+    """Deterministic output tokens: words of the model's vocabulary, each picked by a hash of everything
+    before it (the prompt and the tokens generated so far), seeded by the engine seed (or the request's
+    own). So the same request gets the same sequence on any worker, and a request resumed elsewhere with
+    its tokens so far appended to its prompt (a migration) goes on exactly as it would have, as a greedy
+    LLM does."""
 
     def __init__(self, tokenizer: Tokenizer, seed: int = 0) -> None:
         excluded = set(tokenizer.eos_token_ids) | set(tokenizer.special_token_ids)
@@ -46,20 +48,22 @@ class SyntheticTokens:
             raise ValueError("the tokenizer produced no usable tokens for synthetic output")
         self.seed = seed
 
-    def _digest(self, prompt: Sequence[int], seed: int | None) -> int:
-        from xxhash import xxh3_64_intdigest
+    def _context(self, prompt: Sequence[int], seed: int | None) -> Any:
+        """A running hash of the context, to be extended token by token."""
+        from xxhash import xxh3_64
 
-        return xxh3_64_intdigest(tokens_to_bytes(prompt),
-                                 seed=(self.seed if seed is None else seed) & 0xFFFFFFFFFFFFFFFF)
+        context = xxh3_64(seed=(self.seed if seed is None else seed) & 0xFFFFFFFFFFFFFFFF)
+        context.update(tokens_to_bytes(prompt))
+        return context
 
     def for_request(self, prompt: Sequence[int], seed: int | None = None) -> Callable[[int], int]:
         """`token(i)`: the request's i-th generated token."""
-        rng = random.Random(self._digest(prompt, seed))
-        catalog, tokens = self.catalog, []
+        context, catalog, tokens = self._context(prompt, seed), self.catalog, []
 
         def token(i: int) -> int:
             while len(tokens) <= i:
-                tokens.append(catalog[rng.randrange(len(catalog))])
+                tokens.append(catalog[context.intdigest() % len(catalog)])
+                context.update(tokens_to_bytes(tokens[-1:]))
             return tokens[i]
 
         return token
@@ -68,16 +72,18 @@ class SyntheticTokens:
         """`logprobs(token_id)`: the `log_probs` and `top_logprobs` of the request's next generated token,
         in the vLLM worker's wire format. Called once per generated token, in order.
 
-        Synthetic, deterministic per prompt and seed like the tokens (from a stream of their own, so
-        asking for logprobs does not change the output). As vLLM: the top list holds the `top` most
-        likely tokens, ranks from 1, the generated token among them (here always the likeliest, rank
-        1); for `top` 0 it holds the generated token alone. Alternatives are distinct catalog words
-        (distinct texts, so a completions `top_logprobs` map keeps them all), at most the catalog."""
-        rng = random.Random(self._digest(prompt, seed) ^ _LOGPROBS_STREAM)
-        catalog = self.catalog
+        Synthetic, deterministic per context like the tokens (drawn from a stream of their own, so asking
+        for logprobs does not change the output; a resumed request gets the same values). As vLLM: the
+        top list holds the `top` most likely tokens, ranks from 1, the generated token among them (here
+        always the likeliest, rank 1); for `top` 0 it holds the generated token alone. Alternatives are
+        distinct catalog words (distinct texts, so a completions `top_logprobs` map keeps them all), at
+        most the catalog."""
+        context, catalog = self._context(prompt, seed), self.catalog
         others = min(max(top, 1), len(catalog)) - 1
 
         def logprobs(token_id: int) -> SimLogprobs:
+            rng = random.Random(context.intdigest() ^ _LOGPROBS_STREAM)
+            context.update(tokens_to_bytes([token_id]))
             # A proper distribution: the generated token takes at least half of the mass, so it is the
             # likeliest; each runner-up a share of what is left, so all are > 0 (finite logs) and sum <= 1.
             chosen = rng.uniform(0.5, 0.99)
