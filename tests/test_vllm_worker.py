@@ -3,6 +3,8 @@ official `openai` client, on the session's shared "aggregated" engines (tests/en
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
 import subprocess
 import sys
@@ -87,21 +89,21 @@ def test_clear_kv_blocks_and_cached_tokens(vllm):
 
 
 def test_kv_events_reach_the_event_plane(vllm):
-    import asyncio
-
-
     vllm.call("backend.clear_kv_blocks", {}, instance=vllm.worker.instance_id)
     prompt_words = "alpha beta gamma delta epsilon " * 30
 
-    async def _until_the_worker_is_heard(subscriber) -> None:  # type: ignore[no-untyped-def]
-        """PUB/SUB drops what precedes the subscription: clear the worker's cache (vLLM publishes a
-        "cleared" event) until one of its events arrives."""
-        async with asyncio.timeout(30):
-            while True:
-                await asyncio.to_thread(vllm.call, "backend.clear_kv_blocks", {}, vllm.worker.instance_id)
+    worker = vllm.worker.instance_id
+    client = vllm.client(default_headers=vllm.pin)
+
+    async def until_the_worker_is_heard(subscriber) -> None:  # type: ignore[no-untyped-def]
+        """PUB/SUB drops what precedes the subscription: send new prompts until an event of theirs arrives."""
+        async with asyncio.timeout(60):
+            for attempt in itertools.count():
+                prompt = f"Warm-up {attempt}: " + "one two three four five six seven eight nine ten " * 5
+                await asyncio.to_thread(client.completions.create, model=MODEL, prompt=prompt, max_tokens=1)
                 try:
-                    async with asyncio.timeout(0.5):
-                        while (await subscriber.__anext__())["worker_id"] != vllm.worker.instance_id:
+                    async with asyncio.timeout(1):
+                        while (await subscriber.__anext__())["worker_id"] != worker:
                             pass
                     return
                 except TimeoutError:
@@ -112,15 +114,18 @@ def test_kv_events_reach_the_event_plane(vllm):
         events: list[dict] = []
         try:
             subscriber = await runtime.namespace(vllm.namespace).component("backend").subscribe("kv-events")
-            await _until_the_worker_is_heard(subscriber)
-            reply = await asyncio.to_thread(lambda: vllm.client(default_headers=vllm.pin).completions.create(
-                model=MODEL, prompt=prompt_words, max_tokens=1))
+            await until_the_worker_is_heard(subscriber)
+            # Only the events after the worker's newest one now belong to the prompt below.
+            [newest] = await asyncio.to_thread(vllm.call, "backend.worker_kv_indexer_query",
+                                               {"dp_rank": 0, "start_event_id": 2**62, "end_event_id": None}, worker)
+            reply = await asyncio.to_thread(client.completions.create, model=MODEL, prompt=prompt_words, max_tokens=1)
             async with asyncio.timeout(15):
                 while sum(len(e["event"]["data"]["stored"]["blocks"]) for e in events
                           if isinstance(e["event"]["data"], dict) and "stored" in e["event"]["data"]) \
                         < reply.usage.prompt_tokens // 32:
                     event = await subscriber.__anext__()
-                    if event["worker_id"] == vllm.worker.instance_id:  # the other worker publishes here too
+                    # the other worker publishes here too; earlier events of this one may still trail in
+                    if event["worker_id"] == worker and event["event"]["event_id"] > newest["last_event_id"]:
                         events.append(event)
             return events, reply.usage.prompt_tokens
         finally:
