@@ -223,6 +223,11 @@ def _health(url: str) -> dict:
     return httpx.get(f"{url}/health").json()
 
 
+# Discovery leases of five minutes: a dead worker's entries cannot expire during a test, so if the frontend
+# stops listing it, the launcher removed them.
+LONG_LEASES = {"DYN_DISCOVERY_TTL_SECS": "300"}
+
+
 def _wait_instances(url: str, count: int, timeout: float = 15) -> set[int]:
     deadline = time.monotonic() + timeout
     while True:
@@ -235,7 +240,7 @@ def _wait_instances(url: str, count: int, timeout: float = 15) -> set[int]:
 
 @pytest.mark.timeout(60)
 def test_two_workers_serve_and_sigint_stops_everything(launch) -> None:  # type: ignore[no-untyped-def]
-    run = launch("--workers", "2")
+    run = launch("--workers", "2", env=LONG_LEASES)
     url = run.serving()
     assert len(_health(url)["instances"]) == 2
     cores = [run.wait_for(rf"worker-{n} +\| starting on cores (\S+):").group(1) for n in (0, 1)]
@@ -249,7 +254,7 @@ def test_two_workers_serve_and_sigint_stops_everything(launch) -> None:  # type:
     victim = run.children_running("tandem.mocker")[0]
     os.killpg(victim, signal.SIGKILL)
     run.wait_for(r"worker-\d +\| killed by SIGKILL")
-    _wait_instances(url, 1)
+    _wait_instances(url, 1)  # the launcher removed its entries: with LONG_LEASES they would stay for minutes
     assert _text(client, "still here")
     assert not any("restarting" in line for line in run.lines)
     assert run.stop(signal.SIGINT) == 0
@@ -260,7 +265,7 @@ def test_two_workers_serve_and_sigint_stops_everything(launch) -> None:  # type:
 
 @pytest.mark.timeout(60)
 def test_restart_brings_a_killed_worker_back(launch) -> None:  # type: ignore[no-untyped-def]
-    run = launch("--workers", "2", "--restart")
+    run = launch("--workers", "2", "--restart", env=LONG_LEASES)
     url = run.serving()
     os.killpg(run.children_running("tandem.mocker")[0], signal.SIGKILL)
     label = run.wait_for(r"(worker-\d) +\| killed by SIGKILL").group(1)
