@@ -96,6 +96,8 @@ async def serve(args: argparse.Namespace) -> int:
             block_size = model.card.kv_cache_block_size
             kv_router = KvRouter(runtime, model.name, block_size=block_size, config=router_config,
                                  metrics=router_metrics)
+            if router_metrics is not None:
+                router_metrics.watch_load(kv_router)
             # Prefill workers: by cached prefix, without tracking their short-lived requests' blocks.
             prefill_router = KvRouter(runtime, model.name, block_size=block_size, metrics=router_metrics,
                                       config=replace(router_config, track_active_blocks=False, replica_sync=False))

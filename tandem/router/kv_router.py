@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 from tandem.router.config import KvRouterConfig
 from tandem.router.hashing import local_block_hashes, request_seed, sequence_hashes
@@ -58,6 +59,40 @@ class RouterMetrics:
                                       "worker: a gap, or the dump of a worker just seen)", labels, registry=registry)
         self.gaps_recovered = Counter("dynamo_router_event_gaps_recovered",
                                       "Missing KV event ranges fetched from workers", labels, registry=registry)
+        self._load_views: list[KvRouter] = []
+        if registry is not None:
+            registry.register(_WorkerLoadCollector(self._load_views))
+
+    def watch_load(self, router: KvRouter) -> None:
+        """Export the load `router` sees on each worker (its own requests, and with replica sync the
+        other routers' too) at every scrape."""
+        self._load_views.append(router)
+
+
+class _WorkerLoadCollector:
+    """Gauges read from the routers' active sequences when /metrics is scraped."""
+
+    def __init__(self, routers: list[KvRouter]) -> None:
+        self.routers = routers
+
+    def describe(self) -> list[Any]:
+        return []  # names are only known at collect time; nothing to check at registration
+
+    def collect(self) -> Any:
+        labels = ["model", "worker_id", "dp_rank"]
+        blocks = GaugeMetricFamily("dynamo_router_worker_active_blocks",
+                                   "KV blocks of the requests in flight on a worker, as this router sees them",
+                                   labels=labels)
+        prefill = GaugeMetricFamily("dynamo_router_worker_active_prefill_tokens",
+                                    "Prompt tokens waiting for prefill on a worker, as this router sees them",
+                                    labels=labels)
+        for router in self.routers:
+            for worker in router.worker_ranks():
+                values = [router.model, str(worker[0]), str(worker[1])]
+                blocks.add_metric(values, router.sequences.active_blocks(worker))
+                prefill.add_metric(values, router.sequences.active_prefill_tokens(worker))
+        yield blocks
+        yield prefill
 
 
 @dataclass
@@ -229,6 +264,10 @@ class KvRouter:
                 if blocks > scores.scores.get(worker, 0):
                     scores.scores[worker] = blocks
         return local, sequence_hashes(local), scores
+
+    def worker_ranks(self) -> list[WorkerKey]:
+        """Every (instance, dp rank) this router routes to."""
+        return self.candidate_ranks(list(self._workers))
 
     def candidate_ranks(self, candidates: Sequence[int], dp_rank: int | None = None) -> list[WorkerKey]:
         """Every (instance, dp rank) of `candidates`; only rank `dp_rank` when the request names one."""

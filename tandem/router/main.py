@@ -86,8 +86,9 @@ async def serve(args: argparse.Namespace) -> int:
     runtime.install_signal_handlers()
     worker_path = f"{namespace}.{component}.{endpoint}"
     client = await runtime.endpoint(worker_path).client()
-    router = KvRouter(runtime, worker_path, block_size=args.block_size, config=args.router_config,
-                      metrics=RouterMetrics(runtime.registry))
+    metrics = RouterMetrics(runtime.registry)
+    router = KvRouter(runtime, worker_path, block_size=args.block_size, config=args.router_config, metrics=metrics)
+    metrics.watch_load(router)
     service = RouterService(router, client, worker_path)
     router.sync_workers(dict.fromkeys(client.instance_ids(), worker_path))
     own = runtime.namespace(namespace).component(args.router_component)
