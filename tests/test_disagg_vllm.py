@@ -295,10 +295,11 @@ def test_cancel_during_decode_aborts_it(disagg: Disagg) -> None:
 
 @pytest.fixture
 def two_decoders(disagg: Disagg) -> Disagg:
-    """The disaggregated group with a second decode worker (on core 0: the prefill worker idles while the
-    decode runs)."""
+    """The disaggregated group with a second decode worker, on the first decode worker's core: never on the
+    prefill worker's, since a decode engine waiting for a KV transfer spins on its core and would starve the
+    prefill worker that has to send it."""
     if len(disagg.group.alive("decode")) < 2:
-        disagg.group.start(EngineSpec(("--is-decode-worker",), 0, DISAGG_ARGS))
+        disagg.group.start(EngineSpec(("--is-decode-worker",), disagg.decode.spec.core, DISAGG_ARGS))
     disagg.deployment.wait_for_instances(2)
     return disagg
 
