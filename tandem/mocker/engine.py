@@ -58,7 +58,8 @@ class SyntheticTokens:
 
     def for_request(self, prompt: Sequence[int], seed: int | None = None) -> Callable[[int], int]:
         """`token(i)`: the request's i-th generated token."""
-        context, catalog, tokens = self._context(prompt, seed), self.catalog, []
+        context, catalog = self._context(prompt, seed), self.catalog
+        tokens: list[int] = []
 
         def token(i: int) -> int:
             while len(tokens) <= i:
