@@ -153,6 +153,8 @@ class EngineGroup:
                "DYN_VLLM_KV_EVENT_PORT": str(free_port(20000, 40000))}
         process = TandemProcess("tandem.vllm", "--model", self.model_path, "--discovery-backend", "file",
                                 "--served-model-name", MODEL, "--cpu-cores", str(spec.core), *VLLM_TEST_ARGS,
+                                # the model runs in the engine core: no third process to start per engine
+                                "--distributed-executor-backend", "uni",
                                 *engine_memory_args(on_cpu()), *spec.role_args, *spec.args, env=env,
                                 timeout=ENGINE_TIMEOUT)
         engine = Engine(spec, process, system_port)
