@@ -68,6 +68,24 @@ def test_bad_values_are_clear_errors(monkeypatch):
         parse(["--request-plane", "carrier-pigeon"])
 
 
+@pytest.mark.parametrize(("argv", "env", "message"), [
+    (["--discovery-backend", "etcd"], {}, "--discovery-backend etcd (DYN_DISCOVERY_BACKEND): the etcd discovery "
+     "backend is not built yet in tandem; use file or mem"),
+    ([], {"DYN_REQUEST_PLANE": "nats"}, "--request-plane nats (DYN_REQUEST_PLANE): the nats request plane is not "
+     "built yet in tandem; use tcp"),
+    (["--event-plane", "nats"], {}, "--event-plane nats (DYN_EVENT_PLANE): the nats event plane is not built yet "
+     "in tandem; use zmq"),
+])
+def test_settings_not_built_yet_exit_2_naming_them(monkeypatch, capsys, argv, env, message):
+    """Dynamo's etcd and NATS settings are understood, and refused plainly: no traceback, exit 2."""
+    from tandem.frontend.main import main
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["--http-host", "127.0.0.1", "--http-port", "0", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_dyn_log_levels_and_directives():
     configure_logging("warn,tandem.runtime.tcp=debug")
     assert logging.getLogger().level == logging.WARNING

@@ -200,7 +200,7 @@ def test_env_values_used(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DYN_VLLM_USE_TOKENIZER", "yes")
     monkeypatch.setenv("DYN_VLLM_SLEEP_MODE_LEVEL", "2")
     monkeypatch.setenv("DYN_DURABLE_KV_EVENTS", "on")
-    monkeypatch.setenv("DYN_REQUEST_PLANE", "nats")
+    monkeypatch.setenv("DYN_REQUEST_PLANE", "tcp")
     config = build()
     assert config.namespace == "ns1"
     assert config.migration_limit == 3
@@ -209,7 +209,7 @@ def test_env_values_used(monkeypatch: pytest.MonkeyPatch) -> None:
     assert config.use_vllm_tokenizer
     assert config.sleep_mode_level == 2
     assert config.durable_kv_events and not config.enable_local_indexer
-    assert config.runtime.request_plane == "nats"
+    assert config.runtime.request_plane == "tcp"
 
 
 def test_bad_env_values(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -139,16 +139,26 @@ class RuntimeConfig:
     def validate(self) -> None:
         from tandem.runtime.discovery import BACKENDS
 
-        if self.discovery_backend not in BACKENDS:
-            raise ValueError(f"unknown discovery backend {self.discovery_backend!r}; choose one of {', '.join(BACKENDS)}")
-        if self.request_plane not in ("tcp", "nats"):
-            raise ValueError(f"unknown request plane {self.request_plane!r}; choose tcp or nats")
-        if self.event_plane not in ("zmq", "nats"):
-            raise ValueError(f"unknown event plane {self.event_plane!r}; choose zmq or nats")
+        for setting, flag, env, value, built, later in (
+            ("discovery backend", "--discovery-backend", "DYN_DISCOVERY_BACKEND", self.discovery_backend, BACKENDS,
+             "etcd"),
+            ("request plane", "--request-plane", "DYN_REQUEST_PLANE", self.request_plane, ("tcp",), "nats"),
+            ("event plane", "--event-plane", "DYN_EVENT_PLANE", self.event_plane, ("zmq",), "nats"),
+        ):
+            if value == later:
+                raise ConfigError(f"{flag} {value} ({env}): the {value} {setting} is not built yet in tandem; "
+                                  f"use {' or '.join(built)}")
+            if value not in built:
+                raise ConfigError(f"unknown {setting} {value!r} ({flag}, {env}); choose {' or '.join(built)}")
         if self.system_starting_health_status not in ("ready", "notready"):
             raise ValueError("DYN_SYSTEM_STARTING_HEALTH_STATUS must be 'ready' or 'notready'")
         if self.tcp_max_message_size < 1024:
             raise ValueError("DYN_TCP_MAX_MESSAGE_SIZE must be at least 1024 bytes")
+
+
+class ConfigError(ValueError):
+    """A setting the user gave (flag or environment variable) that cannot be used: the command prints the
+    message and exits 2, with no traceback."""
 
 
 def _port(name: str, value: str) -> int:
@@ -168,7 +178,7 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup
     group.add_argument("--namespace", default=None, help="namespace to serve in [env DYN_NAMESPACE, default dynamo]")
     group.add_argument(
         "--discovery-backend", "--store-kv", dest="discovery_backend", default=None,
-        choices=["file", "mem", "etcd"], type=str.lower,
+        choices=["file", "mem", "etcd"], type=str.lower,  # etcd: refused with a clear message until built
         help="how processes find each other [env DYN_DISCOVERY_BACKEND or DYN_STORE_KV, default file; "
         "file root: DYN_FILE_KV]",
     )

@@ -7,13 +7,14 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from tandem.runtime.component import Component, Endpoint, Namespace, ServedEndpoint
-from tandem.runtime.config import RuntimeConfig, detect_host, env_number
+from tandem.runtime.config import ConfigError, RuntimeConfig, detect_host, env_number
 from tandem.runtime.discovery import KeyValueStore, make_store
 from tandem.runtime.event_plane import EventPublisher, EventSubscriber
 from tandem.runtime.keys import parse_endpoint_path
@@ -34,11 +35,6 @@ class DistributedRuntime:
         self.store: KeyValueStore = make_store(
             self.config.discovery_backend, file_root=self.config.file_kv_root, ttl=self.config.discovery_ttl
         )
-        if self.config.event_plane != "zmq":
-            raise NotImplementedError(
-                f"the {self.config.event_plane!r} event plane is not available in this version of tandem; "
-                "use --event-plane zmq"
-            )
         self.request_server, self.request_client = make_request_plane(self.config.request_plane, self.config)
         self.registry = CollectorRegistry(auto_describe=True)
         self.collector = RuntimeCollector()
@@ -272,6 +268,14 @@ def install_signal_handlers(runtimes: Sequence[DistributedRuntime]) -> None:
         loop.add_signal_handler(sig, on_signal, sig)
 
 
+def _command_name() -> str:
+    """`tandem frontend` for `python -m tandem.frontend`, else the program's own name."""
+    name = os.path.basename(sys.argv[0])
+    if name == "__main__.py":
+        return f"tandem {os.path.basename(os.path.dirname(sys.argv[0]))}"
+    return name
+
+
 def run(main: Any) -> int:
     """Run `main()` (a coroutine function) on uvloop when available; returns an exit code."""
     runner: Callable[[Any], Any]
@@ -285,4 +289,7 @@ def run(main: Any) -> int:
         result = runner(main())
     except KeyboardInterrupt:
         return 130
+    except ConfigError as e:  # a setting the user gave: the message, not a traceback
+        print(f"{_command_name()}: error: {e}", file=sys.stderr)
+        return 2
     return int(result or 0)

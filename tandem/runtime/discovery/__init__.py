@@ -9,7 +9,7 @@ from tandem.runtime.discovery.base import KeyValueStore, Watch, WatchEvent
 from tandem.runtime.discovery.file import FileStore
 from tandem.runtime.discovery.mem import MemoryStore
 
-BACKENDS = ("file", "mem", "etcd")
+BACKENDS = ("file", "mem")
 
 
 def default_file_root() -> str:
@@ -23,11 +23,6 @@ def make_store(backend: str, *, file_root: str | None = None, ttl: float = 10.0)
         return FileStore(file_root or default_file_root(), ttl=ttl)
     if backend == "mem":
         return MemoryStore()
-    if backend == "etcd":
-        raise NotImplementedError(
-            "the etcd discovery backend is not available in this version of tandem; "
-            "use --discovery-backend file (one machine) or mem (one process)"
-        )
     raise ValueError(f"unknown discovery backend {backend!r}; choose one of {', '.join(BACKENDS)}")
 
 

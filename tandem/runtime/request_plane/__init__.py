@@ -100,6 +100,4 @@ def make_request_plane(kind: str, config: Any) -> tuple[RequestPlaneServer, Requ
         from tandem.runtime.request_plane.tcp import TcpClient, TcpServer
 
         return TcpServer(config), TcpClient(config)
-    raise NotImplementedError(
-        f"the {kind!r} request plane is not available in this version of tandem; use --request-plane tcp"
-    )
+    raise ValueError(f"unknown request plane {kind!r}")  # RuntimeConfig.validate refuses it first
