@@ -17,6 +17,7 @@ from tandem.vllm import envs
 from tandem.vllm.args import (
     CPU_GPU_MEMORY_UTILIZATION,
     DEFAULT_MODEL,
+    NOT_BUILT_FLAGS,
     Config,
     build_config,
     dump_config,
@@ -76,11 +77,6 @@ def transfer_json(config: Config) -> dict | None:
     ("argv", "message"),
     [
         (["--is-prefill-worker", "--is-decode-worker"], "Cannot set both --is-prefill-worker and --is-decode-worker"),
-        (["--enable-multimodal", "--multimodal-processor", "--multimodal-encode-worker"],
-         "Use only one multimodal role flag; got --multimodal-processor, --multimodal-encode-worker"),
-        (["--multimodal-worker"], "Use --enable-multimodal when enabling --multimodal-worker"),
-        (["--enable-multimodal", "--vllm-native-encoder-worker"], "needs --ec-storage-path"),
-        (["--stage-configs-path", "/tmp/stages.yaml"], "--stage-configs-path requires --omni"),
         (["--served-model-name", "a", "b"], "We do not support multiple model names"),
         (["--connector", "nixl", "foo"], "Invalid connector(s): foo"),
         (["--connector", "none", "nixl"], "'none' and 'null' cannot be combined with other connectors"),
@@ -93,7 +89,6 @@ def transfer_json(config: Config) -> dict | None:
         (["--migration-limit", "-1"], "--migration-limit must be >= 0"),
         (["--cpu-cores", "first"], "--cpu-cores 'first' is not a core list"),
         (["--endpoint-types", "chat,images"], "unknown model type 'images'"),
-        (["--ec-extra-config", "{bad"], "--ec-extra-config is not valid JSON"),
         (["--enable-sleep-mode"], "--enable-sleep-mode is not supported by vLLM's CPU backend"),
     ],
 )
@@ -158,7 +153,6 @@ def test_defaults() -> None:
     assert config.enable_local_indexer is True and config.durable_kv_events is False
     assert config.endpoint_types == "chat,completions"
     assert config.sleep_mode_level == 1
-    assert config.mm_prompt_template == "USER: <image>\n<prompt> ASSISTANT:"
     assert config.model == DEFAULT_MODEL and config.served_model_name == DEFAULT_MODEL
     assert config.runtime.namespace == "dynamo"
 
@@ -236,20 +230,24 @@ def test_underscore_spelling_of_dynamo_flags() -> None:
     assert config.engine_args.max_model_len == 256
 
 
+@pytest.mark.parametrize(("flag", "env", "takes_value"), NOT_BUILT_FLAGS)
+def test_multimodal_flags_are_refused_until_built(monkeypatch: pytest.MonkeyPatch, flag: str, env: str,
+                                                  takes_value: bool) -> None:
+    """Dynamo's multimodal flags are understood, and refused by name rather than accepted and ignored."""
+    argv = [flag, "x"] if takes_value else [flag]
+    with pytest.raises(ValueError, match=f"^{flag}: multimodal serving .* is not built yet in tandem"):
+        build(*argv)
+    monkeypatch.setenv(env, "x" if takes_value else "1")  # the environment variable alike
+    with pytest.raises(ValueError, match=f"^{flag}: multimodal serving"):
+        build()
+
+
 @pytest.mark.parametrize(
     ("argv", "component"),
     [
         ([], "backend"),
         (["--is-decode-worker"], "backend"),
         (["--is-prefill-worker"], "prefill"),
-        (["--enable-multimodal", "--multimodal-processor"], "processor"),
-        (["--enable-multimodal", "--ec-processor"], "processor"),
-        (["--enable-multimodal", "--multimodal-encode-worker"], "encoder"),
-        (["--enable-multimodal", "--multimodal-encode-prefill-worker"], "encoder"),
-        (["--enable-multimodal", "--vllm-native-encoder-worker", "--ec-storage-path", "/tmp/ec"], "encoder"),
-        (["--enable-multimodal", "--multimodal-decode-worker"], "decoder"),
-        (["--enable-multimodal", "--multimodal-worker", "--is-prefill-worker"], "backend"),
-        (["--omni"], "backend"),
     ],
 )
 def test_component_names(argv: list[str], component: str) -> None:

@@ -44,8 +44,6 @@ DEFAULT_ENDPOINT = "generate"
 DEFAULT_CONNECTORS = ("nixl",)
 VALID_CONNECTORS = ("nixl", "lmcache", "kvbm", "null", "none")
 DEFAULT_ENDPOINT_TYPES = "chat,completions"
-DEFAULT_EC_CONNECTOR_BACKEND = "ECExampleConnector"
-DEFAULT_MM_PROMPT_TEMPLATE = "USER: <image>\n<prompt> ASSISTANT:"
 # Dynamo forces 16 tokens per KV block. vLLM's CPU attention backend only accepts multiples of 32
 # ("No common block size for 16 (CPU_ATTN: [MultipleOf(32)])"), so CPU workers default to 32.
 GPU_BLOCK_SIZE = 16
@@ -59,16 +57,26 @@ CPU_GPU_MEMORY_UTILIZATION = 0.3
 NIXL_CPU_EXTENSION = "tandem.vllm.nixl_cpu.NixlOnCpu"
 NIXL_SIDE_CHANNEL_FIRST_PORT = 5600  # vLLM's default VLLM_NIXL_SIDE_CHANNEL_PORT
 
-# Multimodal role flags (argparse dests) and the component each role serves under.
-MULTIMODAL_ROLES: dict[str, str] = {
-    "multimodal_processor": "processor",
-    "ec_processor": "processor",
-    "multimodal_encode_worker": "encoder",
-    "multimodal_worker": "backend",
-    "multimodal_decode_worker": "decoder",
-    "multimodal_encode_prefill_worker": "encoder",
-    "vllm_native_encoder_worker": "encoder",
-}
+# Dynamo's multimodal worker flags (flag, env var, takes a value): understood, and refused until tandem
+# serves multimodal models, rather than accepted and ignored.
+NOT_BUILT_FLAGS: tuple[tuple[str, str, bool], ...] = (
+    ("--multimodal-processor", "DYN_VLLM_MULTIMODAL_PROCESSOR", False),
+    ("--ec-processor", "DYN_VLLM_EC_PROCESSOR", False),
+    ("--multimodal-encode-worker", "DYN_VLLM_MULTIMODAL_ENCODE_WORKER", False),
+    ("--multimodal-worker", "DYN_VLLM_MULTIMODAL_WORKER", False),
+    ("--multimodal-decode-worker", "DYN_VLLM_MULTIMODAL_DECODE_WORKER", False),
+    ("--multimodal-encode-prefill-worker", "DYN_VLLM_MULTIMODAL_ENCODE_PREFILL_WORKER", False),
+    ("--vllm-native-encoder-worker", "DYN_VLLM_NATIVE_ENCODER_WORKER", False),
+    ("--ec-connector-backend", "DYN_VLLM_EC_CONNECTOR_BACKEND", True),
+    ("--ec-storage-path", "DYN_VLLM_EC_STORAGE_PATH", True),
+    ("--ec-extra-config", "DYN_VLLM_EC_EXTRA_CONFIG", True),
+    ("--ec-consumer-mode", "DYN_VLLM_EC_CONSUMER_MODE", False),
+    ("--enable-multimodal", "DYN_VLLM_ENABLE_MULTIMODAL", False),
+    ("--mm-prompt-template", "DYN_VLLM_MM_PROMPT_TEMPLATE", True),
+    ("--frontend-decoding", "DYN_VLLM_FRONTEND_DECODING", False),
+    ("--omni", "DYN_VLLM_OMNI", False),
+    ("--stage-configs-path", "DYN_VLLM_STAGE_CONFIGS_PATH", True),
+)
 
 # --connector name -> the kv_transfer_config Dynamo builds for it.
 _CONNECTOR_CONFIGS: dict[str, dict[str, Any]] = {
@@ -121,23 +129,6 @@ class Config:
     is_decode_worker: bool = False
     use_vllm_tokenizer: bool = False
     sleep_mode_level: int = 1
-    # Multimodal
-    multimodal_processor: bool = False
-    ec_processor: bool = False
-    multimodal_encode_worker: bool = False
-    multimodal_worker: bool = False
-    multimodal_decode_worker: bool = False
-    multimodal_encode_prefill_worker: bool = False
-    vllm_native_encoder_worker: bool = False
-    ec_connector_backend: str = DEFAULT_EC_CONNECTOR_BACKEND
-    ec_storage_path: str | None = None
-    ec_extra_config: dict[str, Any] | None = None
-    ec_consumer_mode: bool = False
-    enable_multimodal: bool = False
-    mm_prompt_template: str = DEFAULT_MM_PROMPT_TEMPLATE
-    frontend_decoding: bool = False
-    omni: bool = False
-    stage_configs_path: str | None = None
     # tandem
     cpu_cores: str | None = None  # cores this engine's threads bind to ("0", "2-3"); CPU only
     is_cpu: bool = False
@@ -147,12 +138,6 @@ class Config:
     kv_events_endpoint: str | None = None  # where a subscriber on this host connects, e.g. tcp://127.0.0.1:20080
     nixl_side_channel: tuple[str, int] | None = None  # (host, port) of NIXL's handshake listener, if NIXL is used
     env_updates: dict[str, str] = field(default_factory=dict)  # variables build_config exported
-
-    @property
-    def multimodal_role(self) -> str | None:
-        """The one multimodal role flag set (its dest name), or None."""
-        roles = [name for name in MULTIMODAL_ROLES if getattr(self, name)]
-        return roles[0] if roles else None
 
     @property
     def block_size(self) -> int:
@@ -166,21 +151,6 @@ class Config:
         """Dynamo's validation rules; raises ValueError (FileNotFoundError for the template)."""
         if self.is_prefill_worker and self.is_decode_worker:
             raise ValueError("Cannot set both --is-prefill-worker and --is-decode-worker")
-        roles = [name for name in MULTIMODAL_ROLES if getattr(self, name)]
-        if len(roles) > 1:
-            raise ValueError(
-                "Use only one multimodal role flag; got " + ", ".join(_flag(name) for name in roles)
-            )
-        if roles and not self.enable_multimodal:
-            raise ValueError(f"Use --enable-multimodal when enabling {_flag(roles[0])}")
-        if (self.vllm_native_encoder_worker and self.ec_connector_backend == DEFAULT_EC_CONNECTOR_BACKEND
-                and not self.ec_storage_path):
-            raise ValueError(
-                f"--vllm-native-encoder-worker with --ec-connector-backend {DEFAULT_EC_CONNECTOR_BACKEND} "
-                "needs --ec-storage-path (the shared directory encoder outputs are written to)"
-            )
-        if self.stage_configs_path and not self.omni:
-            raise ValueError("--stage-configs-path requires --omni")
         if self.migration_limit < 0:
             raise ValueError(f"--migration-limit must be >= 0, got {self.migration_limit}")
         if self.sleep_mode_level not in (1, 2, 3):
@@ -224,10 +194,6 @@ class Config:
                 "--enable-sleep-mode is not supported by vLLM's CPU backend; sleep/wake on CPU only "
                 "unregisters and re-registers the worker"
             )
-
-
-def _flag(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
 
 
 def _split_words(value: str) -> list[str]:
@@ -320,33 +286,13 @@ def build_dynamo_parser() -> argparse.ArgumentParser:
                    help="1: offload weights to CPU, 2: discard weights, 3: discard all "
                    "[env DYN_VLLM_SLEEP_MODE_LEVEL, default 1]")
 
-    mm = parser.add_argument_group("Dynamo vLLM Multimodal Options")
-    _bool(mm, "--multimodal-processor", "DYN_VLLM_MULTIMODAL_PROCESSOR", "role: multimodal processor")
-    _bool(mm, "--ec-processor", "DYN_VLLM_EC_PROCESSOR", "role: processor for the vLLM-native encoder")
-    _bool(mm, "--multimodal-encode-worker", "DYN_VLLM_MULTIMODAL_ENCODE_WORKER", "role: encoder")
-    _bool(mm, "--multimodal-worker", "DYN_VLLM_MULTIMODAL_WORKER", "role: multimodal prefill/decode worker")
-    _bool(mm, "--multimodal-decode-worker", "DYN_VLLM_MULTIMODAL_DECODE_WORKER", "role: multimodal decoder")
-    _bool(mm, "--multimodal-encode-prefill-worker", "DYN_VLLM_MULTIMODAL_ENCODE_PREFILL_WORKER",
-          "role: encode and prefill in one engine")
-    _bool(mm, "--vllm-native-encoder-worker", "DYN_VLLM_NATIVE_ENCODER_WORKER",
-          "role: encoder using vLLM's ECConnector")
-    mm.add_argument("--ec-connector-backend",
-                    default=env_str("DYN_VLLM_EC_CONNECTOR_BACKEND", DEFAULT_EC_CONNECTOR_BACKEND),
-                    help="ECConnector class [env DYN_VLLM_EC_CONNECTOR_BACKEND, default ECExampleConnector]")
-    mm.add_argument("--ec-storage-path", default=env_str("DYN_VLLM_EC_STORAGE_PATH"),
-                    help="shared storage for encoder outputs (ECExampleConnector) [env DYN_VLLM_EC_STORAGE_PATH]")
-    mm.add_argument("--ec-extra-config", default=env_str("DYN_VLLM_EC_EXTRA_CONFIG"),
-                    help="JSON merged into ec_connector_extra_config [env DYN_VLLM_EC_EXTRA_CONFIG]")
-    _bool(mm, "--ec-consumer-mode", "DYN_VLLM_EC_CONSUMER_MODE", "load encoder outputs from EC storage")
-    _bool(mm, "--enable-multimodal", "DYN_VLLM_ENABLE_MULTIMODAL", "accept multimodal data (required by "
-          "every multimodal role)")
-    mm.add_argument("--mm-prompt-template", default=env_str("DYN_VLLM_MM_PROMPT_TEMPLATE", DEFAULT_MM_PROMPT_TEMPLATE),
-                    help="prompt template of processors, <prompt> is replaced by the user text "
-                    "[env DYN_VLLM_MM_PROMPT_TEMPLATE]")
-    _bool(mm, "--frontend-decoding", "DYN_VLLM_FRONTEND_DECODING", "images are decoded by the frontend")
-    _bool(mm, "--omni", "DYN_VLLM_OMNI", "vLLM-Omni multi-stage pipeline worker")
-    mm.add_argument("--stage-configs-path", default=env_str("DYN_VLLM_STAGE_CONFIGS_PATH"),
-                    help="vLLM-Omni stage configs (needs --omni) [env DYN_VLLM_STAGE_CONFIGS_PATH]")
+    mm = parser.add_argument_group(
+        "Dynamo vLLM Multimodal Options", "not built yet in tandem: each is refused, naming it, with exit status 2")
+    for flag, env, takes_value in NOT_BUILT_FLAGS:
+        if takes_value:
+            mm.add_argument(flag, default=env_str(env), help=f"[env {env}]")
+        else:
+            mm.add_argument(flag, action="store_true", default=env_bool(env), help=f"[env {env}]")
 
     cpu = parser.add_argument_group("tandem CPU Options")
     cpu.add_argument("--cpu-cores", default=env_str("TANDEM_CPU_CORES"),
@@ -435,14 +381,10 @@ def build_config(argv: list[str] | None = None, *, is_cpu: bool | None = None, a
         ns.gpu_memory_utilization = CPU_GPU_MEMORY_UTILIZATION if is_cpu else EngineArgs.gpu_memory_utilization
 
     model = ns.model
-    ec_extra: dict[str, Any] | None = None
-    if dyn.ec_extra_config:
-        try:
-            ec_extra = json.loads(dyn.ec_extra_config)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--ec-extra-config is not valid JSON: {e}") from None
-        if not isinstance(ec_extra, dict):
-            raise ValueError("--ec-extra-config must be a JSON object")
+    refused = [flag for flag, _, _ in NOT_BUILT_FLAGS if getattr(dyn, flag[2:].replace("-", "_"))]
+    if refused:
+        raise ValueError(f"{', '.join(refused)}: multimodal serving (processor, encoder and decoder roles, the EC "
+                         "connector, vLLM-Omni) is not built yet in tandem")
 
     # Validated first, with vLLM's parsed namespace standing in for the engine args (same attribute names):
     # the model is resolved (and the default model possibly converted) only for a valid command line.
@@ -464,16 +406,6 @@ def build_config(argv: list[str] | None = None, *, is_cpu: bool | None = None, a
         is_decode_worker=dyn.is_decode_worker,
         use_vllm_tokenizer=dyn.use_vllm_tokenizer,
         sleep_mode_level=dyn.sleep_mode_level,
-        **{name: getattr(dyn, name) for name in MULTIMODAL_ROLES},
-        ec_connector_backend=dyn.ec_connector_backend,
-        ec_storage_path=dyn.ec_storage_path,
-        ec_extra_config=ec_extra,
-        ec_consumer_mode=dyn.ec_consumer_mode,
-        enable_multimodal=dyn.enable_multimodal,
-        mm_prompt_template=dyn.mm_prompt_template,
-        frontend_decoding=dyn.frontend_decoding,
-        omni=dyn.omni,
-        stage_configs_path=dyn.stage_configs_path,
         cpu_cores=dyn.cpu_cores,
         is_cpu=is_cpu,
     )
@@ -507,11 +439,6 @@ def build_config(argv: list[str] | None = None, *, is_cpu: bool | None = None, a
 
 
 def _component(config: Config) -> str:
-    role = config.multimodal_role
-    if role is not None:
-        return MULTIMODAL_ROLES[role]
-    if config.omni:
-        return "backend"
     return "prefill" if config.is_prefill_worker else "backend"
 
 

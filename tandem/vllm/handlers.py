@@ -171,9 +171,8 @@ class BaseWorkerHandler:
                 raise ValueError("prompt_embeds must be a base64-encoded torch.Tensor")
             length = tensor.shape[0] if tensor.dim() == 2 else tensor.shape[1]
             return EmbedsPrompt(prompt_embeds=tensor), int(length)
-        if request.get("multi_modal_data") and not getattr(self.config, "enable_multimodal", False):
-            raise ValueError("Received multimodal data but multimodal processing is not enabled "
-                             "(start the worker with --enable-multimodal)")
+        if request.get("multi_modal_data"):
+            raise ValueError("this worker does not take multimodal data: multimodal serving is not built yet in tandem")
         token_ids = request["token_ids"]
         return TokensPrompt(prompt_token_ids=token_ids), len(token_ids)
 
