@@ -18,7 +18,8 @@ from tandem.runtime import Context, EngineShutdown
 from tandem.vllm.abort import abort_monitor
 from tandem.vllm.checkpoint_restore import CheckpointConfig, get_checkpoint_config
 from tandem.vllm.engine_monitor import VllmEngineMonitor
-from tandem.vllm.health_check import bos_token_id_of, health_check_payload
+from tandem.vllm.health_check import bos_token_id_of
+from tandem.worker.health import health_check_payload
 
 STOP = {"max_tokens": 1, "stop": None, "stop_token_ids": None, "include_stop_str_in_output": False,
         "ignore_eos": False}

@@ -26,12 +26,12 @@ from tandem.router.publisher import indexer_query_handler
 from tandem.runtime.event_plane import EventPublisher
 from tandem.vllm.publisher import (
     KvEventRelay,
-    KvMetricsStatLogger,
     NullStatLogger,
     StatLoggerFactory,
     normalize_block_hash,
     storage_tier,
 )
+from tandem.worker.load import KvMetricsStatLogger
 from tests.conftest import publish_until_received
 
 BS = 4

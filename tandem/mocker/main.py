@@ -25,8 +25,8 @@ from tandem.router.protocols import KV_EVENT_TOPIC, KV_METRICS_TOPIC, WORKER_KV_
 from tandem.router.publisher import KvEventPublisher, SupportsPublish, indexer_query_handler
 from tandem.runtime import DistributedRuntime, configure_logging, run
 from tandem.runtime.runtime import install_signal_handlers
-from tandem.vllm.health_check import health_check_payload
-from tandem.vllm.publisher import KvMetricsStatLogger
+from tandem.worker.health import health_check_payload
+from tandem.worker.load import KvMetricsStatLogger
 
 log = logging.getLogger("tandem.mocker")
 

@@ -19,8 +19,9 @@ from tandem.vllm.args import Config, dump_config, parse_args
 from tandem.vllm.checkpoint_restore import get_checkpoint_config
 from tandem.vllm.engine_monitor import VllmEngineMonitor
 from tandem.vllm.handlers import BaseWorkerHandler, DecodeWorkerHandler, DisaggMetrics, PrefillWorkerHandler
-from tandem.vllm.health_check import bos_token_id_of, health_check_payload
+from tandem.vllm.health_check import bos_token_id_of
 from tandem.vllm.lifeline import mark_owner
+from tandem.worker.health import health_check_payload
 
 log = logging.getLogger("tandem.vllm")
 
