@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import queue
 import signal
@@ -28,18 +29,30 @@ def runtime_config(**overrides: object) -> RuntimeConfig:
     return base.replace(**overrides)
 
 
-def free_port(low: int = 0, high: int = 0) -> int:
-    """A free TCP port; within [low, high) when given (the KV event port must be a registered port)."""
+# Ports a process is told to bind by number, later: below Linux's ephemeral range (32768 and up), so that
+# no other process's bind to port 0 takes one in between.
+NAMED_PORTS = (20000, 32000)
+
+
+def free_port() -> int:
+    """A free TCP port for a process to bind by number (also a registered port, as KV event ports must be)."""
+    return free_port_range(1)
+
+
+def free_port_range(count: int, low: int = NAMED_PORTS[0], high: int = NAMED_PORTS[1]) -> int:
+    """The first of `count` consecutive free TCP ports within [low, high)."""
     import random
 
     for _ in range(100):
-        with socket.socket() as s:
+        base = random.randrange(low, high - count + 1)
+        with contextlib.ExitStack() as stack:
             try:
-                s.bind(("127.0.0.1", random.randrange(low, high) if high else 0))
+                for port in range(base, base + count):
+                    stack.enter_context(socket.socket()).bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return s.getsockname()[1]
-    raise RuntimeError("no free port")
+            return base
+    raise RuntimeError(f"no {count} free ports")
 
 
 async def publish_until_received(publisher, subscriber, probe) -> None:  # type: ignore[no-untyped-def]

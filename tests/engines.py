@@ -150,7 +150,7 @@ class EngineGroup:
     def start(self, spec: EngineSpec) -> Engine:
         system_port = free_port()
         env = {**self.env, **dict(spec.env), "DYN_SYSTEM_PORT": str(system_port),
-               "DYN_VLLM_KV_EVENT_PORT": str(free_port(20000, 40000))}
+               "DYN_VLLM_KV_EVENT_PORT": str(free_port())}
         process = TandemProcess("tandem.vllm", "--model", self.model_path, "--discovery-backend", "file",
                                 "--served-model-name", MODEL, "--cpu-cores", str(spec.core), *VLLM_TEST_ARGS,
                                 # the model runs in the engine core: no third process to start per engine

@@ -86,6 +86,22 @@ def test_settings_not_built_yet_exit_2_naming_them(monkeypatch, capsys, argv, en
     assert message in capsys.readouterr().err
 
 
+def test_taken_system_port_exits_2_naming_it(monkeypatch, capsys, tmp_path):
+    """A system port someone else holds is the user's setting to fix: exit 2 and the port, no traceback."""
+    import socket
+
+    from tandem.mocker.main import main
+
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        monkeypatch.setenv("DYN_SYSTEM_PORT", str(port))
+        monkeypatch.setenv("DYN_FILE_KV", str(tmp_path))
+        assert main([]) == 2
+    assert f"error: DYN_SYSTEM_PORT: cannot listen on 0.0.0.0:{port}: " in capsys.readouterr().err
+
+
 def test_dyn_log_levels_and_directives():
     configure_logging("warn,tandem.runtime.tcp=debug")
     assert logging.getLogger().level == logging.WARNING

@@ -4,7 +4,6 @@ disaggregation. The pipeline's details in one process: tests/test_disagg_fronten
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -14,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import TandemProcess, free_port
+from tests.conftest import TandemProcess, free_port, free_port_range
 from tests.deployment import MODEL, Deployment, kv_events_emitted, metric_sum, wait_for_kv_events
 
 BLOCK = 16
@@ -38,20 +37,6 @@ def _ask(client: openai.OpenAI, prompt: str, max_tokens: int = 4) -> tuple[int, 
     return (details.cached_tokens or 0) if details else 0, reply.usage.prompt_tokens
 
 
-def _port_range(count: int) -> int:
-    """A base port with `count` free ports from it (for --system-port-base)."""
-    for _ in range(50):
-        base = free_port(20000, 40000)
-        try:
-            for port in range(base, base + count):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no free port range")
-
-
 # -- xPyD through `tandem run` ----------------------------------------------------------------------------
 
 
@@ -65,7 +50,7 @@ def test_xpyd_serves_concurrent_load_through_remote_prefills(launch: Callable, p
     prefill workers. `events-only`: no predicted index (DYN_ROUTER_PREDICTED_TTL_SECS=0), the follow-ups
     are sent once the frontend applied every KV event of the prefill workers, so only those events tell
     the prefill router where a prefix is."""
-    base = _port_range(prefill + decode)
+    base = free_port_range(prefill + decode)
     run = launch("--prefill-workers", str(prefill), "--decode-workers", str(decode), "--router-mode", "kv",
                  "--system-port-base", str(base), "--", "--block-size", str(BLOCK),
                  env={"DYN_ROUTER_PREDICTED_TTL_SECS": "0" if routing == "events-only" else "5"})

@@ -105,7 +105,7 @@ async def test_taken_system_port_fails_start_and_releases_the_request_plane(name
 
     import pytest
 
-    from tandem.runtime import DistributedRuntime
+    from tandem.runtime import ConfigError, DistributedRuntime
 
     from .conftest import runtime_config
 
@@ -114,7 +114,7 @@ async def test_taken_system_port_fails_start_and_releases_the_request_plane(name
         taken.listen()
         port = taken.getsockname()[1]
         runtime = DistributedRuntime(runtime_config(system_port=port, system_host="127.0.0.1"))
-        with pytest.raises(OSError):
+        with pytest.raises(ConfigError, match=f"DYN_SYSTEM_PORT: cannot listen on 127.0.0.1:{port}: "):
             await runtime.start()
     assert not runtime.request_server._server.is_serving()  # the request plane was released too
 

@@ -2,7 +2,7 @@
 
 from tandem.runtime.client import Client
 from tandem.runtime.component import Component, Endpoint, Namespace, ServedEndpoint
-from tandem.runtime.config import RuntimeConfig, add_runtime_args
+from tandem.runtime.config import ConfigError, RuntimeConfig, add_runtime_args
 from tandem.runtime.context import Context
 from tandem.runtime.errors import (
     EngineShutdown,
@@ -16,7 +16,7 @@ from tandem.runtime.logs import configure_logging
 from tandem.runtime.runtime import DistributedRuntime, run
 
 __all__ = [
-    "Client", "Component", "Context", "DistributedRuntime", "Endpoint", "EngineShutdown",
+    "Client", "Component", "ConfigError", "Context", "DistributedRuntime", "Endpoint", "EngineShutdown",
     "InstanceUnreachableError", "MessageTooLargeError", "Namespace", "NoInstancesError", "RemoteError",
     "RuntimeConfig", "ServedEndpoint", "StreamIncompleteError", "add_runtime_args", "configure_logging", "run",
 ]

@@ -18,7 +18,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from tandem.runtime.auth import bearer_matches, is_loopback
-from tandem.runtime.config import RuntimeConfig
+from tandem.runtime.config import ConfigError, RuntimeConfig
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,12 @@ class SystemStatusServer:
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self._config.system_host, self._config.system_port or 0)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as e:  # the port the user chose is taken: say which, not a traceback
+            await self._runner.cleanup()
+            raise ConfigError(f"DYN_SYSTEM_PORT: cannot listen on {self._config.system_host}:"
+                              f"{self._config.system_port}: {e.strerror or e}") from e
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         log.info("system status server on http://%s:%d", self._config.system_host, self.port)
 
