@@ -22,9 +22,11 @@ from types import SimpleNamespace
 from typing import Any
 
 import httpx
+import msgspec
 import openai
 import pytest
 
+from tandem.llm.protocols import PreprocessedRequest
 from tandem.runtime import Context
 from tandem.vllm.handlers import DecodeWorkerHandler, DisaggMetrics, PrefillWorkerHandler
 from tests.deployment import MODEL, Deployment, metric_sum
@@ -155,6 +157,12 @@ def _handler(cls: type, engine: FakeEngine, metrics: DisaggMetrics | None = None
 REQUEST = {"token_ids": [1, 2, 3], "stop_conditions": {"max_tokens": 2}, "sampling_options": {"temperature": 0}}
 
 
+async def _answer(handler: Any, request: dict[str, Any], request_id: str) -> list[dict[str, Any]]:
+    """`handler`'s answer to `request` as they travel: decoded on the way in, maps on the way out."""
+    typed = msgspec.convert(request, PreprocessedRequest)
+    return [msgspec.to_builtins(item) async for item in handler.generate(typed, Context(request_id))]
+
+
 async def test_decode_handler_passes_the_kv_params_and_reports_the_wait() -> None:
     from prometheus_client import CollectorRegistry
 
@@ -163,7 +171,7 @@ async def test_decode_handler_passes_the_kv_params_and_reports_the_wait() -> Non
     handler = _handler(DecodeWorkerHandler, engine, DisaggMetrics(registry, "m"))
     request = {**REQUEST, "prefill_result": {"disaggregated_params": {"kv_transfer_params": KV_PARAMS},
                                              "prompt_tokens_details": {"cached_tokens": 2}}}
-    out = [item async for item in handler.generate(request, Context("r1"))]
+    out = await _answer(handler, request, "r1")
     assert engine.sampling[0].extra_args["kv_transfer_params"] == KV_PARAMS
     assert out[0]["kv_transfer_ms"] == 250.0 and "kv_transfer_ms" not in out[1]
     assert out[1]["finish_reason"] == "length"
@@ -171,7 +179,7 @@ async def test_decode_handler_passes_the_kv_params_and_reports_the_wait() -> Non
     assert registry.get_sample_value("dynamo_component_remote_prefill_requests_total", {"model": "m"}) == 1
     assert registry.get_sample_value("dynamo_component_kv_transfer_seconds_sum", {"model": "m"}) == 0.25
     # Without a prefill result the same worker serves the request aggregated.
-    out = [item async for item in handler.generate(REQUEST, Context("r2"))]
+    out = await _answer(handler, REQUEST, "r2")
     assert not (engine.sampling[1].extra_args or {}).get("kv_transfer_params")
     assert all("kv_transfer_ms" not in item for item in out)
     assert registry.get_sample_value("dynamo_component_remote_prefill_requests_total", {"model": "m"}) == 1
@@ -180,7 +188,7 @@ async def test_decode_handler_passes_the_kv_params_and_reports_the_wait() -> Non
 async def test_prefill_handler_returns_the_kv_params() -> None:
     params = {**KV_PARAMS, "tp_size": 1}
     engine = FakeEngine([9], kv_transfer_params=params)
-    out = [item async for item in _handler(PrefillWorkerHandler, engine).generate(REQUEST, Context("p1"))]
+    out = await _answer(_handler(PrefillWorkerHandler, engine), REQUEST, "p1")
     sampling = engine.sampling[0]
     assert sampling.max_tokens == 1 and sampling.min_tokens == 1
     assert sampling.extra_args["kv_transfer_params"]["do_remote_decode"] is True

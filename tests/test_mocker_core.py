@@ -7,6 +7,7 @@ import math
 import random
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -504,9 +505,9 @@ def test_simulated_logprobs(tok) -> None:  # type: ignore[no-untyped-def]
     steps = [simulate(t) for t in generated]
     for t, (values, tops) in zip(generated, steps, strict=True):
         (value,), (top,) = values, tops
-        assert [e["rank"] for e in top] == [1, 2, 3, 4, 5]
-        assert (top[0]["token_id"], top[0]["logprob"]) == (t, value)  # the generated token, the likeliest
-        ids, logprobs = [e["token_id"] for e in top], [e["logprob"] for e in top]
+        assert [e.rank for e in top] == [1, 2, 3, 4, 5]
+        assert (top[0].token_id, top[0].logprob) == (t, value)  # the generated token, the likeliest
+        ids, logprobs = [e.token_id for e in top], [e.logprob for e in top]
         assert len(set(ids)) == 5 and set(ids) <= set(tokens.catalog)
         assert logprobs == sorted(logprobs, reverse=True)
         assert all(math.isfinite(v) and v <= 0 for v in logprobs)
@@ -517,7 +518,7 @@ def test_simulated_logprobs(tok) -> None:  # type: ignore[no-untyped-def]
     assert [other(t) for t in generated] != steps
     alone = tokens.logprobs_for(prompt, None, 0)
     values, tops = alone(generated[0])
-    assert tops == [[{"rank": 1, "token_id": generated[0], "token": None, "logprob": values[0]}]]
+    assert msgspec.to_builtins(tops) == [[{"rank": 1, "token_id": generated[0], "token": None, "logprob": values[0]}]]
 
 
 def test_synthetic_tokens_resume_like_a_greedy_model(tok) -> None:  # type: ignore[no-untyped-def]

@@ -16,14 +16,14 @@ PROMPT_IDS = [1, 2, 3, 4]
 EOS = [2, 0]
 
 
-def _through_the_wire(body: dict, eos_hidden: list[int] | None = EOS) -> dict:
+def _through_the_wire(body: dict, eos_hidden: list[int] | None = EOS) -> PreprocessedRequest:
     request = openai.parse_completion_request(json.dumps(body).encode())
     stop = openai.stop_conditions(request)
     stop.stop_token_ids_hidden = eos_hidden
     preprocessed = PreprocessedRequest(model="m", token_ids=PROMPT_IDS, stop_conditions=stop,
                                        sampling_options=openai.sampling_options(request),
                                        output_options=openai.output_options(request))
-    return msgspec.msgpack.decode(msgspec.msgpack.encode(preprocessed))
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(preprocessed), type=PreprocessedRequest)
 
 
 def test_every_sampling_option_reaches_the_engine() -> None:

@@ -12,6 +12,7 @@ from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.models import ModelManager, ServedModel
 from tandem.frontend.pipeline import ModelPipeline
 from tandem.frontend.routing import ROUTER_MODES, LoadMonitor, LoadThresholds
+from tandem.llm.model_card import ModelInput
 from tandem.router.config import add_router_args, parse_args_with_router_config
 from tandem.router.kv_router import KvRouter, RouterMetrics
 from tandem.runtime import DistributedRuntime, RuntimeConfig, add_runtime_args, configure_logging, run
@@ -92,7 +93,7 @@ async def serve(args: argparse.Namespace) -> int:
 
     def build(model: ServedModel) -> ModelPipeline:
         kv_router = prefill_router = None
-        if router_config is not None and model.card.model_input == "Tokens":
+        if router_config is not None and model.card.model_input == ModelInput.Tokens:
             block_size = model.card.kv_cache_block_size
             kv_router = KvRouter(runtime, model.name, block_size=block_size, config=router_config,
                                  metrics=router_metrics)
@@ -109,8 +110,8 @@ async def serve(args: argparse.Namespace) -> int:
         for model in manager.served():
             config = model.card.runtime_config
             metrics.set_model(model.name, {
-                "total_kv_blocks": config.get("total_kv_blocks"), "max_num_seqs": config.get("max_num_seqs"),
-                "max_num_batched_tokens": config.get("max_num_batched_tokens"),
+                "total_kv_blocks": config.total_kv_blocks, "max_num_seqs": config.max_num_seqs,
+                "max_num_batched_tokens": config.max_num_batched_tokens,
                 "context_length": model.card.context_length, "kv_cache_block_size": model.card.kv_cache_block_size,
                 "migration_limit": model.pipeline.migration_limit if model.pipeline else None,
                 "workers": len(model.instances),

@@ -17,7 +17,14 @@ from typing import Any
 
 import msgspec
 
-from tandem.llm.model_card import ModelDeploymentCard, ModelType, parse_card_key, verify_files
+from tandem.llm.model_card import (
+    ModelDeploymentCard,
+    ModelInput,
+    ModelType,
+    WorkerType,
+    parse_card_key,
+    verify_files,
+)
 from tandem.runtime import Client, DistributedRuntime
 from tandem.runtime.discovery import Watch
 
@@ -148,10 +155,10 @@ class ModelManager:
             )
             return
         await self.client(endpoint_path)
-        is_prefill = card.worker_type == "Prefill" or bool(ModelType(card.model_type) & ModelType.Prefill)
+        is_prefill = card.worker_type == WorkerType.Prefill or bool(ModelType(card.model_type) & ModelType.Prefill)
         (model.prefill_instances if is_prefill else model.instances)[instance_id] = endpoint_path
-        dp_size = card.runtime_config.get("data_parallel_size")
-        if isinstance(dp_size, int) and dp_size > 1:
+        dp_size = card.runtime_config.data_parallel_size
+        if dp_size > 1:
             model.dp_sizes[instance_id] = dp_size
 
     async def _on_delete(self, key: str) -> None:
@@ -181,7 +188,7 @@ class ModelManager:
     def _folder_for(self, card: ModelDeploymentCard) -> str | None:
         """A local folder whose files match the card: the worker's own, else --model-path.
         Text-input models need none: their engine tokenizes."""
-        if card.model_input == "Text":
+        if card.model_input == ModelInput.Text:
             return card.source_path
         candidates = [card.source_path] + ([self.model_path] if self.model_path else [])
         for folder in candidates:

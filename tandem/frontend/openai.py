@@ -18,12 +18,12 @@ import msgspec
 
 from tandem.llm.postprocess import TokenLogprob
 from tandem.llm.protocols import (
+    FinishReason,
     GuidedDecoding,
     OutputOptions,
     RoutingHints,
     SamplingOptions,
     StopConditions,
-    openai_finish_reason,
 )
 
 _U32 = 2**32
@@ -549,7 +549,7 @@ def now() -> int:
 
 def finish_reason(reason: str | None) -> str | None:
     """tandem's normalized reason (eos, length, stop, cancelled, content_filter, error) -> OpenAI's."""
-    return openai_finish_reason(reason)
+    return None if reason is None else FinishReason(reason).openai
 
 
 def _lp(x: float | None) -> float:

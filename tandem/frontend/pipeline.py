@@ -29,7 +29,16 @@ from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.models import ModelManager, ServedModel
 from tandem.frontend.routing import LoadMonitor, NoWorkerError, Selector, make_selector
 from tandem.llm.chat_template import ChatTemplate
-from tandem.llm.protocols import PreprocessedRequest, RoutingHints
+from tandem.llm.model_card import ModelInput
+from tandem.llm.protocols import (
+    FinishReason,
+    LLMEngineOutput,
+    PrefillResult,
+    PreprocessedRequest,
+    PromptTokensDetails,
+    RoutingHints,
+    parse_finish_reason,
+)
 from tandem.llm.tokenizer import Tokenizer, TooManyTokens
 from tandem.router.kv_router import KvRouter
 from tandem.runtime import Client, Context, InstanceUnreachableError, NoInstancesError, StreamIncompleteError
@@ -163,7 +172,7 @@ class ModelPipeline:
     ) -> None:
         self.model = model
         self.manager = manager
-        self.preprocessor = Preprocessor(model) if model.card.model_input == "Tokens" else None
+        self.preprocessor = Preprocessor(model) if model.card.model_input == ModelInput.Tokens else None
         self.router_mode = router_mode
         self.inflight: dict[int, int] = {}
         # `kv` routes token requests with the KV router; text-input requests (no tokens here) round robin.
@@ -234,8 +243,7 @@ class ModelPipeline:
             raise NoWorkerError(f"no workers are serving model {self.model.name!r}")
         if self.load.thresholds.enabled:
             config = self.model.card.runtime_config
-            free = [i for i in live if not self.load.is_busy(i, config.get("total_kv_blocks"),
-                                                             config.get("max_num_batched_tokens"))]
+            free = [i for i in live if not self.load.is_busy(i, config.total_kv_blocks, config.max_num_batched_tokens)]
             if not free:
                 raise NoWorkerError("Service temporarily unavailable: All workers are busy, please retry later",
                                     busy=True)
@@ -327,7 +335,7 @@ class ModelPipeline:
             if dp_rank is not None and instance in self.model.dp_sizes:
                 outgoing = _on_dp_rank(outgoing, dp_rank)
             # Usage of a disaggregated request reports the prefill worker's prefix-cache hits.
-            prefill_details = (request.prefill_result or {}).get("prompt_tokens_details") if decode_stage else None
+            prefill_details = request.prefill_result.prompt_tokens_details if decode_stage else None
             child = Context(context.id())
             context.link_child(child)
             self.inflight[instance] = self.inflight.get(instance, 0) + 1
@@ -453,7 +461,7 @@ class ModelPipeline:
         context.link_child(child)
         started = time.perf_counter()
         stream: ResponseStream | None = None
-        last: dict[str, Any] = {}
+        last = LLMEngineOutput([])
         try:
             if client is None:
                 raise NoInstancesError(f"no client for prefill worker {instance:x}")
@@ -462,14 +470,13 @@ class ModelPipeline:
                 leg = _on_dp_rank(leg, dp_rank)
             stream = await client.direct(leg, instance, child)
             async for output in stream:
-                last = output
-            reason = last.get("finish_reason")
-            if isinstance(reason, dict) or str(reason).startswith("error"):
-                raise RuntimeError(f"prefill worker error: {reason}")
-            params = last.get("disaggregated_params")
-            if params is None:
+                last = msgspec.convert(output, LLMEngineOutput)
+            reason, error = parse_finish_reason(last.finish_reason, last.error)
+            if reason == FinishReason.ERROR:
+                raise RuntimeError(f"prefill worker error: {error}")
+            if last.disaggregated_params is None:
                 raise RuntimeError("the prefill worker returned no disaggregated_params")
-        except Exception as e:  # includes unreachable workers and cut-off streams
+        except Exception as e:  # includes unreachable workers, cut-off streams and malformed outputs
             if not context.is_stopped():
                 log.warning("request %s: prefill on worker %x failed (%s)", context.id(), instance, e)
             return None
@@ -479,11 +486,11 @@ class ModelPipeline:
             if self.prefill_router is not None:
                 self.prefill_router.free(context.id())
         self.metrics.prefill_seconds.labels(self.model.name).observe(time.perf_counter() - started)
-        details = (last.get("completion_usage") or {}).get("prompt_tokens_details")
-        return msgspec.structs.replace(request, prefill_result={"disaggregated_params": params,
-                                                                "prompt_tokens_details": details})
+        usage = last.completion_usage
+        return msgspec.structs.replace(request, prefill_result=PrefillResult(
+            last.disaggregated_params, usage.prompt_tokens_details if usage is not None else None))
 
-    def _decode_stage_output(self, output: dict[str, Any], prefill_details: dict[str, Any] | None) -> None:
+    def _decode_stage_output(self, output: dict[str, Any], prefill_details: PromptTokensDetails | None) -> None:
         """A decode worker's output for a disaggregated request: record the KV transfer time it reports
         (`kv_transfer_ms`, first output) and give its usage the prefill worker's cached tokens."""
         transfer_ms = output.get("kv_transfer_ms")
@@ -491,7 +498,7 @@ class ModelPipeline:
             self.metrics.kv_transfer_seconds.labels(self.model.name).observe(float(transfer_ms) / 1000)
         usage = output.get("completion_usage")
         if usage and prefill_details is not None:
-            output["completion_usage"] = {**usage, "prompt_tokens_details": prefill_details}
+            output["completion_usage"] = {**usage, "prompt_tokens_details": msgspec.to_builtins(prefill_details)}
 
     @staticmethod
     def _continuation(request: PreprocessedRequest, generated: list[int]) -> PreprocessedRequest:

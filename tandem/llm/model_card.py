@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from enum import IntFlag
+from enum import IntFlag, StrEnum
 from typing import Any
 
 import msgspec
@@ -40,6 +40,34 @@ class ModelType(IntFlag):
         return value
 
 
+class ModelInput(StrEnum):
+    """Who tokenizes: the frontend (`Tokens`: the worker gets token ids) or the engine (`Text`)."""
+
+    Tokens = "Tokens"
+    Text = "Text"
+
+
+class WorkerType(StrEnum):
+    """The worker's part in serving: whole requests, or one side of disaggregated serving."""
+
+    Aggregated = "Aggregated"
+    Prefill = "Prefill"
+    Decode = "Decode"
+
+
+class ModelRuntimeConfig(msgspec.Struct, omit_defaults=True):
+    """What the worker's engine turned out to be, for the frontend's router and limits."""
+
+    total_kv_blocks: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    context_length: int | None = None
+    enable_local_indexer: bool = False  # serves worker_kv_indexer_query (its KV events can be re-fetched)
+    data_parallel_size: int = 1
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+
+
 # Files of a model folder the frontend reads; their checksums go into the card.
 MODEL_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "config.json",
                "chat_template.jinja", "special_tokens_map.json")
@@ -55,14 +83,14 @@ class ModelDeploymentCard(msgspec.Struct, omit_defaults=True):
     display_name: str
     source_path: str  # the worker's model folder (or hub id)
     model_type: int = int(ModelType.Chat | ModelType.Completions)
-    model_input: str = "Tokens"  # Tokens: the frontend tokenizes; Text: the engine does
-    worker_type: str = "Aggregated"  # Aggregated | Prefill | Decode
+    model_input: ModelInput = ModelInput.Tokens
+    worker_type: WorkerType = WorkerType.Aggregated
     files: dict[str, str] = msgspec.field(default_factory=dict)  # file name -> sha256 hex
     chat_template: str | None = None  # custom template text; wins over the model's
     context_length: int = 0
     kv_cache_block_size: int = 16
     migration_limit: int = 0
-    runtime_config: dict[str, Any] = msgspec.field(default_factory=dict)
+    runtime_config: ModelRuntimeConfig = msgspec.field(default_factory=ModelRuntimeConfig)
     lora: LoraInfo | None = None
     user_data: dict[str, Any] | None = None
     mdcsum: str = ""
@@ -131,12 +159,12 @@ def build_card(
     display_name: str,
     *,
     model_type: ModelType = ModelType.Chat | ModelType.Completions,
-    model_input: str = "Tokens",
-    worker_type: str = "Aggregated",
+    model_input: ModelInput = ModelInput.Tokens,
+    worker_type: WorkerType = WorkerType.Aggregated,
     context_length: int | None = None,
     kv_cache_block_size: int = 16,
     migration_limit: int = 0,
-    runtime_config: dict[str, Any] | None = None,
+    runtime_config: ModelRuntimeConfig | None = None,
     custom_template_path: str | None = None,
     lora: LoraInfo | None = None,
     user_data: dict[str, Any] | None = None,
@@ -153,14 +181,14 @@ def build_card(
         display_name=display_name,
         source_path=os.path.abspath(model_path) if os.path.isdir(model_path) else model_path,
         model_type=int(model_type),
-        model_input=model_input,
-        worker_type=worker_type,
+        model_input=ModelInput(model_input),
+        worker_type=WorkerType(worker_type),
         files=file_checksums(model_path) if os.path.isdir(model_path) else {},
         chat_template=chat_template,
         context_length=context_length or context_length_of(model_path),
         kv_cache_block_size=kv_cache_block_size,
         migration_limit=migration_limit,
-        runtime_config=dict(runtime_config or {}),
+        runtime_config=runtime_config or ModelRuntimeConfig(),
         lora=lora,
         user_data=user_data,
     )

@@ -160,7 +160,7 @@ class OutputProcessor:
         else:
             raw = engine_output.get("finish_reason")
             if raw is not None:
-                reason, error = parse_finish_reason(raw)
+                reason, error = parse_finish_reason(raw, engine_output.get("error"))
                 stop_reason = engine_output.get("stop_reason")
                 if matcher is not None and reason in _FLUSH_REASONS:
                     text += matcher.flush()

@@ -1,11 +1,14 @@
-"""Wire formats between the frontend and the workers (Dynamo's).
+"""The contract between the frontend and the workers (Dynamo's wire format).
 
-The frontend sends a `PreprocessedRequest` to a worker's `generate` endpoint; the worker streams
-`LLMEngineOutput` maps back. Both travel as msgpack maps; absent optional fields are omitted.
+The frontend sends a `PreprocessedRequest` to a worker's `generate` endpoint (a text-input worker gets
+a `TextRequest`); the worker streams `LLMEngineOutput`s back. All of them travel as msgpack maps
+whose absent optional fields are omitted; the endpoint decodes a request into its Struct before the
+handler sees it.
 """
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any
 
 import msgspec
@@ -70,9 +73,27 @@ class RoutingHints(msgspec.Struct, omit_defaults=True):
     priority: int | None = None
 
 
+class PromptTokensDetails(msgspec.Struct, omit_defaults=True):
+    cached_tokens: int | None = None
+
+
+class DisaggregatedParams(msgspec.Struct, omit_defaults=True):
+    """The prefill worker's hand-off to the decode worker; what is inside is the engine's own (vLLM's
+    NIXL connector parameters, the mocker's simulated ones)."""
+
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class PrefillResult(msgspec.Struct, omit_defaults=True):
+    """What the frontend tells a decode worker about the remote prefill of its request."""
+
+    disaggregated_params: DisaggregatedParams
+    prompt_tokens_details: PromptTokensDetails | None = None  # the prefill worker's cache hits
+
+
 class PreprocessedRequest(msgspec.Struct, omit_defaults=True):
-    model: str
-    token_ids: list[int]
+    model: str = ""  # a canary health request may name none
+    token_ids: list[int] = msgspec.field(default_factory=list)
     stop_conditions: StopConditions = msgspec.field(default_factory=StopConditions)
     sampling_options: SamplingOptions = msgspec.field(default_factory=SamplingOptions)
     output_options: OutputOptions = msgspec.field(default_factory=OutputOptions)
@@ -81,48 +102,142 @@ class PreprocessedRequest(msgspec.Struct, omit_defaults=True):
     annotations: list[str] = msgspec.field(default_factory=list)
     routing: RoutingHints | None = None
     router_config_override: dict[str, Any] | None = None
-    prefill_result: dict[str, Any] | None = None
+    prefill_result: PrefillResult | None = None
     extra_args: dict[str, Any] | None = None
+    prompt_embeds: str | None = None  # base64 of a torch.save'd tensor, instead of token_ids
+    multi_modal_data: dict[str, Any] | None = None  # refused by every worker until multimodal serving exists
+
+    @property
+    def dp_rank(self) -> int | None:
+        return self.routing.dp_rank if self.routing is not None else None
+
+    @property
+    def max_tokens(self) -> int | None:
+        return self.stop_conditions.max_tokens
+
+
+class TextRequest(msgspec.Struct, omit_defaults=True):
+    """What a text-input worker (`--use-vllm-tokenizer`) gets: the client's OpenAI request, the fields
+    the engine reads (the frontend neither templates nor tokenizes)."""
+
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    id: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    length_penalty: float | None = None
+    seed: int | None = None
+    max_tokens: int | None = None
+    min_tokens: int | None = None
+    stop: str | list[str] | None = None
+    ignore_eos: bool | None = None
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """The sampling settings the client gave, by vLLM's SamplingParams names."""
+        return {name: value for name in _TEXT_SAMPLING_FIELDS if (value := getattr(self, name)) is not None}
+
+
+_TEXT_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                         "repetition_penalty", "length_penalty", "seed", "max_tokens", "min_tokens", "stop",
+                         "ignore_eos")
 
 
 # -- engine output ---------------------------------------------------------------------------------
-# Workers yield plain maps with these keys (Dynamo's LLMEngineOutput); every key is optional:
-#   token_ids: [int]            new tokens in this chunk (delta)
-#   text: str                   engine-decoded text (text-input models); else the frontend detokenizes
-#   log_probs: [float]          logprob of each new token
-#   top_logprobs: [[{rank, token_id, token, logprob}]]
-#   finish_reason: "eos" | "length" | "stop" | "cancelled" | "abort" | "content_filter" | "error: <msg>"
-#                  | {"error": msg}
-#   stop_reason: str | int
-#   completion_usage: {prompt_tokens, completion_tokens, total_tokens, prompt_tokens_details: {cached_tokens}}
-#   disaggregated_params: any   prefill -> decode hand-off (engine-owned)
 
-FINISH_REASONS = ("eos", "length", "stop", "cancelled", "abort", "content_filter")
+class FinishReason(StrEnum):
+    """Why a stream ended, spelled on the wire as Dynamo spells it. `ERROR` comes with a message."""
+
+    EOS = "eos"
+    LENGTH = "length"
+    STOP = "stop"
+    CANCELLED = "cancelled"
+    CONTENT_FILTER = "content_filter"
+    ERROR = "error"
+
+    @property
+    def openai(self) -> str:
+        """OpenAI's reason: `length` and `content_filter` as they are, every other end is `stop`."""
+        return self.value if self in (FinishReason.LENGTH, FinishReason.CONTENT_FILTER) else "stop"
 
 
-def parse_finish_reason(value: Any) -> tuple[str | None, str | None]:
-    """An engine finish reason -> (normalized reason, error message). Normalized is one of
-    eos, length, stop, cancelled, content_filter, error; None while the stream goes on."""
+class CompletionUsage(msgspec.Struct, omit_defaults=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int | None = None  # an engine may leave the sum to the reader
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None,
+           details: PromptTokensDetails | None = None) -> CompletionUsage:
+        """Usage with the total filled in; `details` (a prefill worker's) wins over `cached_tokens`."""
+        if details is None and cached_tokens is not None:
+            details = PromptTokensDetails(cached_tokens)
+        return cls(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens, details)
+
+
+class RankedLogprob(msgspec.Struct):
+    """One alternative at a generated position, best first by `rank` (1 = the most likely)."""
+
+    rank: int | None
+    token_id: int
+    token: str | None
+    logprob: float
+
+
+class LLMEngineOutput(msgspec.Struct, omit_defaults=True):
+    """One chunk of a worker's answer: the new tokens since the last chunk; the last chunk has the
+    finish reason and the usage."""
+
+    token_ids: list[int]
+    text: str | None = None  # engine-decoded text (text-input models); else the frontend detokenizes
+    log_probs: list[float] | None = None  # of each new token
+    top_logprobs: list[list[RankedLogprob]] | None = None
+    finish_reason: FinishReason | None = None
+    error: str | None = None  # why, when finish_reason is ERROR
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    completion_usage: CompletionUsage | None = None
+    disaggregated_params: DisaggregatedParams | None = None  # a prefill worker's hand-off
+    kv_transfer_ms: float | None = None  # a decode worker's wait for the prompt's KV (first chunk)
+
+    @classmethod
+    def failed(cls, error: str) -> LLMEngineOutput:
+        return cls([], finish_reason=FinishReason.ERROR, error=error)
+
+    @classmethod
+    def cancelled(cls, usage: CompletionUsage | None = None) -> LLMEngineOutput:
+        return cls([], finish_reason=FinishReason.CANCELLED, completion_usage=usage)
+
+
+class StatusReply(msgspec.Struct):
+    """The answer of a worker's maintenance endpoints (`clear_kv_blocks`)."""
+
+    status: str  # success | error
+    message: str
+
+
+def parse_finish_reason(value: Any, error: Any = None) -> tuple[str | None, str | None]:
+    """A wire finish reason (and error message) -> (reason, error message); reason is one of eos, length,
+    stop, cancelled, content_filter, error; None while the stream goes on. Besides this contract's
+    `"error"` + message it reads the forms other Dynamo-speaking engines send: `"error: <msg>"`,
+    `{"error": msg}` and vLLM's `"abort"`."""
     if value is None:
         return None, None
     if isinstance(value, dict):
         return "error", str(value.get("error", value))
     text = str(value)
+    if text == "error":
+        return "error", str(error) if error else "the engine failed"
     if text.startswith("error"):
         return "error", text.partition(":")[2].strip() or text
-    if text == "abort" or text.startswith("abort"):
+    if text.startswith("abort"):
         return "cancelled", None
-    if text in FINISH_REASONS:
+    if text in FinishReason.__members__.values():
         return text, None
     return "error", f"unknown finish reason {text!r}"
-
-
-def openai_finish_reason(reason: str | None) -> str | None:
-    """Engine reason -> OpenAI's (`stop`, `length`, `content_filter`)."""
-    if reason is None:
-        return None
-    if reason == "length":
-        return "length"
-    if reason == "content_filter":
-        return "content_filter"
-    return "stop"

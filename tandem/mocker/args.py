@@ -16,6 +16,7 @@ from tandem.models import resolve_model
 from tandem.runtime import RuntimeConfig, add_runtime_args
 from tandem.runtime.config import env_str
 from tandem.runtime.keys import parse_endpoint_path
+from tandem.worker.config import DisaggregationMode
 
 DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1,
                "fp8_e5m2": 1, "int8": 1}
@@ -35,7 +36,7 @@ class MockerConfig:
     decode_speedup_ratio: float = 1.0
     startup_time: float = 0.0
     planner_profile_data: str | None = None
-    disaggregation_mode: str = "agg"
+    disaggregation_mode: DisaggregationMode = DisaggregationMode.AGGREGATED
     kv_transfer_bandwidth: float = 64.0  # GB/s; 0 disables the simulated transfer delay
     kv_bytes_per_token: int = 0
     enable_conditional_disagg: bool = False
@@ -48,13 +49,13 @@ class MockerConfig:
 
     @property
     def is_prefill(self) -> bool:
-        return self.disaggregation_mode == "prefill"
+        return self.disaggregation_mode is DisaggregationMode.PREFILL
 
     @property
     def publishes_kv_events(self) -> bool:
         """Decode workers publish none (as Dynamo's), unless conditional disaggregation needs their caches."""
         return self.engine.enable_prefix_caching and (
-            self.disaggregation_mode != "decode" or self.enable_conditional_disagg)
+            self.disaggregation_mode is not DisaggregationMode.DECODE or self.enable_conditional_disagg)
 
     def kv_transfer_seconds(self, num_tokens: int) -> float:
         """Simulated NIXL transfer of a prompt's KV from a prefill to a decode worker (the whole prompt),
@@ -173,8 +174,11 @@ def _config(args: argparse.Namespace) -> MockerConfig:
         raise ValueError(f"--data-parallel-size must be at least 1, got {options['data_parallel_size']}")
     if args.num_workers < 1:
         raise ValueError(f"--num-workers must be at least 1, got {args.num_workers}")
-    if options["disaggregation_mode"] not in ("agg", "prefill", "decode"):
-        raise ValueError(f"disaggregation_mode must be agg, prefill or decode, got {options['disaggregation_mode']!r}")
+    try:
+        mode = options["disaggregation_mode"] = DisaggregationMode(options["disaggregation_mode"])
+    except ValueError:
+        raise ValueError(f"disaggregation_mode must be agg, prefill or decode, got "
+                         f"{options['disaggregation_mode']!r}") from None
     if options["planner_profile_data"] and not os.path.isfile(str(options["planner_profile_data"])):
         raise ValueError(f"--planner-profile-data {options['planner_profile_data']}: no such file")
 
@@ -190,8 +194,7 @@ def _config(args: argparse.Namespace) -> MockerConfig:
                              **{name: options.pop(name) for name in SCHEDULER_OPTIONS})  # type: ignore[arg-type]
 
     runtime = RuntimeConfig.from_args(args)
-    default_component = "prefill" if options["disaggregation_mode"] == "prefill" else "backend"
-    endpoint = args.endpoint or f"dyn://{runtime.namespace}.{default_component}.generate"
+    endpoint = args.endpoint or f"dyn://{runtime.namespace}.{mode.default_component}.generate"
     namespace, component, endpoint_name = parse_endpoint_path(endpoint)
     return MockerConfig(
         model_path=model_path,

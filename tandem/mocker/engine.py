@@ -11,6 +11,7 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from tandem.llm.protocols import RankedLogprob
 from tandem.llm.tokenizer import Tokenizer
 from tandem.mocker.scheduler import Scheduler, SchedulerLoad, SimRequest, StepOutput, StepResult
 from tandem.router.hashing import tokens_to_bytes
@@ -18,7 +19,7 @@ from tandem.router.hashing import tokens_to_bytes
 log = logging.getLogger(__name__)
 
 # One output's `log_probs` and `top_logprobs` (see tandem.llm.protocols).
-SimLogprobs = tuple[list[float], list[list[dict[str, Any]]]]
+SimLogprobs = tuple[list[float], list[list[RankedLogprob]]]
 # Mixed into the request's seed for the logprob draws, a stream apart from the tokens'.
 _LOGPROBS_STREAM = 0x6C6F6770726F6273
 
@@ -96,8 +97,8 @@ class SyntheticTokens:
             probs.sort(reverse=True)
             alternatives = [t for t in rng.sample(catalog, others + 1) if t != token_id][:others]
             lp = math.log(chosen)
-            entries = [{"rank": 1, "token_id": token_id, "token": None, "logprob": lp}]
-            entries += [{"rank": rank, "token_id": t, "token": None, "logprob": math.log(p)}
+            entries = [RankedLogprob(1, token_id, None, lp)]
+            entries += [RankedLogprob(rank, t, None, math.log(p))
                         for rank, (t, p) in enumerate(zip(alternatives, probs, strict=True), 2)]
             return [lp], [entries]
 

@@ -1,5 +1,5 @@
-"""The mocker's endpoint handlers: `generate` for aggregated, prefill and decode workers (the same
-wire format as the vLLM worker's, see `tandem.vllm.handlers`) and `clear_kv_blocks`."""
+"""The mocker as a `WorkerEngine`: `generate` for aggregated, prefill and decode workers (the vLLM
+worker's contract) and `clear_kv_blocks`."""
 
 from __future__ import annotations
 
@@ -7,10 +7,19 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from tandem.llm.protocols import (
+    CompletionUsage,
+    DisaggregatedParams,
+    FinishReason,
+    LLMEngineOutput,
+    PreprocessedRequest,
+)
 from tandem.mocker.args import MockerConfig
 from tandem.mocker.engine import MockEngine, SimLogprobs, SyntheticTokens
 from tandem.mocker.scheduler import SimRequest, StepOutput
 from tandem.router.hashing import request_seed
+from tandem.runtime import Context
+from tandem.worker.config import DisaggregationMode
 
 
 class MockerHandler:
@@ -21,23 +30,24 @@ class MockerHandler:
         self.tokens = tokens
         self.worker_id = worker_id
 
-    async def generate(self, request: dict[str, Any], context: Any) -> AsyncIterator[dict[str, Any]]:
+    async def generate(self, request: PreprocessedRequest, context: Context) -> AsyncIterator[LLMEngineOutput]:
         try:
             sim = self._sim_request(request, context.id())
             engine = self._engine(request)
             logprobs = self._logprobs(request)
-        except (KeyError, TypeError, ValueError) as e:
-            yield _failed(e)
+        except ValueError as e:
+            yield LLMEngineOutput.failed(str(e))
             return
         prompt_len = len(sim.prompt)
+        prefill_details = request.prefill_result.prompt_tokens_details if request.prefill_result else None
         transfer_ms = await self._pull_kv(prompt_len) if sim.prefilled else None
         if context.is_stopped():  # while the KV was on its way
-            yield _cancelled(prompt_len, 0, None, request)
+            yield LLMEngineOutput.cancelled(CompletionUsage.of(prompt_len, 0, details=prefill_details))
             return
         try:
             queue = engine.submit(sim)
         except ValueError as e:  # it can never fit this engine
-            yield _failed(e)
+            yield LLMEngineOutput.failed(str(e))
             return
         unsubscribe = context.on_signal(lambda killed: queue.put_nowait(None))
         cached: int | None = None
@@ -46,21 +56,21 @@ class MockerHandler:
             while True:
                 output: StepOutput | None = await queue.get()
                 if output is None:  # stopped by the caller
-                    yield _cancelled(prompt_len, generated, cached, request)
+                    yield LLMEngineOutput.cancelled(CompletionUsage.of(prompt_len, generated, cached, prefill_details))
                     return
                 generated += 1
                 if output.cached_tokens is not None:
                     cached = output.cached_tokens
-                item: dict[str, Any] = {"token_ids": [output.token_id]}
+                item = LLMEngineOutput([output.token_id])
                 if logprobs is not None:
-                    item["log_probs"], item["top_logprobs"] = logprobs(output.token_id)
+                    item.log_probs, item.top_logprobs = logprobs(output.token_id)
                 if transfer_ms is not None and generated == 1:
-                    item["kv_transfer_ms"] = transfer_ms
+                    item.kv_transfer_ms = transfer_ms
                 if output.finished:
-                    item["finish_reason"] = "length"
-                    item["completion_usage"] = _usage(prompt_len, generated, cached, request)
+                    item.finish_reason = FinishReason.LENGTH
+                    item.completion_usage = CompletionUsage.of(prompt_len, generated, cached, prefill_details)
                     if self.config.is_prefill:
-                        item["disaggregated_params"] = {"kv_transfer_params": self._transfer_params(context.id(), prompt_len)}
+                        item.disaggregated_params = DisaggregatedParams(self._transfer_params(context.id(), prompt_len))
                 yield item
                 if output.finished:
                     return
@@ -76,72 +86,54 @@ class MockerHandler:
         await asyncio.sleep(seconds)
         return seconds * 1000
 
-    def _engine(self, request: dict[str, Any]) -> MockEngine:
+    def _engine(self, request: PreprocessedRequest) -> MockEngine:
         """The engine of the request's `routing.dp_rank` (rank 0 when it names none)."""
-        rank = (request.get("routing") or {}).get("dp_rank") or 0
-        if not isinstance(rank, int) or not 0 <= rank < len(self.engines):
+        rank = request.dp_rank or 0
+        if not 0 <= rank < len(self.engines):
             raise ValueError(f"dp_rank {rank!r} is not a data-parallel rank of this worker "
                              f"(it has {len(self.engines)})")
         return self.engines[rank]
 
-    def _sim_request(self, request: dict[str, Any], request_id: str) -> SimRequest:
-        token_ids = request["token_ids"]
-        if not isinstance(token_ids, list) or not token_ids:
+    def _sim_request(self, request: PreprocessedRequest, request_id: str) -> SimRequest:
+        token_ids = request.token_ids
+        if not token_ids:
             raise ValueError("the request has no prompt tokens")
         prompt_len = len(token_ids)
         room = self.config.context_length - prompt_len
         if room < 1:
             raise ValueError(f"the prompt ({prompt_len} tokens) does not fit the context length "
                              f"({self.config.context_length} tokens)")
-        max_tokens = (request.get("stop_conditions") or {}).get("max_tokens")
-        max_tokens = room if max_tokens is None else min(int(max_tokens), room)
+        max_tokens = room if request.max_tokens is None else min(request.max_tokens, room)
         if self.config.is_prefill:
             max_tokens = 1
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
-        seed = (request.get("sampling_options") or {}).get("seed")
-        salt = (request.get("routing") or {}).get("cache_salt")
-        transfer = ((request.get("prefill_result") or {}).get("disaggregated_params") or {}).get("kv_transfer_params")
+        salt = request.routing.cache_salt if request.routing else None
+        handed_over = request.prefill_result is not None and bool(
+            request.prefill_result.disaggregated_params.kv_transfer_params)
         return SimRequest(
             request_id=request_id, prompt=token_ids, max_tokens=max_tokens,
-            output_token=self.tokens.for_request(token_ids, seed), hash_seed=request_seed(None, salt),
-            prefilled=self.config.disaggregation_mode == "decode" and bool(transfer),
+            output_token=self.tokens.for_request(token_ids, request.sampling_options.seed),
+            hash_seed=request_seed(None, salt),
+            prefilled=self.config.disaggregation_mode is DisaggregationMode.DECODE and handed_over,
         )
 
-    def _logprobs(self, request: dict[str, Any]) -> Callable[[int], SimLogprobs] | None:
+    def _logprobs(self, request: PreprocessedRequest) -> Callable[[int], SimLogprobs] | None:
         """The simulated logprobs when `output_options.logprobs` asks for them (the number of
         alternatives, 0 = the generated token's alone); None, and no cost per token, otherwise."""
-        top = (request.get("output_options") or {}).get("logprobs")
+        top = request.output_options.logprobs
         if top is None:
             return None
-        top = int(top)
         if top < 0:
             raise ValueError(f"logprobs must be at least 0, got {top}")
-        seed = (request.get("sampling_options") or {}).get("seed")
-        return self.tokens.logprobs_for(request["token_ids"], seed, top)
+        return self.tokens.logprobs_for(request.token_ids, request.sampling_options.seed, top)
 
     def _transfer_params(self, request_id: str, prompt_len: int) -> dict[str, Any]:
         """What a decode worker needs to 'pull' the KV (nothing real moves in the mocker)."""
         return {"do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": f"{self.worker_id:x}",
                 "remote_request_id": request_id, "num_prompt_tokens": prompt_len}
 
-    async def clear_kv_blocks(self, request: Any = None, context: Any = None) -> AsyncIterator[dict[str, Any]]:
+    async def clear_kv_blocks(self) -> None:
         for engine in self.engines:
             engine.scheduler.kv.clear()
-        yield {"status": "success", "message": "KV cache cleared"}
 
-
-def _failed(error: Exception) -> dict[str, Any]:
-    return {"token_ids": [], "finish_reason": f"error: {error}"}
-
-
-def _cancelled(prompt_len: int, generated: int, cached: int | None, request: dict[str, Any]) -> dict[str, Any]:
-    return {"token_ids": [], "finish_reason": "cancelled",
-            "completion_usage": _usage(prompt_len, generated, cached, request)}
-
-
-def _usage(prompt_len: int, generated: int, cached: int | None, request: dict[str, Any]) -> dict[str, Any]:
-    details = ((request.get("prefill_result") or {}).get("prompt_tokens_details")
-               or ({"cached_tokens": cached} if cached is not None else None))
-    return {"prompt_tokens": prompt_len, "completion_tokens": generated, "total_tokens": prompt_len + generated,
-            "prompt_tokens_details": details}

@@ -14,18 +14,18 @@ import logging
 import sys
 from typing import Any
 
-from tandem.llm.model_card import ModelType, build_card, register_model
+from tandem.llm.model_card import ModelRuntimeConfig
 from tandem.llm.tokenizer import Tokenizer
 from tandem.mocker.args import MockerConfig, parse_args
 from tandem.mocker.engine import MockEngine, SyntheticTokens
 from tandem.mocker.handlers import MockerHandler
 from tandem.mocker.perf_model import load_perf_model
 from tandem.mocker.scheduler import Scheduler
-from tandem.router.protocols import KV_EVENT_TOPIC, KV_METRICS_TOPIC, WORKER_KV_INDEXER_QUERY_ENDPOINT
-from tandem.router.publisher import KvEventPublisher, SupportsPublish, indexer_query_handler
+from tandem.router.protocols import KV_EVENT_TOPIC, KV_METRICS_TOPIC
+from tandem.router.publisher import KvEventPublisher, SupportsPublish
 from tandem.runtime import DistributedRuntime, configure_logging, run
 from tandem.runtime.runtime import install_signal_handlers
-from tandem.worker.health import health_check_payload
+from tandem.worker.harness import WorkerSpec, serve_worker
 from tandem.worker.load import KvMetricsStatLogger
 
 log = logging.getLogger("tandem.mocker")
@@ -49,7 +49,6 @@ class DroppingPublisher:
 async def start_worker(config: MockerConfig, runtime: DistributedRuntime, tokenizer: Tokenizer) -> list[MockEngine]:
     """One worker instance on `runtime`: a simulated engine per data-parallel rank."""
     component = runtime.namespace(config.namespace).component(config.component)
-    endpoint = component.endpoint(config.endpoint)
     worker_id = runtime.instance_id
     engine_config = config.engine
     event_plane: SupportsPublish | None = None
@@ -80,32 +79,19 @@ async def start_worker(config: MockerConfig, runtime: DistributedRuntime, tokeni
         engine.start()
         engines.append(engine)
     handler = MockerHandler(config, engines, SyntheticTokens(tokenizer, config.seed), worker_id)
-    labels = {"model": config.served_model_name}
-    bos = tokenizer.token_to_id(tokenizer.bos_token) if tokenizer.bos_token else None
-    served = await endpoint.start_serving(handler.generate, graceful_shutdown=config.migration_limit <= 0,
-                                          metrics_labels=labels, health_check_payload=health_check_payload(bos))
-    await component.endpoint("clear_kv_blocks").start_serving(handler.clear_kv_blocks, metrics_labels=labels)
-    if publishers:
-        await component.endpoint(WORKER_KV_INDEXER_QUERY_ENDPOINT).start_serving(indexer_query_handler(publishers),
-                                                                               metrics_labels=labels)
-    card = build_card(
-        config.model_path, config.served_model_name,
-        model_type=ModelType.Prefill if config.is_prefill else ModelType.parse("chat,completions"),
-        model_input="Tokens",
-        worker_type={"agg": "Aggregated", "prefill": "Prefill", "decode": "Decode"}[config.disaggregation_mode],
-        context_length=config.context_length, kv_cache_block_size=engine_config.block_size,
-        migration_limit=0 if config.is_prefill else config.migration_limit,
-        runtime_config={
-            "total_kv_blocks": engine_config.num_blocks, "max_num_seqs": engine_config.max_num_seqs,
-            "max_num_batched_tokens": engine_config.max_num_batched_tokens, "context_length": config.context_length,
-            "enable_local_indexer": bool(publishers), "data_parallel_size": config.data_parallel_size,
-        },
+    spec = WorkerSpec(
+        config.model_path, config.served_model_name, config.disaggregation_mode, engine_config.block_size,
+        config.migration_limit, context_length=config.context_length,
+        bos_token_id=tokenizer.token_to_id(tokenizer.bos_token) if tokenizer.bos_token else None,
+        runtime_config=ModelRuntimeConfig(
+            total_kv_blocks=engine_config.num_blocks, max_num_seqs=engine_config.max_num_seqs,
+            max_num_batched_tokens=engine_config.max_num_batched_tokens, context_length=config.context_length,
+            enable_local_indexer=bool(publishers), data_parallel_size=config.data_parallel_size,
+        ),
     )
-    await register_model(endpoint, card)
-    runtime.set_ready()
-    log.info("mocker serving %s as dyn://%s (%d blocks of %d tokens, speedup %g)", config.served_model_name,
-             served.path, engine_config.num_blocks, engine_config.block_size, config.speedup_ratio)
-    print(f"READY {worker_id:x} {served.path}", flush=True)
+    await serve_worker(component, handler, spec, endpoint=config.endpoint, kv_publishers=publishers,
+                       summary=f"mocker: {engine_config.num_blocks} blocks of {engine_config.block_size} tokens, "
+                       f"speedup {config.speedup_ratio:g}")
     return engines
 
 

@@ -10,9 +10,12 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from tandem.runtime import keys
 from tandem.runtime.client import Client
 from tandem.runtime.context import Context
+from tandem.runtime.errors import InvalidRequestError
 from tandem.runtime.event_plane import EventPublisher, EventSubscriber
 from tandem.runtime.metrics import EndpointStats
 
@@ -83,13 +86,17 @@ class Endpoint:
         graceful_shutdown: bool = True,
         metrics_labels: list[tuple[str, str]] | dict[str, str] | None = None,
         health_check_payload: Any = None,
+        request_type: type | None = None,
     ) -> ServedEndpoint:
         """Serve `handler` and register this instance in discovery; returns at once.
 
         `handler(request)` or `handler(request, context)` must be an async generator of
-        msgpack-able items. With `graceful_shutdown`, shutdown waits for its in-flight streams.
+        msgpack-able items (msgspec Structs included). With `request_type` (a msgspec Struct), the
+        request is decoded into it first; one that does not fit is answered with a 400 naming the field,
+        and the handler never sees it. With `graceful_shutdown`, shutdown waits for its in-flight streams.
         """
-        served = ServedEndpoint(self, handler, graceful_shutdown, dict(metrics_labels or {}), health_check_payload)
+        served = ServedEndpoint(self, handler, graceful_shutdown, dict(metrics_labels or {}), health_check_payload,
+                                request_type)
         await self.runtime._serve(served)
         return served
 
@@ -117,6 +124,7 @@ class ServedEndpoint:
         graceful_shutdown: bool,
         metrics_labels: dict[str, str],
         health_check_payload: Any,
+        request_type: type | None = None,
     ) -> None:
         if not (inspect.isasyncgenfunction(handler) or inspect.isasyncgenfunction(type(handler).__call__)):
             raise TypeError(f"handler for {endpoint.path} must be an async generator function, got {handler!r}")
@@ -130,6 +138,7 @@ class ServedEndpoint:
         ]
         self._wants_context = len(params) >= 2
         self._handler = handler
+        self._request_type = request_type
         self.key = keys.instance_key(endpoint.namespace, endpoint.component, endpoint.name, endpoint.runtime.instance_id)
         labels = {
             "dynamo_namespace": endpoint.namespace,
@@ -142,7 +151,13 @@ class ServedEndpoint:
         self.last_activity = time.monotonic()
 
     def stream(self, request: Any, context: Context) -> AsyncIterator[Any]:
+        """The handler's stream for `request`; raises InvalidRequestError when it is not a `request_type`."""
         self.last_activity = time.monotonic()
+        if self._request_type is not None:
+            try:
+                request = msgspec.convert(request, self._request_type)
+            except msgspec.ValidationError as e:
+                raise InvalidRequestError(f"invalid {self._request_type.__name__}: {e}") from None
         if self._wants_context:
             return self._handler(request, context)
         return self._handler(request)

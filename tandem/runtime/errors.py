@@ -33,6 +33,10 @@ class RemoteError(TandemError):
         self.code = code
 
 
+class InvalidRequestError(TandemError):
+    """A request does not have the shape its endpoint takes; the caller gets a 400 naming the field."""
+
+
 class MessageTooLargeError(TandemError):
     """A message exceeds the request plane's maximum size (DYN_TCP_MAX_MESSAGE_SIZE)."""
 

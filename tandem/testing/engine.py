@@ -26,13 +26,33 @@ import os
 import re
 import signal
 import sys
+from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 from tokenizers import Tokenizer
 
-from tandem.llm.model_card import ModelType, build_card, register_model
+from tandem.llm.model_card import ModelInput, ModelRuntimeConfig, ModelType
+from tandem.llm.protocols import (
+    CompletionUsage,
+    FinishReason,
+    LLMEngineOutput,
+    PreprocessedRequest,
+    RankedLogprob,
+    TextRequest,
+)
 from tandem.models import resolve_model
-from tandem.runtime import DistributedRuntime, RuntimeConfig, add_runtime_args, configure_logging, run
+from tandem.router.protocols import KV_METRICS_TOPIC, ActiveLoad
+from tandem.runtime import (
+    Context,
+    DistributedRuntime,
+    RuntimeConfig,
+    add_runtime_args,
+    configure_logging,
+    run,
+)
+from tandem.worker.config import DisaggregationMode
+from tandem.worker.harness import WorkerSpec, serve_worker
 
 DEFAULT_TEXT = " The quick brown fox jumps over the lazy dog."
 _SAY = re.compile(r"\[\[say:(.*?)\]\]", re.S)
@@ -51,20 +71,21 @@ class TestEngine:
         self.active: dict[str, int] = {}  # request id -> tokens held (prompt + generated)
         self.load_publisher: Any = None
 
-    def script(self, prompt_text: str, request: dict[str, Any]) -> tuple[list[int], bool]:
+    def script(self, prompt_text: str, request: PreprocessedRequest) -> tuple[list[int], bool]:
         """Tokens to produce and whether EOS follows them."""
         if "[[fail]]" in prompt_text:
             return self.tokenizer.encode(" partial output", add_special_tokens=False).ids, False
         if "[[prompt]]" in prompt_text:
             return self.tokenizer.encode(prompt_text.replace("[[prompt]]", ""), add_special_tokens=False).ids, True
         if "[[echo]]" in prompt_text:
-            options = {k: request.get(k) for k in ("stop_conditions", "sampling_options", "output_options",
-                                                   "eos_token_ids", "annotations", "routing", "mdc_sum")}
+            wire = msgspec.to_builtins(request)  # as the frontend sent it: absent options stay absent
+            options = {k: wire.get(k) for k in ("stop_conditions", "sampling_options", "output_options",
+                                                "eos_token_ids", "annotations", "routing", "mdc_sum")}
             return self.tokenizer.encode(json.dumps(options, sort_keys=True), add_special_tokens=False).ids, True
         match = _SAY.search(prompt_text)
         if match:
             return self.tokenizer.encode(match.group(1), add_special_tokens=False).ids, True
-        max_tokens = (request.get("stop_conditions") or {}).get("max_tokens") or 16
+        max_tokens = request.max_tokens or 16
         reps = max_tokens // max(len(self.default_tokens), 1) + 1
         return (self.default_tokens * reps)[:max_tokens], False
 
@@ -86,53 +107,50 @@ class TestEngine:
     def publish_load(self) -> None:
         if self.load_publisher is not None:
             used = sum(-(-held // self.block_size) for held in self.active.values())
-            self.load_publisher.publish({"worker_id": self.worker_id, "dp_rank": 0, "kv_used_blocks": used,
-                                         "active_decode_blocks": used, "active_prefill_tokens": 0})
+            self.load_publisher.publish(ActiveLoad(self.worker_id, kv_used_blocks=used, active_decode_blocks=used,
+                                                   active_prefill_tokens=0))
 
-    async def generate(self, request: dict[str, Any], context: Any):  # type: ignore[no-untyped-def]
+    async def generate(self, request: PreprocessedRequest, context: Context) -> AsyncIterator[LLMEngineOutput]:
         args = self.args
-        token_ids: list[int] = request["token_ids"]
-        stop = request.get("stop_conditions") or {}
-        output = request.get("output_options") or {}
+        token_ids = request.token_ids
+        stop = request.stop_conditions
         prompt_text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
         target, with_eos = self.script(prompt_text, request)
         resume = next((k for k in range(min(len(target), len(token_ids)), 0, -1)
                        if token_ids[-k:] == target[:k]), 0)
         target = target[resume:] + ([self.eos] if with_eos else [])
-        max_tokens = stop.get("max_tokens")
-        stop_ids = set(stop.get("stop_token_ids") or []) | set(stop.get("stop_token_ids_hidden") or [])
-        if stop.get("ignore_eos"):
+        stop_ids = set(stop.stop_token_ids or []) | set(stop.stop_token_ids_hidden or [])
+        if stop.ignore_eos:
             stop_ids.discard(self.eos)
-        usage = {"prompt_tokens": len(token_ids), "completion_tokens": 0, "total_tokens": len(token_ids),
-                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens(token_ids)}}
+        cached = self.cached_tokens(token_ids)
+        top_logprobs = request.output_options.logprobs
         self.active[context.id()] = len(token_ids)
         self.publish_load()
         finished = False
+        n = 0
         try:
             for n, token in enumerate(target, 1):
                 if context.is_stopped():
+                    n -= 1
                     break
                 if args.delay_ms:
                     await asyncio.sleep(args.delay_ms / 1000)
-                item: dict[str, Any] = {"token_ids": [token]}
-                if output.get("logprobs") is not None:
-                    top = max(int(output["logprobs"]), 1)
-                    item["log_probs"] = [-0.25]
-                    item["top_logprobs"] = [[
-                        {"rank": r + 1, "token_id": token + r, "token": self.tokenizer.id_to_token(token + r),
-                         "logprob": -0.25 - r} for r in range(top)
-                    ]]
-                usage["completion_tokens"] = n
-                usage["total_tokens"] = len(token_ids) + n
+                item = LLMEngineOutput([token])
+                if top_logprobs is not None:
+                    item.log_probs = [-0.25]
+                    item.top_logprobs = [[RankedLogprob(r + 1, token + r, self.tokenizer.id_to_token(token + r),
+                                                        -0.25 - r) for r in range(max(top_logprobs, 1))]]
                 self.active[context.id()] = len(token_ids) + n
                 if token in stop_ids or token == self.eos:
-                    item.update(finish_reason="stop", completion_usage=usage)
+                    item.finish_reason = FinishReason.STOP
                     if token in stop_ids and token != self.eos:
-                        item["stop_reason"] = token
+                        item.stop_reason = token
                     finished = True
-                elif (max_tokens is not None and n >= max_tokens) or n == len(target):
-                    item.update(finish_reason="length", completion_usage=usage)
+                elif (stop.max_tokens is not None and n >= stop.max_tokens) or n == len(target):
+                    item.finish_reason = FinishReason.LENGTH
                     finished = True
+                if finished:
+                    item.completion_usage = CompletionUsage.of(len(token_ids), n, cached)
                 self.emitted_total += 1
                 if "[[fail]]" in prompt_text and n == 2:
                     raise RuntimeError("the test engine failed as asked ([[fail]])")
@@ -142,7 +160,7 @@ class TestEngine:
                 if finished:
                     break
             if not finished:  # stopped by the caller
-                yield {"token_ids": [], "finish_reason": "cancelled", "completion_usage": usage}
+                yield LLMEngineOutput.cancelled(CompletionUsage.of(len(token_ids), n, cached))
             _report(args.report, "done")
         except asyncio.CancelledError:
             _report(args.report, "killed" if context.is_killed() else "cancelled")
@@ -152,9 +170,9 @@ class TestEngine:
             self.publish_load()
 
 
-    async def generate_text(self, request: dict[str, Any], context: Any):  # type: ignore[no-untyped-def]
+    async def generate_text(self, request: TextRequest, context: Context) -> AsyncIterator[dict[str, Any]]:
         """Text-input mode: an OpenAI chat request in, OpenAI chat chunks out (like --use-vllm-tokenizer)."""
-        messages = request.get("messages") or []
+        messages = request.messages or []
         text = str(messages[-1].get("content", "")) if messages else ""
         match = _SAY.search(text)
         words = (match.group(1) if match else DEFAULT_TEXT).split(" ")
@@ -172,6 +190,14 @@ class TestEngine:
             if last:
                 chunk["usage"] = {"prompt_tokens": len(text.split()), "completion_tokens": len(words),
                                   "total_tokens": len(text.split()) + len(words)}
+            yield chunk
+
+
+class TextTestEngine(TestEngine):
+    """The test engine with text input: `generate` takes the client's OpenAI request."""
+
+    async def generate(self, request: TextRequest, context: Context) -> AsyncIterator[dict[str, Any]]:  # type: ignore[override]
+        async for chunk in self.generate_text(request, context):
             yield chunk
 
 
@@ -219,25 +245,18 @@ async def main(argv: list[str] | None = None) -> int:
     runtime = await DistributedRuntime.create(RuntimeConfig.from_args(args))
     runtime.install_signal_handlers()
     component = runtime.namespace().component(args.component)
-    endpoint = component.endpoint("generate")
-    engine = TestEngine(args, model_path, runtime.instance_id)
-    engine.load_publisher = await component.event_publisher("kv_metrics")
-    handler = engine.generate if args.model_input == "Tokens" else engine.generate_text
-    served = await endpoint.start_serving(handler, graceful_shutdown=args.migration_limit <= 0)
-    card = build_card(
-        model_path, args.model_name or os.path.basename(model_path.rstrip("/")),
-        model_type=ModelType.parse(args.endpoint_types), model_input=args.model_input,
-        kv_cache_block_size=args.block_size,
-        context_length=args.context_length, migration_limit=args.migration_limit,
-        custom_template_path=args.custom_jinja_template,
-        runtime_config={"total_kv_blocks": args.total_kv_blocks, "max_num_seqs": 256,
-                        "max_num_batched_tokens": 8192},
+    engine = (TestEngine if args.model_input == ModelInput.Tokens else TextTestEngine)(args, model_path,
+                                                                                       runtime.instance_id)
+    engine.load_publisher = await component.event_publisher(KV_METRICS_TOPIC)
+    spec = WorkerSpec(
+        model_path, args.model_name or os.path.basename(model_path.rstrip("/")), DisaggregationMode.AGGREGATED,
+        args.block_size, args.migration_limit, model_type=ModelType.parse(args.endpoint_types),
+        model_input=ModelInput(args.model_input), context_length=args.context_length,
+        custom_template_path=args.custom_jinja_template, loras=args.lora,
+        runtime_config=ModelRuntimeConfig(total_kv_blocks=args.total_kv_blocks, max_num_seqs=256,
+                                          max_num_batched_tokens=8192),
     )
-    await register_model(endpoint, card)
-    for name in args.lora:
-        await register_model(endpoint, card.for_lora(name))
-    runtime.set_ready()
-    print(f"READY {runtime.instance_id:x} {served.path}", flush=True)
+    await serve_worker(component, engine, spec, summary="test engine")
     await runtime.wait_closed()
     return 0
 

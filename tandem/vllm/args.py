@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, cast
 from tandem.models.prepare import MODEL_NAME, PrepareError, is_default_model
 from tandem.models.resolve import resolve_model
 from tandem.runtime.config import RuntimeConfig, add_runtime_args, detect_host, env_bool, env_number, env_str
+from tandem.worker.config import DisaggregationMode
 
 if TYPE_CHECKING:
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -146,6 +147,12 @@ class Config:
     @property
     def data_parallel_rank(self) -> int:
         return int(self.engine_args.data_parallel_rank or 0)
+
+    @property
+    def disaggregation_mode(self) -> DisaggregationMode:
+        if self.is_prefill_worker:
+            return DisaggregationMode.PREFILL
+        return DisaggregationMode.DECODE if self.is_decode_worker else DisaggregationMode.AGGREGATED
 
     def validate(self) -> None:
         """Dynamo's validation rules; raises ValueError (FileNotFoundError for the template)."""
@@ -439,7 +446,7 @@ def build_config(argv: list[str] | None = None, *, is_cpu: bool | None = None, a
 
 
 def _component(config: Config) -> str:
-    return "prefill" if config.is_prefill_worker else "backend"
+    return config.disaggregation_mode.default_component
 
 
 def platform_is_cpu() -> bool:

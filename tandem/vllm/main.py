@@ -12,16 +12,16 @@ import os
 import sys
 from typing import Any
 
-from tandem.llm.model_card import ModelType, build_card, register_model
+from tandem.llm.model_card import ModelInput, ModelRuntimeConfig, ModelType
 from tandem.router.protocols import KV_METRICS_TOPIC
 from tandem.runtime import DistributedRuntime, configure_logging, run
 from tandem.vllm.args import Config, dump_config, parse_args
 from tandem.vllm.checkpoint_restore import get_checkpoint_config
 from tandem.vllm.engine_monitor import VllmEngineMonitor
-from tandem.vllm.handlers import BaseWorkerHandler, DecodeWorkerHandler, DisaggMetrics, PrefillWorkerHandler
+from tandem.vllm.handlers import DisaggMetrics, handler_class
 from tandem.vllm.health_check import bos_token_id_of
 from tandem.vllm.lifeline import mark_owner
-from tandem.worker.health import health_check_payload
+from tandem.worker.harness import ServedWorker, WorkerSpec, serve_worker
 
 log = logging.getLogger("tandem.vllm")
 
@@ -50,12 +50,6 @@ def setup_vllm_engine(config: Config, stat_loggers: list[Any] | None = None) -> 
     return engine, vllm_config, defaults
 
 
-def _model_type(config: Config) -> ModelType:
-    if config.is_prefill_worker:
-        return ModelType.Prefill
-    return ModelType.parse(config.endpoint_types)
-
-
 async def worker(config: Config) -> int:
     early_exit, checkpoint = get_checkpoint_config()
     if early_exit:
@@ -82,11 +76,9 @@ async def worker(config: Config) -> int:
 
 async def _serve(config: Config, runtime: DistributedRuntime, shutdown_event: asyncio.Event, engine: Any,
                  vllm_config: Any, defaults: Any) -> int:
-    from tandem.router.publisher import indexer_query_handler
     from tandem.vllm.publisher import KvEventRelay, StatLoggerFactory
 
     component = runtime.namespace(config.namespace).component(config.component)
-    generate_endpoint = component.endpoint(config.endpoint)
     worker_id = runtime.instance_id
     dp_rank = config.engine_args.data_parallel_rank or 0
     stat_factory = None
@@ -111,14 +103,12 @@ async def _serve(config: Config, runtime: DistributedRuntime, shutdown_event: as
             from tandem.vllm.lora import LoRAService
 
             lora = LoRAService(engine)
-        handler_class = PrefillWorkerHandler if config.is_prefill_worker else DecodeWorkerHandler
-        handler: BaseWorkerHandler = handler_class(
+        handler = handler_class(prefill=config.is_prefill_worker, text_input=config.use_vllm_tokenizer)(
             runtime, engine, config, default_sampling_params=defaults, model_max_len=model_max_len,
             shutdown_event=shutdown_event, lora=lora,
             disagg_metrics=None if config.is_prefill_worker else DisaggMetrics(runtime.registry,
                                                                                config.served_model_name),
         )
-        handler.generate_endpoint = generate_endpoint
 
         async def abort_in_flight() -> None:
             # After the drain: what still runs is aborted and ends as incomplete, so the frontend migrates it.
@@ -136,7 +126,6 @@ async def _serve(config: Config, runtime: DistributedRuntime, shutdown_event: as
                                      zmq_endpoint=_offset_port(config.kv_events_endpoint, rank), dp_rank=rank)
                 await relay.start()
                 relays.append(relay)
-        handler.kv_publishers = relays
         runtime.register_engine_route("sleep", handler.sleep)
         runtime.register_engine_route("wake_up", handler.wake_up)
 
@@ -145,49 +134,35 @@ async def _serve(config: Config, runtime: DistributedRuntime, shutdown_event: as
             await runtime.wait_closed()
             return 0
 
-        labels = {"model": config.served_model_name}
-        bos = await bos_token_id_of(engine)
-        served = await generate_endpoint.start_serving(
-            handler.generate, graceful_shutdown=config.migration_limit <= 0, metrics_labels=labels,
-            health_check_payload=health_check_payload(bos, text_mode=config.use_vllm_tokenizer),
-        )
-        await component.endpoint("clear_kv_blocks").start_serving(handler.clear_kv_blocks, metrics_labels=labels)
-        if relays:
-            await component.endpoint("worker_kv_indexer_query").start_serving(indexer_query_handler(relays),
-                                                                              metrics_labels=labels)
-        runtime_config = {
-            "total_kv_blocks": num_blocks,
-            "max_num_seqs": vllm_config.scheduler_config.max_num_seqs,
-            "max_num_batched_tokens": vllm_config.scheduler_config.max_num_batched_tokens,
-            "context_length": model_max_len,
-            "enable_local_indexer": bool(relays),
-            "data_parallel_size": vllm_config.parallel_config.data_parallel_size,
-        }
-        if not config.is_prefill_worker:
-            runtime_config["tool_call_parser"] = config.dyn_tool_call_parser
-            runtime_config["reasoning_parser"] = config.dyn_reasoning_parser
-        card = build_card(
-            config.model_path, config.served_model_name, model_type=_model_type(config),
-            model_input="Text" if config.use_vllm_tokenizer else "Tokens",
-            worker_type="Prefill" if config.is_prefill_worker else ("Decode" if config.is_decode_worker else "Aggregated"),
-            context_length=model_max_len, kv_cache_block_size=block_size,
-            migration_limit=0 if config.is_prefill_worker else config.migration_limit,
-            runtime_config=runtime_config, custom_template_path=config.custom_jinja_template,
-        )
-        await register_model(generate_endpoint, card)
-        if lora is not None:
+        async def serve_loras(worker: ServedWorker) -> None:
+            if lora is None:
+                return
             from tandem.vllm.lora import card_callbacks, install_lora_routes
 
-            lora.register, lora.unregister = card_callbacks(generate_endpoint, card)
+            lora.register, lora.unregister = card_callbacks(worker.endpoint, worker.card)
             for name, fn in (("load_lora", lora.load_lora), ("unload_lora", lora.unload_lora),
                              ("list_loras", lora.list_loras)):
-                await component.endpoint(name).start_serving(fn, metrics_labels=labels)
+                await component.endpoint(name).start_serving(fn, metrics_labels={"model": config.served_model_name})
             install_lora_routes(runtime, lora)
+
+        spec = WorkerSpec(
+            config.model_path, config.served_model_name, config.disaggregation_mode, block_size,
+            config.migration_limit, model_type=ModelType.parse(config.endpoint_types),
+            model_input=ModelInput.Text if config.use_vllm_tokenizer else ModelInput.Tokens,
+            context_length=model_max_len, custom_template_path=config.custom_jinja_template,
+            bos_token_id=await bos_token_id_of(engine),
+            runtime_config=ModelRuntimeConfig(
+                total_kv_blocks=num_blocks, max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
+                max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+                context_length=model_max_len, enable_local_indexer=bool(relays),
+                data_parallel_size=vllm_config.parallel_config.data_parallel_size,
+                tool_call_parser=None if config.is_prefill_worker else config.dyn_tool_call_parser,
+                reasoning_parser=None if config.is_prefill_worker else config.dyn_reasoning_parser,
+            ),
+        )
+        await serve_worker(component, handler, spec, endpoint=config.endpoint, kv_publishers=relays,
+                           before_ready=serve_loras, summary=f"{num_blocks} KV blocks of {block_size} tokens")
         handler.on_sleep, handler.on_wake = runtime.leave_discovery, runtime.rejoin_discovery
-        runtime.set_ready()
-        log.info("serving %s as dyn://%s (%d KV blocks of %d tokens)", config.served_model_name,
-                 served.path, num_blocks, block_size)
-        print(f"READY {worker_id:x} {served.path}", flush=True)  # for launchers and tests
         await runtime.wait_closed()
         await monitor.stop()
         for relay in relays:

@@ -29,6 +29,7 @@ from tandem.runtime.context import Context
 from tandem.runtime.errors import (
     EngineShutdown,
     InstanceUnreachableError,
+    InvalidRequestError,
     MessageTooLargeError,
     RemoteError,
     StreamIncompleteError,
@@ -236,8 +237,9 @@ class _ServerConnection(asyncio.Protocol):
         started = time.perf_counter()
         counts = self.server.inflight_counts
         counts[endpoint] = counts.get(endpoint, 0) + 1
-        items = service.stream(body, context)
+        items: Any = None
         try:
+            items = service.stream(body, context)
             async for item in items:
                 if context.is_killed() or self.closed:
                     break
@@ -256,6 +258,9 @@ class _ServerConnection(asyncio.Protocol):
             else:
                 self.send(END, stream_id)
                 outcome = "ok"
+        except InvalidRequestError as e:
+            log.warning("%s: rejected request %s: %s", endpoint, context.id(), e)
+            self.send_error(stream_id, str(e), 400)
         except EngineShutdown:
             self.send(INCOMPLETE, stream_id)
             outcome = "incomplete"
@@ -265,7 +270,8 @@ class _ServerConnection(asyncio.Protocol):
             log.exception("%s: handler failed on request %s", endpoint, context.id())
             self.send_error(stream_id, f"{type(e).__name__}: {e}", 500)
         finally:
-            await _close_quietly(items)
+            if items is not None:
+                await _close_quietly(items)
             counts[endpoint] -= 1
             service.account(nbytes, sent, time.perf_counter() - started, outcome)
 
