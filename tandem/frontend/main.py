@@ -11,12 +11,15 @@ from tandem.frontend.http import FrontendServer, HttpConfig
 from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.models import ModelManager, ServedModel
 from tandem.frontend.pipeline import ModelPipeline
-from tandem.frontend.routing import ROUTER_MODES, LoadMonitor, LoadThresholds
+from tandem.frontend.routing import LoadMonitor, LoadThresholds
 from tandem.llm.model_card import ModelInput
 from tandem.router.config import add_router_args, parse_args_with_router_config
 from tandem.router.kv_router import KvRouter, RouterMetrics
 from tandem.runtime import DistributedRuntime, RuntimeConfig, add_runtime_args, configure_logging, run
 from tandem.runtime.config import env_bool, env_number, env_str
+from tandem.runtime.options import MIGRATION_LIMIT, ROUTER_MODES
+
+DEFAULT_MIGRATION_LIMIT = 3  # the frontend moves a stream cut off mid-way; workers default to 0 (their drain)
 
 log = logging.getLogger("tandem.frontend")
 
@@ -45,10 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "visible here [env DYN_MODEL_PATH]")
     models.add_argument("--router-mode", default=env_str("DYN_ROUTER_MODE", "round-robin"), choices=ROUTER_MODES,
                         help="how to pick a worker [env DYN_ROUTER_MODE, default round-robin]")
-    models.add_argument("--migration-limit", type=int, default=int(env_number("DYN_MIGRATION_LIMIT", 3, int)),
-                        help="times a streaming request may move to another worker when its worker fails "
-                        "mid-stream (a request no worker has accepted yet always goes to another) "
-                        "[env DYN_MIGRATION_LIMIT, default 3; 0 = off]")
+    MIGRATION_LIMIT.add_to(models, DEFAULT_MIGRATION_LIMIT)  # a request no worker accepted always moves
     models.add_argument("--migration-max-seq-len", type=int,
                         default=int(v) if (v := env_str("DYN_MIGRATION_MAX_SEQ_LEN")) else None,
                         help="no migration once prompt + generated tokens exceed this [env DYN_MIGRATION_MAX_SEQ_LEN]")
@@ -74,8 +74,6 @@ def build_parser() -> argparse.ArgumentParser:
 async def serve(args: argparse.Namespace) -> int:
     if bool(args.tls_cert_path) != bool(args.tls_key_path):
         raise SystemExit("tandem frontend: --tls-cert-path and --tls-key-path must be given together")
-    if args.migration_limit < 0:
-        raise SystemExit("tandem frontend: --migration-limit must be >= 0")
     if args.router_config.conditional_disagg and args.router_mode != "kv":
         raise SystemExit("tandem frontend: --router-conditional-disagg needs --router-mode kv")
     config = RuntimeConfig.from_args(args)
@@ -156,6 +154,10 @@ async def _follow_load(runtime: DistributedRuntime, endpoint_path: str, load: Lo
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parse_args_with_router_config(parser, sys.argv[1:] if argv is None else argv)
+    try:
+        args.migration_limit = MIGRATION_LIMIT.value(args, DEFAULT_MIGRATION_LIMIT)
+    except ValueError as e:
+        parser.error(str(e))
     configure_logging()
     return run(lambda: serve(args))
 

@@ -15,9 +15,9 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-log = logging.getLogger(__name__)
+from tandem.runtime.options import ROUTER_MODES
 
-ROUTER_MODES = ("round-robin", "random", "power-of-two", "least-loaded", "direct", "kv")
+log = logging.getLogger(__name__)
 
 
 class NoWorkerError(Exception):

@@ -23,7 +23,6 @@ from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 
-from tandem.frontend.routing import ROUTER_MODES
 from tandem.launch.cores import format_cores
 from tandem.launch.plan import Plan
 from tandem.launch.spec import ENGINES, DeploymentSpec, SpecError, build_spec, load_file
@@ -31,6 +30,7 @@ from tandem.launch.supervisor import Child, Deployment, LogMux, describe_exit
 from tandem.models.prepare import PrepareError
 from tandem.models.resolve import ModelNotFoundError, resolve_model
 from tandem.runtime.config import env_str
+from tandem.runtime.options import ROUTER_MODES
 
 LABEL = "run"  # the launcher's own lines
 _POLL_INTERVAL = 0.25

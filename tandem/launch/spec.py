@@ -16,10 +16,10 @@ from typing import Any
 
 import yaml
 
-from tandem.frontend.routing import ROUTER_MODES
 from tandem.launch.cores import available_cores as machine_cores
 from tandem.launch.cores import parse_cores
 from tandem.runtime.config import env_str
+from tandem.runtime.options import ROUTER_MODES
 
 ROLES = ("agg", "prefill", "decode")
 ENGINES = ("vllm", "mocker")

@@ -16,6 +16,7 @@ from tandem.models import resolve_model
 from tandem.runtime import RuntimeConfig, add_runtime_args
 from tandem.runtime.config import env_str
 from tandem.runtime.keys import parse_endpoint_path
+from tandem.runtime.options import MIGRATION_LIMIT
 from tandem.worker.config import DisaggregationMode
 
 DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1,
@@ -83,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--data-parallel-size", "--dp-size", dest="data_parallel_size", type=int, default=None,
                        help="data-parallel ranks per worker instance, each its own engine, KV cache and KV event "
                        "stream; requests name theirs in routing.dp_rank [default 1]")
-    model.add_argument("--migration-limit", type=int, default=int(env_str("DYN_MIGRATION_LIMIT", "0") or 0))
+    MIGRATION_LIMIT.add_to(model, 0)
     model.add_argument("--context-length", "--max-model-len", dest="context_length", type=int, default=None,
                        help="maximum sequence length [default: the model's max_position_embeddings]")
     engine = parser.add_argument_group("Simulated engine")
@@ -200,7 +201,7 @@ def _config(args: argparse.Namespace) -> MockerConfig:
         model_path=model_path,
         served_model_name=args.model_name or os.path.basename(model_path.rstrip("/")),
         namespace=namespace, component=component, endpoint=endpoint_name,
-        num_workers=args.num_workers, migration_limit=args.migration_limit, context_length=context_length,
+        num_workers=args.num_workers, migration_limit=MIGRATION_LIMIT.value(args, 0), context_length=context_length,
         enable_conditional_disagg=args.enable_conditional_disagg, drop_kv_events=int(drop_kv_events),
         kv_bytes_per_token=int(kv_bytes), runtime=runtime.replace(namespace=namespace), engine=engine,
         **options,  # type: ignore[arg-type]

@@ -1,8 +1,7 @@
 """KV router configuration: the flags we support, their env fallbacks, per-request overrides.
 
-Precedence is CLI over env over default. Flags default to None so `config_from_args` can tell "not
-given" (fall back to the env, then the default) from "given"; invalid values raise ValueError naming
-the flag and its env var.
+Each setting is an `Option` row (flag, aliases, env vars, bounds): CLI over env over default; an invalid
+value raises ValueError naming the flag or env var it came from.
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.runtime.config import env_bool, env_str
+from tandem.runtime.options import Option, add_options, apply_options
 
 
 @dataclass
@@ -81,81 +80,57 @@ _OVERRIDE_KEYS = {
 _OVERRIDE_SWITCHES = ("assume_kv_reuse", "track_prefill_tokens")
 
 
-@dataclass(frozen=True)
-class _Option:
-    """One config field: its flags (first is canonical, the rest legacy aliases) and env vars."""
-
-    field: str
-    flags: tuple[str, ...]
-    envs: tuple[str, ...]
-    help: str
-    kind: type = float  # float, int or bool
-    minimum: float | None = None  # inclusive lower bound
-    maximum: float | None = None  # inclusive upper bound
-    positive: bool = False  # strictly > 0
-
-    @property
-    def dest(self) -> str:
-        return self.flags[0].lstrip("-").replace("-", "_")
-
-    def describe(self) -> str:
-        """How errors name this setting: the canonical flag and env var, whichever exist."""
-        if not self.flags:
-            return self.envs[0]
-        return f"{self.flags[0]} ({self.envs[0]})" if self.envs else self.flags[0]
-
-
-_OPTIONS: tuple[_Option, ...] = (
-    _Option("overlap_score_credit", ("--router-kv-overlap-score-credit",), ("DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT",),
+_OPTIONS: tuple[Option, ...] = (
+    Option("overlap_score_credit", ("--router-kv-overlap-score-credit",), ("DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT",),
             "blocks of prefill credit per cached prefix block", minimum=0.0),
-    _Option("overlap_score_credit_decay", ("--router-kv-overlap-score-credit-decay",),
+    Option("overlap_score_credit_decay", ("--router-kv-overlap-score-credit-decay",),
             ("DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT_DECAY",),
             "shrink the overlap credit of workers with more queued prefill than the least loaded one "
             "(0 = never)", minimum=0.0),
-    _Option("overlap_score_weight", ("--router-kv-overlap-score-weight", "--kv-overlap-score-weight"),
+    Option("overlap_score_weight", ("--router-kv-overlap-score-weight", "--kv-overlap-score-weight"),
             ("DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT", "DYN_OVERLAP_SCORE_WEIGHT", "DYN_KV_OVERLAP_SCORE_WEIGHT"),
             "deprecated: use the legacy cost weight * prefill_blocks + decode_blocks (0 ignores cache "
             "overlap)", minimum=0.0),
-    _Option("prefill_load_scale", ("--router-prefill-load-scale",), ("DYN_ROUTER_PREFILL_LOAD_SCALE",),
+    Option("prefill_load_scale", ("--router-prefill-load-scale",), ("DYN_ROUTER_PREFILL_LOAD_SCALE",),
             "weight of a worker's prefill blocks against its decode blocks", minimum=0.0),
-    _Option("decode_active_request_weight", ("--router-decode-active-request-weight",),
+    Option("decode_active_request_weight", ("--router-decode-active-request-weight",),
             ("DYN_ROUTER_DECODE_ACTIVE_REQUEST_WEIGHT",), "cost in blocks of each request active on a worker",
             minimum=0.0),
-    _Option("temperature", ("--router-temperature",), ("DYN_ROUTER_TEMPERATURE",),
+    Option("temperature", ("--router-temperature",), ("DYN_ROUTER_TEMPERATURE",),
             "0 picks the cheapest worker; higher values sample workers by softmax of their cost", minimum=0.0),
-    _Option("use_kv_events", ("--router-kv-events", "--kv-events"), ("DYN_ROUTER_USE_KV_EVENTS", "DYN_KV_EVENTS"),
+    Option("use_kv_events", ("--router-kv-events", "--kv-events"), ("DYN_ROUTER_USE_KV_EVENTS", "DYN_KV_EVENTS"),
             "follow the workers' KV cache events; --no-router-kv-events predicts the caches from routing "
             "decisions instead", kind=bool),
-    _Option("ttl_secs", ("--router-ttl-secs", "--router-ttl"), ("DYN_ROUTER_TTL_SECS",),
+    Option("ttl_secs", ("--router-ttl-secs", "--router-ttl"), ("DYN_ROUTER_TTL_SECS",),
             "without KV events: how long a predicted cached block lives", positive=True),
-    _Option("predicted_ttl_secs", ("--router-predicted-ttl-secs",), ("DYN_ROUTER_PREDICTED_TTL_SECS",),
+    Option("predicted_ttl_secs", ("--router-predicted-ttl-secs",), ("DYN_ROUTER_PREDICTED_TTL_SECS",),
             "with KV events: also count the blocks of recent routing decisions as cached on their worker for "
             "this long, until its events arrive (0 = off)", minimum=0.0),
-    _Option("replica_sync", ("--router-replica-sync",), ("DYN_ROUTER_REPLICA_SYNC",),
+    Option("replica_sync", ("--router-replica-sync",), ("DYN_ROUTER_REPLICA_SYNC",),
             "share active-request load with other router replicas", kind=bool),
-    _Option("track_active_blocks", ("--router-track-active-blocks", "--track-active-blocks"),
+    Option("track_active_blocks", ("--router-track-active-blocks", "--track-active-blocks"),
             ("DYN_ROUTER_TRACK_ACTIVE_BLOCKS",), "count the KV blocks of requests in flight as decode load",
             kind=bool),
-    _Option("assume_kv_reuse", ("--router-assume-kv-reuse", "--assume-kv-reuse"), ("DYN_ROUTER_ASSUME_KV_REUSE",),
+    Option("assume_kv_reuse", ("--router-assume-kv-reuse", "--assume-kv-reuse"), ("DYN_ROUTER_ASSUME_KV_REUSE",),
             "assume requests in flight on a worker share their common prefix blocks", kind=bool),
-    _Option("track_prefill_tokens", ("--router-track-prefill-tokens",), ("DYN_ROUTER_TRACK_PREFILL_TOKENS",),
+    Option("track_prefill_tokens", ("--router-track-prefill-tokens",), ("DYN_ROUTER_TRACK_PREFILL_TOKENS",),
             "count prompt tokens waiting for prefill as load", kind=bool),
-    _Option("conditional_disagg", ("--router-conditional-disagg",), ("DYN_ROUTER_CONDITIONAL_DISAGG",),
+    Option("conditional_disagg", ("--router-conditional-disagg",), ("DYN_ROUTER_CONDITIONAL_DISAGG",),
             "disaggregated serving: skip the remote prefill of a request whose chosen decode worker already "
             "caches most of its prompt (needs decode workers that publish KV events)", kind=bool),
-    _Option("conditional_disagg_eff_isl_threshold", ("--router-conditional-disagg-eff-isl-threshold",),
+    Option("conditional_disagg_eff_isl_threshold", ("--router-conditional-disagg-eff-isl-threshold",),
             ("DYN_ROUTER_CONDITIONAL_DISAGG_EFF_ISL_THRESHOLD",),
             "conditional disaggregation: prefill locally only below this many uncached prompt tokens",
             kind=int, minimum=0),
-    _Option("conditional_disagg_eff_isl_ratio_threshold", ("--router-conditional-disagg-eff-isl-ratio-threshold",),
+    Option("conditional_disagg_eff_isl_ratio_threshold", ("--router-conditional-disagg-eff-isl-ratio-threshold",),
             ("DYN_ROUTER_CONDITIONAL_DISAGG_EFF_ISL_RATIO_THRESHOLD",),
             "conditional disaggregation: ... and below this fraction of uncached prompt tokens (0..1)",
             minimum=0.0, maximum=1.0),
 )
 
 # Env-only settings (no Dynamo flag).
-_ENV_ONLY: tuple[_Option, ...] = (
-    _Option("active_request_expiry_secs", (), ("DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS",),
+_ENV_ONLY: tuple[Option, ...] = (
+    Option("active_request_expiry_secs", (), ("DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS",),
             "forget requests in flight for longer than this", positive=True),
 )
 
@@ -163,62 +138,13 @@ _ENV_ONLY: tuple[_Option, ...] = (
 def add_router_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """The KV router flags with their legacy aliases; defaults are resolved by `config_from_args`."""
     group = parser.add_argument_group("KV router options (--router-mode kv)")
-    defaults = KvRouterConfig()
-    for option in _OPTIONS:
-        default = getattr(defaults, option.field)
-        envs = " or ".join(option.envs)
-        if option.kind is bool:
-            # BooleanOptionalAction also adds --no-<flag> for each alias, e.g. the legacy --no-kv-events.
-            group.add_argument(*option.flags, dest=option.dest, action=argparse.BooleanOptionalAction,
-                               default=None, help=f"{option.help} [env {envs}, default {str(default).lower()}]")
-        else:
-            shown = "unset" if default is None else default
-            group.add_argument(*option.flags, dest=option.dest, type=option.kind, default=None,
-                               metavar=option.kind.__name__.upper(),
-                               help=f"{option.help} [env {envs}, default {shown}]")
+    add_options(group, _OPTIONS, KvRouterConfig())
     return group
 
 
 def config_from_args(args: argparse.Namespace) -> KvRouterConfig:
     """The router config from parsed `add_router_args` flags, env fallbacks and defaults, validated."""
-    config = KvRouterConfig()
-    for option in _OPTIONS + _ENV_ONLY:
-        value = getattr(args, option.dest, None) if option.flags else None
-        if value is None:
-            value = _from_env(option)
-        if value is None:
-            continue
-        _validate(option, value)
-        setattr(config, option.field, value)
-    return config
-
-
-def _from_env(option: _Option) -> Any:
-    for name in option.envs:
-        raw = env_str(name)
-        if raw is None:
-            continue
-        if option.kind is bool:
-            return env_bool(name)
-        try:
-            return option.kind(raw)
-        except ValueError:
-            raise ValueError(f"{name}={raw!r} is not a valid {option.kind.__name__} "
-                             f"(for {option.describe()})") from None
-    return None
-
-
-def _validate(option: _Option, value: Any) -> None:
-    if option.kind is bool:
-        return
-    if not math.isfinite(value):
-        raise ValueError(f"{option.describe()} must be a finite number, got {value}")
-    if option.positive and value <= 0:
-        raise ValueError(f"{option.describe()} must be > 0, got {value}")
-    if option.minimum is not None and value < option.minimum:
-        raise ValueError(f"{option.describe()} must be >= {option.minimum:g}, got {value}")
-    if option.maximum is not None and value > option.maximum:
-        raise ValueError(f"{option.describe()} must be <= {option.maximum:g}, got {value}")
+    return apply_options(KvRouterConfig(), _OPTIONS + _ENV_ONLY, args)
 
 
 def parse_args_with_router_config(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:

@@ -18,9 +18,19 @@ import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
+
+from tandem.llm.protocols import PreprocessedRequest, RoutingHints
 from tandem.router.config import add_router_args, parse_args_with_router_config
 from tandem.router.kv_router import KvRouter, RouterMetrics
-from tandem.runtime import DistributedRuntime, RuntimeConfig, add_runtime_args, configure_logging, run
+from tandem.runtime import (
+    Context,
+    DistributedRuntime,
+    RuntimeConfig,
+    add_runtime_args,
+    configure_logging,
+    run,
+)
 from tandem.runtime.keys import parse_endpoint_path
 
 log = logging.getLogger("tandem.router")
@@ -39,14 +49,16 @@ class RouterService:
             raise RuntimeError(f"no workers serve {self.worker_path}")
         return ids
 
-    async def generate(self, request: dict[str, Any], context: Any) -> AsyncIterator[Any]:
-        routing = request.get("routing") or {}
+    def _select_args(self, request: PreprocessedRequest) -> dict[str, Any]:
+        return {"cache_salt": request.routing.cache_salt if request.routing else None,
+                "override": request.router_config_override, "dp_rank": request.dp_rank}
+
+    async def generate(self, request: PreprocessedRequest, context: Context) -> AsyncIterator[Any]:
         router = self.router
-        (worker, dp_rank), _ = router.select(context.id(), request["token_ids"], self._workers(),
-                                             cache_salt=routing.get("cache_salt"),
-                                             override=request.get("router_config_override"),
-                                             dp_rank=routing.get("dp_rank"))
-        request = {**request, "routing": {**routing, "dp_rank": dp_rank}}
+        (worker, dp_rank), _ = router.select(context.id(), request.token_ids, self._workers(),
+                                             **self._select_args(request))
+        routing = msgspec.structs.replace(request.routing or RoutingHints(), dp_rank=dp_rank)
+        request = msgspec.structs.replace(request, routing=routing)
         try:
             first = True
             async for output in await self.client.direct(request, worker, context):
@@ -57,11 +69,8 @@ class RouterService:
         finally:
             router.free(context.id())
 
-    async def best_worker_id(self, request: dict[str, Any], context: Any = None) -> AsyncIterator[dict[str, Any]]:
-        routing = request.get("routing") or {}
-        decision = self.router.best_worker(request["token_ids"], self._workers(), cache_salt=routing.get("cache_salt"),
-                                           override=request.get("router_config_override"),
-                                           dp_rank=routing.get("dp_rank"))
+    async def best_worker_id(self, request: PreprocessedRequest) -> AsyncIterator[dict[str, Any]]:
+        decision = self.router.best_worker(request.token_ids, self._workers(), **self._select_args(request))
         yield {"worker_id": decision.worker[0], "dp_rank": decision.worker[1],
                "overlap_blocks": decision.overlap_blocks,
                "overlaps": {str(worker[0]): blocks for worker, blocks in decision.scores.scores.items()}}
@@ -92,8 +101,8 @@ async def serve(args: argparse.Namespace) -> int:
     service = RouterService(router, client, worker_path)
     router.sync_workers(dict.fromkeys(client.instance_ids(), worker_path))
     own = runtime.namespace(namespace).component(args.router_component)
-    served = await own.endpoint("generate").start_serving(service.generate)
-    await own.endpoint("best_worker_id").start_serving(service.best_worker_id)
+    served = await own.endpoint("generate").start_serving(service.generate, request_type=PreprocessedRequest)
+    await own.endpoint("best_worker_id").start_serving(service.best_worker_id, request_type=PreprocessedRequest)
     runtime.set_ready()
     print(f"READY {runtime.instance_id:x} {served.path}", flush=True)
     await runtime.wait_closed()

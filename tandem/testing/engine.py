@@ -51,6 +51,7 @@ from tandem.runtime import (
     configure_logging,
     run,
 )
+from tandem.runtime.options import MIGRATION_LIMIT
 from tandem.worker.config import DisaggregationMode
 from tandem.worker.harness import WorkerSpec, serve_worker
 
@@ -233,7 +234,7 @@ async def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context-length", type=int, default=None)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--total-kv-blocks", type=int, default=1024)
-    parser.add_argument("--migration-limit", type=int, default=0)
+    MIGRATION_LIMIT.add_to(parser, 0)
     parser.add_argument("--lora", action="append", default=[], help="also serve a LoRA adapter of this name")
     parser.add_argument("--delay-ms", type=float, default=0.0)
     parser.add_argument("--die-after", type=int, default=0)
@@ -250,7 +251,7 @@ async def main(argv: list[str] | None = None) -> int:
     engine.load_publisher = await component.event_publisher(KV_METRICS_TOPIC)
     spec = WorkerSpec(
         model_path, args.model_name or os.path.basename(model_path.rstrip("/")), DisaggregationMode.AGGREGATED,
-        args.block_size, args.migration_limit, model_type=ModelType.parse(args.endpoint_types),
+        args.block_size, MIGRATION_LIMIT.value(args, 0), model_type=ModelType.parse(args.endpoint_types),
         model_input=ModelInput(args.model_input), context_length=args.context_length,
         custom_template_path=args.custom_jinja_template, loras=args.lora,
         runtime_config=ModelRuntimeConfig(total_kv_blocks=args.total_kv_blocks, max_num_seqs=256,

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, cast
 from tandem.models.prepare import MODEL_NAME, PrepareError, is_default_model
 from tandem.models.resolve import resolve_model
 from tandem.runtime.config import RuntimeConfig, add_runtime_args, detect_host, env_bool, env_number, env_str
+from tandem.runtime.options import MIGRATION_LIMIT
 from tandem.worker.config import DisaggregationMode
 
 if TYPE_CHECKING:
@@ -158,8 +159,6 @@ class Config:
         """Dynamo's validation rules; raises ValueError (FileNotFoundError for the template)."""
         if self.is_prefill_worker and self.is_decode_worker:
             raise ValueError("Cannot set both --is-prefill-worker and --is-decode-worker")
-        if self.migration_limit < 0:
-            raise ValueError(f"--migration-limit must be >= 0, got {self.migration_limit}")
         if self.sleep_mode_level not in (1, 2, 3):
             raise ValueError(f"--sleep-mode-level must be 1, 2 or 3, got {self.sleep_mode_level}")
         from tandem.llm.model_card import ModelType
@@ -255,8 +254,7 @@ def build_dynamo_parser() -> argparse.ArgumentParser:
         "form a PdConnector); pass `--connector none` to give your own --kv-transfer-config "
         "[env DYN_CONNECTOR, space or comma separated, default nixl]",
     )
-    g.add_argument("--migration-limit", type=int, default=_int_env("DYN_MIGRATION_LIMIT", 0),
-                   help="times a request may move to another worker [env DYN_MIGRATION_LIMIT, default 0]")
+    MIGRATION_LIMIT.add_to(g, 0)
     local_indexer = env_str("DYN_LOCAL_INDEXER")
     g.add_argument("--enable-local-indexer", action=argparse.BooleanOptionalAction,
                    default=env_bool("DYN_LOCAL_INDEXER") if local_indexer is not None else None,
@@ -400,7 +398,7 @@ def build_config(argv: list[str] | None = None, *, is_cpu: bool | None = None, a
         runtime=RuntimeConfig.from_args(dyn),
         model=model,
         connector=list(dyn.connector),
-        migration_limit=dyn.migration_limit,
+        migration_limit=MIGRATION_LIMIT.value(dyn, 0),
         durable_kv_events=dyn.durable_kv_events,
         enable_local_indexer=(not dyn.durable_kv_events) if dyn.enable_local_indexer is None
         else dyn.enable_local_indexer,

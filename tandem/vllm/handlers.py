@@ -130,6 +130,14 @@ class DisaggMetrics:
         ).labels(model)
 
 
+class SleepRequest(msgspec.Struct):
+    level: int | None = None  # 1: offload the weights, 2: discard them, 3: discard everything; None: the flag's
+
+
+class WakeRequest(msgspec.Struct):
+    tags: list[str] | None = None  # what to restore (vLLM's `weights`, `kv_cache`); None: everything
+
+
 class BaseWorkerHandler:
     """The vLLM engine as a `WorkerEngine`; one subclass per role (see `handler_class`)."""
 
@@ -235,7 +243,10 @@ class BaseWorkerHandler:
 
     async def sleep(self, body: dict[str, Any] | None) -> dict[str, Any]:
         """Engine route /engine/sleep: leave discovery first so nothing new is routed here."""
-        level = int((body or {}).get("level", getattr(self.config, "sleep_mode_level", 1)))
+        try:
+            level = msgspec.convert(body or {}, SleepRequest).level or self.config.sleep_mode_level
+        except msgspec.ValidationError as e:
+            return {"status": "error", "message": f"invalid sleep request: {e}"}
         try:
             if self.on_sleep is not None:
                 try:
@@ -248,7 +259,10 @@ class BaseWorkerHandler:
             return {"status": "error", "message": str(e)}
 
     async def wake_up(self, body: dict[str, Any] | None) -> dict[str, Any]:
-        tags = (body or {}).get("tags")
+        try:
+            tags = msgspec.convert(body or {}, WakeRequest).tags
+        except msgspec.ValidationError as e:
+            return {"status": "error", "message": f"invalid wake_up request: {e}"}
         try:
             await self.engine_client.wake_up(tags)
             if self.on_wake is not None:
@@ -332,10 +346,9 @@ class PrefillWorkerHandler(BaseWorkerHandler):
 
     async def generate(self, request: PreprocessedRequest, context: Context) -> AsyncIterator[LLMEngineOutput]:
         sampling = build_sampling_params(request, self.default_sampling_params, self.model_max_len)
-        params = dict((sampling.extra_args or {}).get("kv_transfer_params") or {})
-        for key, value in (("do_remote_decode", True), ("do_remote_prefill", False), ("remote_engine_id", None),
-                           ("remote_block_ids", None), ("remote_host", None), ("remote_port", None)):
-            params.setdefault(key, value)
+        # vLLM's connector keeps the prompt's KV for a decode worker to pull, and says where it is.
+        params = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
         sampling.extra_args = {**(sampling.extra_args or {}), "kv_transfer_params": params}
         sampling.max_tokens = 1
         sampling.min_tokens = 1

@@ -1,0 +1,106 @@
+"""One way to declare a setting that has a flag and an environment variable: an `Option` row.
+
+A row names the config field, its flags (the first canonical, the rest aliases), its env vars (the first
+canonical), its kind (float, int, bool or str) and bounds. The flag wins over the env var, the env var
+over the default; a value out of bounds is a ValueError that names where the value came from (the flag
+or the env var). Flags are added with `default=None`, so "not given" and "given the default value" differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.runtime.config import env_bool, env_str
+
+
+@dataclass(frozen=True)
+class Option:
+    field: str
+    flags: tuple[str, ...]
+    envs: tuple[str, ...]
+    help: str
+    kind: type = float  # float, int, bool or str
+    minimum: float | None = None  # inclusive lower bound
+    maximum: float | None = None  # inclusive upper bound
+    positive: bool = False  # strictly > 0
+
+    @property
+    def dest(self) -> str:
+        return self.flags[0].lstrip("-").replace("-", "_") if self.flags else self.field
+
+    def add_to(self, group: argparse._ActionsContainer, default: Any) -> None:
+        """Add the flags to `group`; the help shows the env vars and `default`."""
+        envs = " or ".join(self.envs)
+        shown = "unset" if default is None else (str(default).lower() if self.kind is bool else default)
+        where = f"env {envs}, default {shown}" if envs else f"default {shown}"
+        if self.kind is bool:
+            # BooleanOptionalAction also adds --no-<flag> for each alias, e.g. the legacy --no-kv-events.
+            group.add_argument(*self.flags, dest=self.dest, action=argparse.BooleanOptionalAction, default=None,
+                               help=f"{self.help} [{where}]")
+        else:
+            group.add_argument(*self.flags, dest=self.dest, type=self.kind, default=None,
+                               metavar=self.kind.__name__.upper(), help=f"{self.help} [{where}]")
+
+    def value(self, args: argparse.Namespace | None, default: Any = None) -> Any:
+        """The flag's value in `args`, else the first env var set, else `default`; validated."""
+        value = getattr(args, self.dest, None) if args is not None and self.flags else None
+        source = self.flags[0] if self.flags else ""
+        if value is None:
+            value, source = self._from_env()
+        if value is None:
+            return default
+        self._validate(value, source)
+        return value
+
+    def _from_env(self) -> tuple[Any, str]:
+        for name in self.envs:
+            raw = env_str(name)
+            if raw is None:
+                continue
+            if self.kind is bool:
+                return env_bool(name), name
+            try:
+                return self.kind(raw), name
+            except ValueError:
+                where = f" (for {self.flags[0]})" if self.flags else ""
+                raise ValueError(f"{name}={raw!r} is not a valid {self.kind.__name__}{where}") from None
+        return None, ""
+
+    def _validate(self, value: Any, source: str) -> None:
+        if self.kind not in (int, float):
+            return
+        if not math.isfinite(value):
+            raise ValueError(f"{source} must be a finite number, got {value}")
+        if self.positive and value <= 0:
+            raise ValueError(f"{source} must be > 0, got {value}")
+        if self.minimum is not None and value < self.minimum:
+            raise ValueError(f"{source} must be >= {self.minimum:g}, got {value}")
+        if self.maximum is not None and value > self.maximum:
+            raise ValueError(f"{source} must be <= {self.maximum:g}, got {value}")
+
+
+def add_options(group: argparse._ActionsContainer, options: Iterable[Option], defaults: Any) -> None:
+    """Add each option's flags; `defaults` (an object with the fields) supplies the defaults shown."""
+    for option in options:
+        if option.flags:
+            option.add_to(group, getattr(defaults, option.field))
+
+
+def apply_options(target: Any, options: Iterable[Option], args: argparse.Namespace | None) -> Any:
+    """Set each field of `target` given by a flag in `args` or an env var; returns `target`."""
+    for option in options:
+        value = option.value(args)
+        if value is not None:
+            setattr(target, option.field, value)
+    return target
+
+
+# Settings more than one component reads (the frontend and the workers, or `tandem run` and the frontend).
+ROUTER_MODES = ("round-robin", "random", "power-of-two", "least-loaded", "direct", "kv")
+MIGRATION_LIMIT = Option(
+    "migration_limit", ("--migration-limit",), ("DYN_MIGRATION_LIMIT",),
+    "times a request may move to another worker when its worker fails mid-stream", kind=int, minimum=0)
