@@ -286,12 +286,13 @@ class Deployment:
                  router_mode: str = "round-robin", model_name: str = MODEL_NAME,
                  frontend_args: list[str] | None = None, prefill_workers: int = 0, decode_workers: int = 0,
                  engine_kind: str = "mocker", run_args: list[str] | None = None,
-                 ready_timeout: float = 180) -> None:
+                 ready_timeout: float = 180, tree: str | None = None) -> None:
         self.impl = impl
         disagg = prefill_workers > 0 or decode_workers > 0
         if disagg and (prefill_workers < 1 or decode_workers < 1):
             raise ValueError("a disaggregated deployment needs at least one prefill and one decode worker")
-        if engine_kind != "mocker" and impl != "tandem":
+        tandem_side = impl in ("tandem", "base")  # base: tandem from the source tree `tree`
+        if engine_kind != "mocker" and not tandem_side:
             raise ValueError(f"engine {engine_kind!r}: only tandem deployments run real engines")
         if disagg:
             workers = prefill_workers + decode_workers
@@ -312,11 +313,11 @@ class Deployment:
         frontend_args = list(frontend_args or [])
         WORKERS, MODEL_NAME = workers, model_name  # noqa: N806
         try:
-            if impl == "tandem":
-                tandem = os.path.join(os.path.dirname(sys.executable), "tandem")
+            if tandem_side:
+                env["PYTHONPATH"] = tree or REPO  # `tandem run` and the processes it starts run that code
                 shape = (["--prefill-workers", str(prefill_workers), "--decode-workers", str(decode_workers)]
                          if disagg else ["--workers", str(WORKERS)])
-                launcher = Proc("tandem-run", [tandem, "run", "--engine", engine_kind, "--model", model, "--model-name",
+                launcher = Proc("tandem-run", [sys.executable, "-m", "tandem", "run", "--engine", engine_kind, "--model", model, "--model-name",
                                                MODEL_NAME, *shape, "--router-mode", router_mode,
                                                "--http-port", str(port), "--namespace", namespace,
                                                "--stop-timeout", "15", *(run_args or []),
@@ -350,19 +351,18 @@ class Deployment:
                 self.frontend_pid = frontend.pid
                 self.engine_pids = [m.pid for m in mockers]
                 self.launcher_pid = None
-            if len(self.engine_pids) != (WORKERS if impl == "tandem" else 2 if disagg else 1):
+            if len(self.engine_pids) != (WORKERS if tandem_side else 2 if disagg else 1):
                 raise RuntimeError(f"expected {WORKERS} worker processes, found {self.engine_pids}")
             wait_serving(self.url, self.procs, MODEL_NAME)
-            self._wait_workers(impl, WORKERS)
+            if not tandem_side:  # `tandem run` itself waits for every worker before printing its URL
+                self._wait_workers(WORKERS)
         except BaseException:
             self.stop()
             raise
 
-    def _wait_workers(self, impl: str, WORKERS: int) -> None:  # noqa: N803
+    def _wait_workers(self, WORKERS: int) -> None:  # noqa: N803
         """Routing over fewer than all workers would skew the run: wait until the frontend's /health lists
-        all `generate` instances (`tandem run` itself waits for that before printing its URL)."""
-        if impl == "tandem":
-            return
+        all `generate` instances."""
         import httpx
 
         deadline = time.monotonic() + 60

@@ -4,6 +4,7 @@ frontend + its mocker, 4 workers), same timing model, same aiperf workload, one 
     .venv/bin/python bench/mocker_compare.py                     # both regimes, --repeat 2
     .venv/bin/python bench/mocker_compare.py --quick             # a short smoke run
     .venv/bin/python bench/mocker_compare.py --regimes frontend --requests 2000 --concurrency 64 --json out.json
+    .venv/bin/python bench/mocker_compare.py --impl tandem,base --baseline-tree WORKTREE  # vs another commit
 
 `bash bench/setup_baselines.sh` creates .bench/dynamo-venv (ai-dynamo 1.6.1) and .bench/aiperf-venv
 (aiperf 0.13, the load generator). The deployments:
@@ -207,7 +208,8 @@ def run_once(impl: str, regime: str, args: argparse.Namespace) -> dict[str, floa
     with bench_run(f"{impl}/{regime}", args.keep_logs, prefix=f"mocker-compare-{impl}-{regime}-") as run:
         workdir = run.workdir
         deployment = run.deployment = Deployment(impl, ["--speedup-ratio", f"{spec['speedup']:g}", *ENGINE_FLAGS], workdir,
-                                args.dynamo_python, workers=WORKERS)
+                                args.dynamo_python, workers=WORKERS,
+                                tree=args.baseline_tree if impl == "base" else None)
         with _quota(args.frontend_cpu if regime == "frontend" else 0) as quota:
             if quota is not None:
                 quota.add(deployment.frontend_pid)
@@ -325,10 +327,10 @@ def report(results: dict[str, dict[str, dict[str, float]]], args: argparse.Names
         quota = f", frontend limited to {args.frontend_cpu:g} core" if regime == "frontend" and args.frontend_cpu else ""
         lines += [f"\n### {regime}-bound: speedup ratio {spec['speedup']:g}, concurrency {concurrency}, "
                   f"{requests} requests, ISL {args.isl} / OSL {args.osl}{quota} (median of {args.repeat})\n"]
-        ordered = {i: by_impl[i] for i in ("tandem", "dynamo") if i in by_impl}
-        both = len(ordered) == 2
-        lines += comparison_table(ordered, ROWS, "tandem / Dynamo", lambda t, d, better: f"{t / d:.2f}x")
-        if both:
+        ordered = {i: by_impl[i] for i in ("tandem", "dynamo", "base") if i in by_impl}
+        baseline = "tandem / Dynamo" if "dynamo" in ordered else "tandem / baseline tree"
+        lines += comparison_table(ordered, ROWS, baseline, lambda t, d, better: f"{t / d:.3f}x")
+        if "tandem" in by_impl and "dynamo" in by_impl:
             lines.append("\n" + targets(regime, by_impl["tandem"], by_impl["dynamo"]))
     lines.append("\nRatios are tandem / Dynamo: above 1 is better for throughput, below 1 is better for "
                  "latency and CPU.")
@@ -349,7 +351,10 @@ def targets(regime: str, t: dict[str, float], d: dict[str, float]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--regimes", default="engine,frontend", help="comma-separated: engine, frontend")
-    parser.add_argument("--impl", default="tandem,dynamo", help="comma-separated: tandem, dynamo")
+    parser.add_argument("--impl", default="tandem,dynamo", help="comma-separated: tandem, dynamo, base")
+    parser.add_argument("--baseline-tree", default=None,
+                        help="the `base` implementation: tandem from this source tree (a git worktree of an older "
+                        "commit), e.g. --impl tandem,base --baseline-tree /tmp/base")
     parser.add_argument("--requests", type=int, default=None,
                         help="requests per run [engine 960, frontend 3000; --quick: 96, 400]")
     parser.add_argument("--concurrency", type=int, default=None, help="[engine 32, frontend 64]")
@@ -374,7 +379,9 @@ def main() -> None:
             parser.error(f"unknown regime {name!r} (engine, frontend)")
     for name in impls:
         if name not in IMPL_LABELS:
-            parser.error(f"unknown implementation {name!r} (tandem, dynamo)")
+            parser.error(f"unknown implementation {name!r} (tandem, dynamo, base)")
+    if "base" in impls and not args.baseline_tree:
+        parser.error("--impl base needs --baseline-tree")
     if not os.access(args.aiperf, os.X_OK):
         raise SystemExit(f"no aiperf at {args.aiperf}: run bash bench/setup_baselines.sh")
     if "dynamo" in impls:

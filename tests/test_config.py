@@ -86,6 +86,25 @@ def test_settings_not_built_yet_exit_2_naming_them(monkeypatch, capsys, argv, en
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("module", "argv", "env", "message"), [
+    ("tandem.frontend.main", ["--migration-limit", "-1"], {}, "--migration-limit must be >= 0, got -1"),
+    ("tandem.frontend.main", [], {"DYN_MIGRATION_LIMIT": "-2"}, "DYN_MIGRATION_LIMIT must be >= 0, got -2"),
+    ("tandem.mocker.main", [], {"DYN_MIGRATION_LIMIT": "many"},
+     "DYN_MIGRATION_LIMIT='many' is not a valid int (for --migration-limit)"),
+    ("tandem.mocker.main", ["--migration-limit", "-1"], {}, "--migration-limit must be >= 0, got -1"),
+])
+def test_shared_options_name_where_a_bad_value_came_from(monkeypatch, capsys, module, argv, env, message):
+    """`--migration-limit` is one Option row for the frontend and the workers: a bad value exits 2 naming
+    the flag or the env var it came from."""
+    import importlib
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as info:
+        importlib.import_module(module).main(argv)
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_taken_system_port_exits_2_naming_it(monkeypatch, capsys, tmp_path):
     """A system port someone else holds is the user's setting to fix: exit 2 and the port, no traceback."""
     import socket

@@ -173,6 +173,33 @@ async def test_handler_error_becomes_remote_error_and_server_keeps_serving(runti
     assert [x async for x in stream] == [{"ok": 1}, {"ok": 2}]
 
 
+async def test_typed_endpoint_answers_a_misshapen_request_with_400_naming_the_field(runtimes, namespace):
+    """With `request_type`, the handler gets the Struct; a request that does not fit never reaches it."""
+    import msgspec
+
+    class Count(msgspec.Struct):
+        n: int
+        label: str = "i"
+
+    seen = []
+
+    async def typed(request: Count):
+        seen.append(request)
+        for i in range(request.n):
+            yield {request.label: i}
+
+    endpoint = await serve(await runtimes(), namespace, typed, request_type=Count)
+    client = await (await runtimes()).endpoint(endpoint.path).client()
+    await client.wait_for_instances(1, timeout=5)
+    with pytest.raises(RemoteError) as info:
+        async for _ in await client.generate({"n": "three"}):
+            pass
+    assert info.value.code == 400 and "invalid Count: Expected `int`, got `str` - at `$.n`" in str(info.value)
+    assert seen == []
+    assert [x async for x in await client.generate({"n": 2, "label": "k"})] == [{"k": 0}, {"k": 1}]
+    assert seen == [Count(2, "k")]
+
+
 async def test_engine_shutdown_marks_stream_incomplete(runtimes, namespace):
     async def leaving(request):
         yield {"i": 0}

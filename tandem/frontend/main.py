@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from tandem.frontend.http import FrontendServer, HttpConfig
 from tandem.frontend.metrics import FrontendMetrics
@@ -16,77 +16,97 @@ from tandem.llm.model_card import ModelInput
 from tandem.router.config import add_router_args, parse_args_with_router_config
 from tandem.router.kv_router import KvRouter, RouterMetrics
 from tandem.runtime import DistributedRuntime, RuntimeConfig, add_runtime_args, configure_logging, run
-from tandem.runtime.config import env_bool, env_number, env_str
-from tandem.runtime.options import MIGRATION_LIMIT, ROUTER_MODES
-
-DEFAULT_MIGRATION_LIMIT = 3  # the frontend moves a stream cut off mid-way; workers default to 0 (their drain)
+from tandem.runtime.config import env_str
+from tandem.runtime.options import MIGRATION_LIMIT, ROUTER_MODES, Option, add_options, apply_options
 
 log = logging.getLogger("tandem.frontend")
 
 
-def _optional_float(name: str) -> float | None:
-    value = env_str(name)
-    return float(value) if value is not None else None
+@dataclass
+class FrontendConfig:
+    http_host: str = "0.0.0.0"
+    http_port: int = 8000
+    api_key: str | None = None
+    http_body_timeout: float = 60.0
+    http_body_limit_mb: float = 192.0
+    tls_cert_path: str | None = None
+    tls_key_path: str | None = None
+    model_path: str | None = None
+    router_mode: str = "round-robin"
+    migration_limit: int = 3  # the frontend moves a stream cut off mid-way; workers default to 0 (their drain)
+    migration_max_seq_len: int | None = None
+    enforce_disagg: bool = False
+    active_decode_blocks_threshold: float | None = None
+    active_prefill_tokens_threshold: int | None = None
+    active_prefill_tokens_threshold_frac: float | None = None
+
+
+_HTTP = (
+    Option("http_host", ("--http-host",), ("DYN_HTTP_HOST",), "address to listen on", kind=str),
+    Option("http_port", ("--http-port",), ("DYN_HTTP_PORT",), "port to listen on; 0 = any free one", kind=int,
+           minimum=0, maximum=65535),
+    Option("api_key", ("--api-key",), ("DYN_API_KEY",), "require `Authorization: Bearer KEY` on /v1 routes",
+           kind=str),
+    Option("http_body_timeout", ("--http-body-timeout",), ("DYN_HTTP_BODY_TIMEOUT_SECS",),
+           "seconds a client may take to send its request body before a 408", positive=True),
+    Option("http_body_limit_mb", (), ("DYN_HTTP_BODY_LIMIT_MB",), "largest request body, MB (413 above)",
+           positive=True),
+    Option("tls_cert_path", ("--tls-cert-path",), ("DYN_TLS_CERT_PATH",), "serve HTTPS with this certificate",
+           kind=str),
+    Option("tls_key_path", ("--tls-key-path",), ("DYN_TLS_KEY_PATH",), "... and this key", kind=str),
+)
+_MODELS = (
+    Option("model_path", ("--model-path",), ("DYN_MODEL_PATH",), "local copy of the model's tokenizer files when "
+           "the workers' folder is not visible here", kind=str),
+    Option("router_mode", ("--router-mode",), ("DYN_ROUTER_MODE",), "how to pick a worker", kind=str,
+           choices=ROUTER_MODES),
+    MIGRATION_LIMIT,  # a request no worker has accepted yet always goes to another
+    Option("migration_max_seq_len", ("--migration-max-seq-len",), ("DYN_MIGRATION_MAX_SEQ_LEN",),
+           "no migration once prompt + generated tokens exceed this", kind=int, positive=True),
+    Option("enforce_disagg", ("--enforce-disagg",), ("DYN_ENFORCE_DISAGG",), "disaggregated serving only: a "
+           "request no prefill worker can take fails with 503 instead of being prefilled by its decode worker",
+           kind=bool),
+)
+_OVERLOAD = (
+    Option("active_decode_blocks_threshold", ("--active-decode-blocks-threshold",),
+           ("DYN_ACTIVE_DECODE_BLOCKS_THRESHOLD",), "a worker is busy above this fraction of its KV blocks in use",
+           minimum=0.0, maximum=1.0),
+    Option("active_prefill_tokens_threshold", ("--active-prefill-tokens-threshold",),
+           ("DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD",), "a worker is busy above this many prompt tokens waiting "
+           "for prefill", kind=int, minimum=0),
+    Option("active_prefill_tokens_threshold_frac", ("--active-prefill-tokens-threshold-frac",),
+           ("DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD_FRAC",), "... or above this fraction of its "
+           "max_num_batched_tokens", minimum=0.0),
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem frontend", description=__doc__)
-    http = parser.add_argument_group("HTTP")
-    http.add_argument("--http-host", default=env_str("DYN_HTTP_HOST", "0.0.0.0"), help="[env DYN_HTTP_HOST]")
-    http.add_argument("--http-port", type=int, default=int(env_number("DYN_HTTP_PORT", 8000, int)),
-                      help="[env DYN_HTTP_PORT, default 8000]")
-    http.add_argument("--api-key", default=env_str("DYN_API_KEY"),
-                      help="require `Authorization: Bearer KEY` on /v1 routes [env DYN_API_KEY]")
-    http.add_argument("--http-body-timeout", type=float, default=env_number("DYN_HTTP_BODY_TIMEOUT_SECS", 60.0),
-                      help="seconds a client may take to send its request body before a 408 "
-                      "[env DYN_HTTP_BODY_TIMEOUT_SECS, default 60]")
-    http.add_argument("--tls-cert-path", default=env_str("DYN_TLS_CERT_PATH"), help="[env DYN_TLS_CERT_PATH]")
-    http.add_argument("--tls-key-path", default=env_str("DYN_TLS_KEY_PATH"), help="[env DYN_TLS_KEY_PATH]")
-    models = parser.add_argument_group("Models and routing")
-    models.add_argument("--model-path", default=env_str("DYN_MODEL_PATH"),
-                        help="local copy of the model's tokenizer files when the workers' folder is not "
-                        "visible here [env DYN_MODEL_PATH]")
-    models.add_argument("--router-mode", default=env_str("DYN_ROUTER_MODE", "round-robin"), choices=ROUTER_MODES,
-                        help="how to pick a worker [env DYN_ROUTER_MODE, default round-robin]")
-    MIGRATION_LIMIT.add_to(models, DEFAULT_MIGRATION_LIMIT)  # a request no worker accepted always moves
-    models.add_argument("--migration-max-seq-len", type=int,
-                        default=int(v) if (v := env_str("DYN_MIGRATION_MAX_SEQ_LEN")) else None,
-                        help="no migration once prompt + generated tokens exceed this [env DYN_MIGRATION_MAX_SEQ_LEN]")
-    models.add_argument("--enforce-disagg", action=argparse.BooleanOptionalAction,
-                        default=env_bool("DYN_ENFORCE_DISAGG"),
-                        help="disaggregated serving only: a request no prefill worker can take fails with 503 "
-                        "instead of being prefilled by its decode worker [env DYN_ENFORCE_DISAGG, default off]")
-    load = parser.add_argument_group("Overload")
-    load.add_argument("--active-decode-blocks-threshold", type=float,
-                      default=_optional_float("DYN_ACTIVE_DECODE_BLOCKS_THRESHOLD"),
-                      help="a worker is busy above this fraction of its KV blocks in use (0..1)")
-    load.add_argument("--active-prefill-tokens-threshold", type=int,
-                      default=(lambda v: int(v) if v is not None else None)(env_str("DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD")),
-                      help="a worker is busy above this many prompt tokens waiting for prefill")
-    load.add_argument("--active-prefill-tokens-threshold-frac", type=float,
-                      default=_optional_float("DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD_FRAC"),
-                      help="... or above this fraction of its max_num_batched_tokens")
+    defaults = FrontendConfig()
+    add_options(parser.add_argument_group("HTTP"), _HTTP, defaults)
+    add_options(parser.add_argument_group("Models and routing"), _MODELS, defaults)
+    add_options(parser.add_argument_group("Overload"), _OVERLOAD, defaults)
     add_router_args(parser)
     add_runtime_args(parser)
     return parser
 
 
-async def serve(args: argparse.Namespace) -> int:
-    if bool(args.tls_cert_path) != bool(args.tls_key_path):
+async def serve(args: argparse.Namespace, frontend: FrontendConfig) -> int:
+    if bool(frontend.tls_cert_path) != bool(frontend.tls_key_path):
         raise SystemExit("tandem frontend: --tls-cert-path and --tls-key-path must be given together")
-    if args.router_config.conditional_disagg and args.router_mode != "kv":
+    if args.router_config.conditional_disagg and frontend.router_mode != "kv":
         raise SystemExit("tandem frontend: --router-conditional-disagg needs --router-mode kv")
     config = RuntimeConfig.from_args(args)
     scope = args.namespace or env_str("DYN_NAMESPACE")  # which workers to serve; None = every namespace
     runtime = await DistributedRuntime.create(config)
     runtime.install_signal_handlers()
     metrics = FrontendMetrics(runtime.registry)
-    load = LoadMonitor(LoadThresholds(args.active_decode_blocks_threshold, args.active_prefill_tokens_threshold,
-                                      args.active_prefill_tokens_threshold_frac))
+    load = LoadMonitor(LoadThresholds(frontend.active_decode_blocks_threshold, frontend.active_prefill_tokens_threshold,
+                                      frontend.active_prefill_tokens_threshold_frac))
     subscribed: set[str] = set()
     manager: ModelManager
 
-    router_config = args.router_config if args.router_mode == "kv" else None
+    router_config = args.router_config if frontend.router_mode == "kv" else None
     router_metrics = RouterMetrics(runtime.registry) if router_config is not None else None
 
     def build(model: ServedModel) -> ModelPipeline:
@@ -100,9 +120,9 @@ async def serve(args: argparse.Namespace) -> int:
             # Prefill workers: by cached prefix, without tracking their short-lived requests' blocks.
             prefill_router = KvRouter(runtime, model.name, block_size=block_size, metrics=router_metrics,
                                       config=replace(router_config, track_active_blocks=False, replica_sync=False))
-        return ModelPipeline(model, manager, router_mode=args.router_mode, migration_limit=args.migration_limit,
-                             migration_max_seq_len=args.migration_max_seq_len, load=load, metrics=metrics,
-                             kv_router=kv_router, prefill_router=prefill_router, enforce_disagg=args.enforce_disagg)
+        return ModelPipeline(model, manager, router_mode=frontend.router_mode, migration_limit=frontend.migration_limit,
+                             migration_max_seq_len=frontend.migration_max_seq_len, load=load, metrics=metrics,
+                             kv_router=kv_router, prefill_router=prefill_router, enforce_disagg=frontend.enforce_disagg)
 
     def on_change() -> None:
         for model in manager.served():
@@ -123,20 +143,20 @@ async def serve(args: argparse.Namespace) -> int:
                     subscribed.add(path)
                     runtime.spawn(_follow_load(runtime, path, load))
 
-    manager = ModelManager(runtime, namespace=scope, model_path=args.model_path, build_pipeline=build,
+    manager = ModelManager(runtime, namespace=scope, model_path=frontend.model_path, build_pipeline=build,
                            on_change=on_change)
     await manager.start()
     server = FrontendServer(runtime, manager, metrics, HttpConfig(
-        host=args.http_host, port=args.http_port, api_key=args.api_key, tls_cert_path=args.tls_cert_path,
-        tls_key_path=args.tls_key_path,
-        body_limit_bytes=int(env_number("DYN_HTTP_BODY_LIMIT_MB", 192) * 1024 * 1024),
-        body_read_timeout=args.http_body_timeout,
+        host=frontend.http_host, port=frontend.http_port, api_key=frontend.api_key, tls_cert_path=frontend.tls_cert_path,
+        tls_key_path=frontend.tls_key_path,
+        body_limit_bytes=int(frontend.http_body_limit_mb * 1024 * 1024),
+        body_read_timeout=frontend.http_body_timeout,
     ))
     await server.start()
     runtime.add_drain(server.drain)  # SIGTERM: finish the HTTP streams before the planes close
     runtime.set_ready()
-    scheme = "https" if args.tls_cert_path else "http"
-    print(f"READY {scheme}://{args.http_host}:{server.port}", flush=True)
+    scheme = "https" if frontend.tls_cert_path else "http"
+    print(f"READY {scheme}://{frontend.http_host}:{server.port}", flush=True)
     await runtime.wait_closed()
     await server.close()
     await manager.close()
@@ -155,11 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parse_args_with_router_config(parser, sys.argv[1:] if argv is None else argv)
     try:
-        args.migration_limit = MIGRATION_LIMIT.value(args, DEFAULT_MIGRATION_LIMIT)
+        frontend = apply_options(FrontendConfig(), _HTTP + _MODELS + _OVERLOAD, args)
     except ValueError as e:
         parser.error(str(e))
     configure_logging()
-    return run(lambda: serve(args))
+    return run(lambda: serve(args, frontend))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ handler sees it.
 
 from __future__ import annotations
 
+import time
 from enum import StrEnum
 from typing import Any
 
@@ -213,6 +214,20 @@ class LLMEngineOutput(msgspec.Struct, omit_defaults=True):
     @classmethod
     def cancelled(cls, usage: CompletionUsage | None = None) -> LLMEngineOutput:
         return cls([], finish_reason=FinishReason.CANCELLED, completion_usage=usage)
+
+
+def text_chunk(response_id: str, content: str, finish_reason: FinishReason | None,
+               usage: CompletionUsage | None = None) -> dict[str, Any]:
+    """What a text-input worker streams: an OpenAI `chat.completion.chunk` with one choice; the last one
+    has the finish reason (OpenAI's spelling) and the usage."""
+    chunk: dict[str, Any] = {
+        "id": response_id, "created": int(time.time()), "object": "chat.completion.chunk", "model": "unknown",
+        "choices": [{"index": 0, "delta": {"role": "assistant", "content": content},
+                     "finish_reason": finish_reason.openai if finish_reason is not None else None}],
+    }
+    if usage is not None:
+        chunk["usage"] = usage
+    return chunk
 
 
 class StatusReply(msgspec.Struct):

@@ -16,7 +16,7 @@ from tandem.models import resolve_model
 from tandem.runtime import RuntimeConfig, add_runtime_args
 from tandem.runtime.config import env_str
 from tandem.runtime.keys import parse_endpoint_path
-from tandem.runtime.options import MIGRATION_LIMIT
+from tandem.runtime.options import MIGRATION_LIMIT, Option
 from tandem.worker.config import DisaggregationMode
 
 DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1,
@@ -66,19 +66,22 @@ class MockerConfig:
         return num_tokens * self.kv_bytes_per_token / (self.kv_transfer_bandwidth * 1e9)
 
 
+_MODEL_PATH = Option("model_path", ("--model-path", "--model"), ("DYN_MODEL_PATH",),
+                     "model folder (tokenizer, config.json), hub id or `smollm2`", kind=str)
+_ENDPOINT = Option("endpoint", ("--endpoint",), ("DYN_ENDPOINT",), "dyn://namespace.component.endpoint to serve",
+                   kind=str)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tandem mocker", description="A simulated vLLM worker: real registration, tokenizer, KV events "
         "and load metrics; simulated scheduling and timing. Defaults match Dynamo's mocker.",
     )
     model = parser.add_argument_group("Model and serving")
-    model.add_argument("--model-path", "--model", dest="model_path", default=env_str("DYN_MODEL_PATH", "smollm2"),
-                       help="model folder (tokenizer, config.json), hub id or `smollm2` [default smollm2]")
+    _MODEL_PATH.add_to(model, "smollm2")
     model.add_argument("--model-name", "--served-model-name", dest="model_name", default=None,
                        help="served model name [default: the folder's name]")
-    model.add_argument("--endpoint", default=env_str("DYN_ENDPOINT"),
-                       help="dyn://namespace.component.endpoint to serve [default dyn://<namespace>.backend.generate, "
-                       "prefill workers: .prefill.generate]")
+    _ENDPOINT.add_to(model, "dyn://<namespace>.backend.generate (prefill workers: .prefill.generate)")
     model.add_argument("--num-workers", type=int, default=1, help="simulated engines in this process, each its own "
                        "worker instance [default 1]")
     model.add_argument("--data-parallel-size", "--dp-size", dest="data_parallel_size", type=int, default=None,
@@ -187,7 +190,7 @@ def _config(args: argparse.Namespace) -> MockerConfig:
     if not drop_kv_events.isdigit():
         raise ValueError(f"DYN_MOCKER_DROP_KV_EVENTS must be a whole number >= 0, got {drop_kv_events!r}")
 
-    model_path = resolve_model(args.model_path)
+    model_path = resolve_model(_MODEL_PATH.value(args, "smollm2"))
     model_config = _read_model_config(model_path)
     context_length = args.context_length or int(model_config.get("max_position_embeddings") or 8192)
     kv_bytes = options.pop("kv_bytes_per_token") or kv_bytes_per_token(model_config, args.kv_cache_dtype)
@@ -195,7 +198,7 @@ def _config(args: argparse.Namespace) -> MockerConfig:
                              **{name: options.pop(name) for name in SCHEDULER_OPTIONS})  # type: ignore[arg-type]
 
     runtime = RuntimeConfig.from_args(args)
-    endpoint = args.endpoint or f"dyn://{runtime.namespace}.{mode.default_component}.generate"
+    endpoint = _ENDPOINT.value(args) or f"dyn://{runtime.namespace}.{mode.default_component}.generate"
     namespace, component, endpoint_name = parse_endpoint_path(endpoint)
     return MockerConfig(
         model_path=model_path,
@@ -221,8 +224,6 @@ def _extra_engine_args(path: str | None) -> dict[str, object]:
     options: dict[str, object] = {}
     for key, value in raw.items():
         name = _ALIASES.get(key, key)
-        if name is None:
-            continue  # accepted for compatibility, not simulated
         if name not in ENGINE_DEFAULTS:
             raise ValueError(f"--extra-engine-args {path}: unknown option {key!r}")
         options[name] = value

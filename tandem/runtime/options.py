@@ -27,6 +27,8 @@ class Option:
     minimum: float | None = None  # inclusive lower bound
     maximum: float | None = None  # inclusive upper bound
     positive: bool = False  # strictly > 0
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None  # shown in --help; default: the flag's last word (str) or the kind
 
     @property
     def dest(self) -> str:
@@ -41,9 +43,14 @@ class Option:
             # BooleanOptionalAction also adds --no-<flag> for each alias, e.g. the legacy --no-kv-events.
             group.add_argument(*self.flags, dest=self.dest, action=argparse.BooleanOptionalAction, default=None,
                                help=f"{self.help} [{where}]")
+        elif self.choices:
+            group.add_argument(*self.flags, dest=self.dest, choices=self.choices, default=None,
+                               help=f"{self.help}: {', '.join(self.choices)} [{where}]")
         else:
-            group.add_argument(*self.flags, dest=self.dest, type=self.kind, default=None,
-                               metavar=self.kind.__name__.upper(), help=f"{self.help} [{where}]")
+            metavar = self.metavar or (self.flags[0].rsplit("-", 1)[-1].upper() if self.kind is str
+                                       else self.kind.__name__.upper())
+            group.add_argument(*self.flags, dest=self.dest, type=self.kind, default=None, metavar=metavar,
+                               help=f"{self.help} [{where}]")
 
     def value(self, args: argparse.Namespace | None, default: Any = None) -> Any:
         """The flag's value in `args`, else the first env var set, else `default`; validated."""
@@ -71,6 +78,8 @@ class Option:
         return None, ""
 
     def _validate(self, value: Any, source: str) -> None:
+        if self.choices and value not in self.choices:
+            raise ValueError(f"{source} must be one of {', '.join(self.choices)}, got {value!r}")
         if self.kind not in (int, float):
             return
         if not math.isfinite(value):

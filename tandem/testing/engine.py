@@ -40,6 +40,7 @@ from tandem.llm.protocols import (
     PreprocessedRequest,
     RankedLogprob,
     TextRequest,
+    text_chunk,
 )
 from tandem.models import resolve_model
 from tandem.router.protocols import KV_METRICS_TOPIC, ActiveLoad
@@ -170,7 +171,6 @@ class TestEngine:
             self.active.pop(context.id(), None)
             self.publish_load()
 
-
     async def generate_text(self, request: TextRequest, context: Context) -> AsyncIterator[dict[str, Any]]:
         """Text-input mode: an OpenAI chat request in, OpenAI chat chunks out (like --use-vllm-tokenizer)."""
         messages = request.messages or []
@@ -183,15 +183,9 @@ class TestEngine:
             if self.args.delay_ms:
                 await asyncio.sleep(self.args.delay_ms / 1000)
             last = n == len(words) - 1
-            chunk: dict[str, Any] = {
-                "id": context.id(), "created": 0, "object": "chat.completion.chunk", "model": "unknown",
-                "choices": [{"index": 0, "delta": {"role": "assistant", "content": word if n == 0 else " " + word},
-                             "finish_reason": "stop" if last else None}],
-            }
-            if last:
-                chunk["usage"] = {"prompt_tokens": len(text.split()), "completion_tokens": len(words),
-                                  "total_tokens": len(text.split()) + len(words)}
-            yield chunk
+            prompt_words = len(text.split())
+            yield text_chunk(context.id(), word if n == 0 else " " + word, FinishReason.STOP if last else None,
+                             CompletionUsage.of(prompt_words, len(words)) if last else None)
 
 
 class TextTestEngine(TestEngine):

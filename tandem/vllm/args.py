@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 from tandem.models.prepare import MODEL_NAME, PrepareError, is_default_model
 from tandem.models.resolve import resolve_model
-from tandem.runtime.config import RuntimeConfig, add_runtime_args, detect_host, env_bool, env_number, env_str
-from tandem.runtime.options import MIGRATION_LIMIT
+from tandem.runtime.config import RuntimeConfig, add_runtime_args, detect_host, env_bool, env_str
+from tandem.runtime.options import MIGRATION_LIMIT, Option, add_options, apply_options
 from tandem.worker.config import DisaggregationMode
 
 if TYPE_CHECKING:
@@ -224,13 +224,38 @@ def _normalize_connectors(values: list[str]) -> list[str]:
 # Parsers
 
 
-def _bool(group: argparse._ArgumentGroup, flag: str, env: str, help_: str, default: bool = False) -> None:
-    group.add_argument(flag, action=argparse.BooleanOptionalAction, default=env_bool(env, default),
-                       help=f"{help_} [env {env}]")
-
-
-def _int_env(name: str, default: int) -> int:
-    return int(env_number(name, default, int))
+_LOCAL_INDEXER = Option("enable_local_indexer", ("--enable-local-indexer",), ("DYN_LOCAL_INDEXER",),
+                        "keep a local KV indexer the router can query (default: on unless --durable-kv-events)",
+                        kind=bool)
+_DYNAMO_OPTIONS = (
+    MIGRATION_LIMIT,
+    _LOCAL_INDEXER,
+    Option("durable_kv_events", ("--durable-kv-events",), ("DYN_DURABLE_KV_EVENTS",),
+           "publish KV events durably instead of keeping a local indexer", kind=bool),
+    Option("dyn_tool_call_parser", ("--dyn-tool-call-parser",), ("DYN_TOOL_CALL_PARSER",),
+           "tool-call parser the frontend applies to this model", kind=str),
+    Option("dyn_reasoning_parser", ("--dyn-reasoning-parser",), ("DYN_REASONING_PARSER",),
+           "reasoning parser the frontend applies to this model", kind=str),
+    Option("custom_jinja_template", ("--custom-jinja-template",), ("DYN_CUSTOM_JINJA_TEMPLATE",),
+           "chat template file overriding the model's (~ and $VARS expanded)", kind=str, metavar="FILE"),
+    Option("endpoint_types", ("--endpoint-types", "--dyn-endpoint-types"), ("DYN_ENDPOINT_TYPES",),
+           "OpenAI surfaces to enable, comma separated: chat, completions", kind=str),
+    Option("dump_config_to", ("--dump-config-to",), ("DYN_DUMP_CONFIG_TO",),
+           "write the resolved configuration as JSON to this file", kind=str, metavar="FILE"),
+    Option("is_prefill_worker", ("--is-prefill-worker",), ("DYN_VLLM_IS_PREFILL_WORKER",),
+           "prefill-only worker (component prefill)", kind=bool),
+    Option("is_decode_worker", ("--is-decode-worker",), ("DYN_VLLM_IS_DECODE_WORKER",),
+           "decode-only worker (publishes no KV events)", kind=bool),
+    Option("use_vllm_tokenizer", ("--use-vllm-tokenizer",), ("DYN_VLLM_USE_TOKENIZER",),
+           "text in/text out: the worker tokenizes (chat completions only)", kind=bool),
+    Option("sleep_mode_level", ("--sleep-mode-level",), ("DYN_VLLM_SLEEP_MODE_LEVEL",),
+           "1: offload weights to CPU, 2: discard weights, 3: discard all", kind=int),
+)
+_CPU_OPTIONS = (
+    Option("cpu_cores", ("--cpu-cores",), ("TANDEM_CPU_CORES",),
+           "cores this engine's threads bind to, e.g. 0 or 2-3; sets VLLM_CPU_OMP_THREADS_BIND unless it is "
+           "already set. Give each engine on a host its own cores", kind=str),
+)
 
 
 def build_dynamo_parser() -> argparse.ArgumentParser:
@@ -254,27 +279,7 @@ def build_dynamo_parser() -> argparse.ArgumentParser:
         "form a PdConnector); pass `--connector none` to give your own --kv-transfer-config "
         "[env DYN_CONNECTOR, space or comma separated, default nixl]",
     )
-    MIGRATION_LIMIT.add_to(g, 0)
-    local_indexer = env_str("DYN_LOCAL_INDEXER")
-    g.add_argument("--enable-local-indexer", action=argparse.BooleanOptionalAction,
-                   default=env_bool("DYN_LOCAL_INDEXER") if local_indexer is not None else None,
-                   help="keep a local KV indexer the router can query [env DYN_LOCAL_INDEXER, "
-                   "default: on unless --durable-kv-events]")
-    _bool(g, "--durable-kv-events", "DYN_DURABLE_KV_EVENTS", "publish KV events durably instead of keeping a "
-          "local indexer")
-    g.add_argument("--dyn-tool-call-parser", dest="dyn_tool_call_parser", default=env_str("DYN_TOOL_CALL_PARSER"),
-                   help="tool-call parser the frontend applies to this model [env DYN_TOOL_CALL_PARSER]")
-    g.add_argument("--dyn-reasoning-parser", dest="dyn_reasoning_parser", default=env_str("DYN_REASONING_PARSER"),
-                   help="reasoning parser the frontend applies to this model [env DYN_REASONING_PARSER]")
-    g.add_argument("--custom-jinja-template", default=env_str("DYN_CUSTOM_JINJA_TEMPLATE"),
-                   help="chat template file overriding the model's (~ and $VARS expanded) "
-                   "[env DYN_CUSTOM_JINJA_TEMPLATE]")
-    g.add_argument("--endpoint-types", "--dyn-endpoint-types", dest="endpoint_types",
-                   default=env_str("DYN_ENDPOINT_TYPES", DEFAULT_ENDPOINT_TYPES),
-                   help="OpenAI surfaces to enable, comma separated: chat, completions "
-                   f"[env DYN_ENDPOINT_TYPES, default {DEFAULT_ENDPOINT_TYPES}]")
-    g.add_argument("--dump-config-to", default=env_str("DYN_DUMP_CONFIG_TO"),
-                   help="write the resolved configuration as JSON to this file [env DYN_DUMP_CONFIG_TO]")
+    add_options(g, _DYNAMO_OPTIONS, Config)
     try:
         import vllm
 
@@ -282,14 +287,6 @@ def build_dynamo_parser() -> argparse.ArgumentParser:
     except ImportError:  # pragma: no cover - vLLM is required to run the worker
         vllm_version = ""
     g.add_argument("--version", action="version", version=f"Tandem Backend VLLM {__version__}{vllm_version}")
-    _bool(g, "--is-prefill-worker", "DYN_VLLM_IS_PREFILL_WORKER", "prefill-only worker (component prefill)")
-    _bool(g, "--is-decode-worker", "DYN_VLLM_IS_DECODE_WORKER", "decode-only worker (publishes no KV events)")
-    _bool(g, "--use-vllm-tokenizer", "DYN_VLLM_USE_TOKENIZER", "text in/text out: the worker tokenizes "
-          "(chat completions only)")
-    g.add_argument("--sleep-mode-level", type=int, choices=[1, 2, 3],
-                   default=_int_env("DYN_VLLM_SLEEP_MODE_LEVEL", 1),
-                   help="1: offload weights to CPU, 2: discard weights, 3: discard all "
-                   "[env DYN_VLLM_SLEEP_MODE_LEVEL, default 1]")
 
     mm = parser.add_argument_group(
         "Dynamo vLLM Multimodal Options", "not built yet in tandem: each is refused, naming it, with exit status 2")
@@ -299,10 +296,7 @@ def build_dynamo_parser() -> argparse.ArgumentParser:
         else:
             mm.add_argument(flag, action="store_true", default=env_bool(env), help=f"[env {env}]")
 
-    cpu = parser.add_argument_group("tandem CPU Options")
-    cpu.add_argument("--cpu-cores", default=env_str("TANDEM_CPU_CORES"),
-                     help="cores this engine's threads bind to, e.g. 0 or 2-3; sets VLLM_CPU_OMP_THREADS_BIND "
-                     "unless it is already set. Give each engine on a host its own cores [env TANDEM_CPU_CORES]")
+    add_options(parser.add_argument_group("tandem CPU Options"), _CPU_OPTIONS, Config)
     return parser
 
 
@@ -398,22 +392,11 @@ def build_config(argv: list[str] | None = None, *, is_cpu: bool | None = None, a
         runtime=RuntimeConfig.from_args(dyn),
         model=model,
         connector=list(dyn.connector),
-        migration_limit=MIGRATION_LIMIT.value(dyn, 0),
-        durable_kv_events=dyn.durable_kv_events,
-        enable_local_indexer=(not dyn.durable_kv_events) if dyn.enable_local_indexer is None
-        else dyn.enable_local_indexer,
-        dyn_tool_call_parser=dyn.dyn_tool_call_parser,
-        dyn_reasoning_parser=dyn.dyn_reasoning_parser,
-        custom_jinja_template=dyn.custom_jinja_template,
-        endpoint_types=dyn.endpoint_types,
-        dump_config_to=dyn.dump_config_to,
-        is_prefill_worker=dyn.is_prefill_worker,
-        is_decode_worker=dyn.is_decode_worker,
-        use_vllm_tokenizer=dyn.use_vllm_tokenizer,
-        sleep_mode_level=dyn.sleep_mode_level,
-        cpu_cores=dyn.cpu_cores,
         is_cpu=is_cpu,
     )
+    apply_options(config, _DYNAMO_OPTIONS + _CPU_OPTIONS, dyn)
+    if _LOCAL_INDEXER.value(dyn) is None:
+        config.enable_local_indexer = not config.durable_kv_events  # a durable event stream replaces it
     config.namespace = config.runtime.namespace
     config.validate()
     config.component = _component(config)

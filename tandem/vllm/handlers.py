@@ -7,7 +7,6 @@ import asyncio
 import base64
 import io
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -24,6 +23,7 @@ from tandem.llm.protocols import (
     PreprocessedRequest,
     RankedLogprob,
     TextRequest,
+    text_chunk,
 )
 from tandem.runtime import Context
 from tandem.vllm.abort import abort_monitor
@@ -322,22 +322,13 @@ class TextWorkerHandler(BaseWorkerHandler):
         async with abort_monitor(self.engine_client, context, request_id, self.shutdown_event) as monitor:
             async for result in monitor.stream(self.engine_client.generate(prompt, sampling, request_id)):
                 if not result.outputs:
-                    yield _text_chunk(response_id, "", "error")
+                    yield text_chunk(response_id, "", FinishReason.ERROR)
                     return
                 output = result.outputs[0]
                 generated += len(output.token_ids)
                 reason = _finish_reason(output.finish_reason)
-                chunk = _text_chunk(response_id, output.text, reason)
-                if reason is not None:
-                    chunk["usage"] = CompletionUsage.of(prompt_len, generated, result.num_cached_tokens)
-                yield chunk
-
-
-def _text_chunk(response_id: str, text: str, finish_reason: str | None) -> dict[str, Any]:
-    return {
-        "id": response_id, "created": int(time.time()), "object": "chat.completion.chunk", "model": "unknown",
-        "choices": [{"index": 0, "delta": {"role": "assistant", "content": text}, "finish_reason": finish_reason}],
-    }
+                usage = CompletionUsage.of(prompt_len, generated, result.num_cached_tokens) if reason else None
+                yield text_chunk(response_id, output.text, reason, usage)
 
 
 class PrefillWorkerHandler(BaseWorkerHandler):
