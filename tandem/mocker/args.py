@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from tandem.mocker.scheduler import SchedulerConfig
 from tandem.models import resolve_model
 from tandem.runtime import RuntimeConfig, add_runtime_args
-from tandem.runtime.config import env_str
 from tandem.runtime.keys import parse_endpoint_path
 from tandem.runtime.options import MIGRATION_LIMIT, Option
 from tandem.worker.config import DisaggregationMode
@@ -68,6 +67,8 @@ class MockerConfig:
 
 _MODEL_PATH = Option("model_path", ("--model-path", "--model"), ("DYN_MODEL_PATH",),
                      "model folder (tokenizer, config.json), hub id or `smollm2`", kind=str)
+_DROP_KV_EVENTS = Option("drop_kv_events", (), ("DYN_MOCKER_DROP_KV_EVENTS",),
+                         "test hook: every Nth KV event is not published (0 = off)", kind=int, minimum=0)
 _ENDPOINT = Option("endpoint", ("--endpoint",), ("DYN_ENDPOINT",), "dyn://namespace.component.endpoint to serve",
                    kind=str)
 
@@ -186,9 +187,7 @@ def _config(args: argparse.Namespace) -> MockerConfig:
     if options["planner_profile_data"] and not os.path.isfile(str(options["planner_profile_data"])):
         raise ValueError(f"--planner-profile-data {options['planner_profile_data']}: no such file")
 
-    drop_kv_events = env_str("DYN_MOCKER_DROP_KV_EVENTS", "0") or "0"
-    if not drop_kv_events.isdigit():
-        raise ValueError(f"DYN_MOCKER_DROP_KV_EVENTS must be a whole number >= 0, got {drop_kv_events!r}")
+    drop_kv_events = _DROP_KV_EVENTS.value(args, 0)
 
     model_path = resolve_model(_MODEL_PATH.value(args, "smollm2"))
     model_config = _read_model_config(model_path)
@@ -205,7 +204,7 @@ def _config(args: argparse.Namespace) -> MockerConfig:
         served_model_name=args.model_name or os.path.basename(model_path.rstrip("/")),
         namespace=namespace, component=component, endpoint=endpoint_name,
         num_workers=args.num_workers, migration_limit=MIGRATION_LIMIT.value(args, 0), context_length=context_length,
-        enable_conditional_disagg=args.enable_conditional_disagg, drop_kv_events=int(drop_kv_events),
+        enable_conditional_disagg=args.enable_conditional_disagg, drop_kv_events=drop_kv_events,
         kv_bytes_per_token=int(kv_bytes), runtime=runtime.replace(namespace=namespace), engine=engine,
         **options,  # type: ignore[arg-type]
     )
