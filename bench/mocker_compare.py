@@ -332,7 +332,8 @@ def report(results: dict[str, dict[str, dict[str, float]]], args: argparse.Names
         lines += comparison_table(ordered, ROWS, baseline, lambda t, d, better: f"{t / d:.3f}x")
         if "tandem" in by_impl and "dynamo" in by_impl:
             lines.append("\n" + targets(regime, by_impl["tandem"], by_impl["dynamo"]))
-    lines.append("\nRatios are tandem / Dynamo: above 1 is better for throughput, below 1 is better for "
+    against = "Dynamo" if any("dynamo" in by_impl for by_impl in results.values()) else "the baseline tree"
+    lines.append(f"\nRatios are tandem / {against}: above 1 is better for throughput, below 1 is better for "
                  "latency and CPU.")
     return "\n".join(lines)
 
