@@ -206,6 +206,22 @@ async def test_prefill_then_decode(runtimes: Any, namespace: str, smollm2: str) 
     assert len(pipeline.kv_router.sequences) == 0  # type: ignore[union-attr]
 
 
+async def test_a_disaggregated_prompt_is_hashed_once(runtimes: Any, namespace: str, smollm2: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefill router, the conditional-disaggregation check and the decode router share one set of
+    block hashes per request."""
+    from tandem.router import kv_router
+
+    workers = Workers()
+    pipeline, _ = await _pipeline(runtimes, namespace, smollm2, workers)
+    pipeline.kv_router.config.conditional_disagg = True  # type: ignore[union-attr]  # one more user of the hashes
+    calls = []
+    real = kv_router.local_block_hashes
+    monkeypatch.setattr(kv_router, "local_block_hashes", lambda *a, **k: calls.append(a) or real(*a, **k))
+    assert [o["token_ids"] for o in await _generate(pipeline)] == [[1], [2]]
+    assert len(workers.prefill_requests) == 1 and len(calls) == 1
+
+
 async def test_aggregated_requests_keep_prefill_load(runtimes: Any, namespace: str, smollm2: str) -> None:
     """No prefill worker: decode prefills locally and the router counts its prompt as load."""
     workers = Workers()

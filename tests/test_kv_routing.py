@@ -208,9 +208,8 @@ async def test_recent_decisions_count_until_the_events_arrive(runtimes, namespac
         router.sync_workers(workers)
         chosen = set()
         for n in range(8):
-            worker, _ = router.select(f"r{n}", prompt + [n], sorted(workers))
-            router.free(f"r{n}")
-            chosen.add(worker)
+            with router.select(f"r{n}", prompt + [n], sorted(workers)) as routed:
+                chosen.add(routed.decision.worker)
         assert (len(chosen) == 1) == expect_same, (ttl, chosen)
 
 
@@ -303,14 +302,14 @@ async def test_data_parallel_ranks_are_separate_candidates(runtimes, namespace) 
     router.sync_workers({7: f"{namespace}.backend.generate", 9: f"{namespace}.backend.generate"}, {7: 2})
     assert router.candidate_ranks([7, 9]) == [(7, 0), (7, 1), (9, 0)]
     prompts = [list(range(1000 * n, 1000 * n + 8 * BLOCK)) for n in range(3)]
-    placed = [router.select(f"r{n}", p, [7, 9])[0] for n, p in enumerate(prompts)]
+    routed = [router.select(f"r{n}", p, [7, 9]) for n, p in enumerate(prompts)]
+    placed = [r.decision.worker for r in routed]
     assert sorted(placed) == [(7, 0), (7, 1), (9, 0)]  # three prompts, three idle ranks
-    for n in range(3):
-        router.free(f"r{n}")
-    again, overlap = router.select("again", prompts[1] + [5], [7, 9])
-    assert again == placed[1] and overlap == 8
-    router.free("again")
-    assert router.select("pinned", prompts[1], [7, 9], dp_rank=1)[0] == (7, 1)  # only worker 7 has rank 1
+    for r in routed:
+        r.free()
+    with router.select("again", prompts[1] + [5], [7, 9]) as again:
+        assert again.decision.worker == placed[1] and again.decision.overlap_blocks == 8
+    assert router.select("pinned", prompts[1], [7, 9], dp_rank=1).decision.worker == (7, 1)  # only 7 has rank 1
     with pytest.raises(ValueError, match="rank 5"):
         router.select("bad", prompts[0], [7, 9], dp_rank=5)
 

@@ -26,23 +26,22 @@ async def test_routers_share_active_sequences(runtimes, namespace) -> None:  # t
         while True:
             request_id = f"r{attempt}"
             prompt = list(range(1000 * (attempt + 1), 1000 * (attempt + 1) + 10 * BLOCK))  # no overlap with earlier
-            a.select(request_id, prompt, workers)
+            routed = a.select(request_id, prompt, workers)
             await asyncio.sleep(0.1)
             if request_id in b.sequences:
                 break
-            a.free(request_id)
+            routed.free()
             attempt += 1
     worker = a.sequences.request_worker(request_id)
     assert worker is not None and b.sequences.request_worker(request_id) == worker
     assert b.sequences.active_prefill_tokens(worker) == len(prompt)
     # b's own decision for the same prompt avoids the worker a loaded.
-    (chosen, _), _ = b.select("mine", prompt, workers)
-    assert chosen != worker[0]
-    a.prefill_done(request_id)
+    assert b.select("mine", prompt, workers).decision.worker_id != worker[0]
+    routed.tokens_arrived()
     async with asyncio.timeout(5):
         while b.sequences.active_prefill_tokens(worker):
             await asyncio.sleep(0.02)
-    a.free(request_id)
+    routed.free()
     async with asyncio.timeout(5):
         while request_id in b.sequences:
             await asyncio.sleep(0.02)

@@ -40,7 +40,7 @@ from tandem.llm.protocols import (
     parse_finish_reason,
 )
 from tandem.llm.tokenizer import Tokenizer, TooManyTokens
-from tandem.router.kv_router import KvRouter
+from tandem.router.kv_router import KvRouter, PromptHashes, RoutedRequest
 from tandem.runtime import Client, Context, InstanceUnreachableError, NoInstancesError, StreamIncompleteError
 from tandem.runtime.request_plane import ResponseStream
 
@@ -268,16 +268,25 @@ class ModelPipeline:
         return {"lora_name": lora.name if lora else None,
                 "cache_salt": request.routing.cache_salt if request.routing else None}
 
+    def _hashes(self, request: Any) -> PromptHashes | None:
+        """The prompt's block hashes, computed once for its prefill and decode routing (one model, one
+        block size); None without a KV router or for a text request."""
+        router = self.kv_router or self.prefill_router
+        if router is None or not isinstance(request, PreprocessedRequest):
+            return None
+        return router.hashes(request.token_ids, **self._cache_keys(request))
+
     def route(self, request: Any, pinned: int | None, exclude: set[int], request_id: str = "", *,
-              preferred: int | None = None, decode_stage: bool = False) -> tuple[int, int | None, bool]:
-        """(instance, its data-parallel rank chosen by the KV router or None, whether the KV router now
-        tracks the request there). `preferred`: the worker to use
-        if it is a candidate (chosen by conditional disaggregation); `decode_stage`: the request's prompt
-        was computed by a prefill worker."""
+              preferred: int | None = None, decode_stage: bool = False,
+              hashes: PromptHashes | None = None) -> tuple[int, int | None, RoutedRequest | None]:
+        """(instance, its data-parallel rank chosen by the KV router or None, the request as the KV router
+        tracks it there or None). `preferred`: the worker to use if it is a candidate (chosen by
+        conditional disaggregation); `decode_stage`: the request's prompt was computed by a prefill
+        worker; `hashes`: the prompt's block hashes, when already computed."""
         if pinned is not None:
             if pinned not in self.model.instances:
                 raise NoWorkerError(f"worker instance {pinned} does not serve model {self.model.name!r}")
-            return pinned, None, False
+            return pinned, None, None
         if self.router_mode == "direct":
             raise openai.RequestError(
                 "the frontend runs with --router-mode direct: name the worker in the x-worker-instance-id header",
@@ -290,11 +299,10 @@ class ModelPipeline:
             override = request.router_config_override
             if decode_stage:
                 override = decode_stage_override(override, self.kv_router.config.conditional_disagg)
-            (instance, dp_rank), _ = self.kv_router.select(
-                request_id, request.token_ids, candidates, override=override,
-                dp_rank=request.routing.dp_rank if request.routing else None, **self._cache_keys(request))
-            return instance, dp_rank, True
-        return self.selector.select(candidates, request), None, False
+            routed = self.kv_router.select(request_id, request.token_ids, candidates, override=override,
+                                           dp_rank=request.dp_rank, hashes=hashes, **self._cache_keys(request))
+            return routed.decision.worker_id, routed.decision.dp_rank, routed
+        return self.selector.select(candidates, request), None, None
 
     # -- generation with migration -------------------------------------------------------------
     async def generate(self, request: PreprocessedRequest | dict[str, Any], context: Context,
@@ -309,9 +317,10 @@ class ModelPipeline:
         budget = self.migration_limit
         exclude: set[int] = set()
         preferred: int | None = None
+        hashes = self._hashes(request) if pinned is None else None
         if (isinstance(request, PreprocessedRequest) and pinned is None
                 and (self.model.prefill_instances or self.enforce_disagg)):
-            request, preferred = await self._disaggregate(request, context)
+            request, preferred = await self._disaggregate(request, context, hashes)
             if context.is_stopped():
                 return  # the client went away during the prefill: no decode
         prompt_len = len(request.token_ids) if isinstance(request, PreprocessedRequest) else 0
@@ -320,8 +329,8 @@ class ModelPipeline:
             decode_stage = (isinstance(request, PreprocessedRequest) and request.prefill_result is not None
                             and not attempt.generated)
             try:
-                instance, dp_rank, prefill_pending = self.route(request, pinned, exclude, context.id(),
-                                                                preferred=preferred, decode_stage=decode_stage)
+                instance, dp_rank, routed = self.route(request, pinned, exclude, context.id(), preferred=preferred,
+                                                       decode_stage=decode_stage, hashes=hashes)
             except NoWorkerError as e:
                 if exclude and not e.busy and not attempt.generated:
                     raise NoWorkerError(f"no worker of model {self.model.name!r} could take the request "
@@ -359,9 +368,8 @@ class ModelPipeline:
                             self._decode_stage_output(output, prefill_details)
                         ids = output.get("token_ids")
                         if ids:
-                            if prefill_pending:  # the KV router stops counting its prompt as load
-                                prefill_pending = False
-                                self.kv_router.prefill_done(context.id())  # type: ignore[union-attr]
+                            if routed is not None:  # the KV router stops counting its prompt as load
+                                routed.tokens_arrived()
                             attempt.generated.extend(ids)
                         yield output
                         if _finished(output):
@@ -393,24 +401,24 @@ class ModelPipeline:
                                 context.id(), instance, len(attempt.generated), e)
             finally:
                 self.inflight[instance] -= 1
-                if self.kv_router is not None:
-                    self.kv_router.free(context.id())
+                if routed is not None:
+                    routed.free()
 
     # -- disaggregated prefill ------------------------------------------------
-    async def _disaggregate(self, request: PreprocessedRequest,
-                            context: Context) -> tuple[PreprocessedRequest, int | None]:
+    async def _disaggregate(self, request: PreprocessedRequest, context: Context,
+                            hashes: PromptHashes | None) -> tuple[PreprocessedRequest, int | None]:
         """The request for the decode stage and, under conditional disaggregation, the decode worker that
         keeps it. It carries `prefill_result` when a prefill worker computed the prompt; otherwise it is
         the original request (the decode worker prefills locally), or NoWorkerError (503) under
         --enforce-disagg. Counted in `dynamo_frontend_remote_prefills_total` by outcome."""
         name = self.model.name
         if self.model.prefill_instances:
-            local = self._conditional_decode_worker(request)
+            local = self._conditional_decode_worker(request, hashes)
             if local is not None:
                 self.metrics.remote_prefill(name, SKIPPED_CONDITIONAL)
                 return request, local
         try:
-            decode_request = await self.prefill(request, context)
+            decode_request = await self.prefill(request, context, hashes)
         except asyncio.CancelledError:  # the client disconnected: prefill() has already stopped its leg
             self.metrics.remote_prefill(name, CANCELLED)
             raise
@@ -426,7 +434,7 @@ class ModelPipeline:
         self.metrics.remote_prefill(name, FALLBACK)
         return request, None
 
-    def _conditional_decode_worker(self, request: PreprocessedRequest) -> int | None:
+    def _conditional_decode_worker(self, request: PreprocessedRequest, hashes: PromptHashes | None) -> int | None:
         """Conditional disaggregation: the decode worker the KV router would choose, if it caches enough
         of the prompt to prefill the rest itself (`tandem.frontend.disagg.bypass_remote_prefill`)."""
         router = self.kv_router
@@ -437,11 +445,12 @@ class ModelPipeline:
         except NoWorkerError:
             return None  # decode routing reports it
         decision = router.best_worker(request.token_ids, candidates, override=request.router_config_override,
-                                      **self._cache_keys(request))
+                                      hashes=hashes, **self._cache_keys(request))
         cached = decision.overlap_blocks * router.block_size
-        return decision.worker[0] if bypass_remote_prefill(len(request.token_ids), cached, router.config) else None
+        return decision.worker_id if bypass_remote_prefill(len(request.token_ids), cached, router.config) else None
 
-    async def prefill(self, request: PreprocessedRequest, context: Context) -> PreprocessedRequest | None:
+    async def prefill(self, request: PreprocessedRequest, context: Context,
+                      hashes: PromptHashes | None = None) -> PreprocessedRequest | None:
         """Run the prompt on a prefill worker (max_tokens 1) and return the decode request carrying its
         `prefill_result` (the KV transfer parameters); None when no prefill worker is reachable or the
         prefill failed. The leg is a child of `context`: cancelling the request cancels it."""
@@ -449,10 +458,12 @@ class ModelPipeline:
         if not candidates:
             log.warning("request %s: no reachable prefill worker for model %r", context.id(), self.model.name)
             return None
+        routed: RoutedRequest | None = None
         if self.prefill_router is not None:
-            (instance, dp_rank), _ = self.prefill_router.select(
-                context.id(), request.token_ids, candidates,
+            routed = self.prefill_router.select(
+                context.id(), request.token_ids, candidates, hashes=hashes,
                 dp_rank=request.routing.prefill_dp_rank if request.routing else None, **self._cache_keys(request))
+            instance, dp_rank = routed.decision.worker_id, routed.decision.dp_rank
         else:
             instance, dp_rank = self.prefill_selector.select(candidates, request), None
         client = self._client_of(instance)
@@ -483,8 +494,8 @@ class ModelPipeline:
         finally:
             if stream is not None:
                 await stream.aclose()  # still running only when the client went away: stop it now
-            if self.prefill_router is not None:
-                self.prefill_router.free(context.id())
+            if routed is not None:
+                routed.free()
         self.metrics.prefill_seconds.labels(self.model.name).observe(time.perf_counter() - started)
         usage = last.completion_usage
         return msgspec.structs.replace(request, prefill_result=PrefillResult(

@@ -95,20 +95,69 @@ class _WorkerLoadCollector:
         yield prefill
 
 
-@dataclass
-class Decision:
-    worker: WorkerKey
-    overlap_blocks: int
-    local_hashes: list[int]
-    sequence_hashes: list[int]
-    config: KvRouterConfig
-    scores: OverlapScores
+@dataclass(frozen=True)
+class PromptHashes:
+    """A prompt's block hashes for one block size and seed (LoRA, cache salt): computed once per request
+    and shared by its prefill and decode routing."""
+
+    tokens: int  # prompt length they were computed for
+    local: list[int]  # each full block's tokens
+    sequence: list[int]  # each block chained to its prefix
+
+
+@dataclass(frozen=True)
+class RoutingDecision:
+    """Where the router sends a request, and why: the chosen worker's cost terms."""
+
+    worker_id: int
+    dp_rank: int
+    overlap_blocks: int  # prompt blocks the worker has cached
+    load: WorkerLoad  # the worker's load terms as the cost saw them
+    cost: float
+    hashes: PromptHashes
+    config: KvRouterConfig  # with the request's overrides
+    scores: OverlapScores  # every candidate's cached blocks
+
+    @property
+    def worker(self) -> WorkerKey:
+        return self.worker_id, self.dp_rank
+
+
+class RoutedRequest:
+    """A request the router counts as load on its worker, from selection to its end. `tokens_arrived()`
+    on an output with tokens (the first ends its prefill); `free()` at the end, or leave the `with`
+    block. Both may be called again: only the first call counts."""
+
+    __slots__ = ("router", "request_id", "decision", "_prefilling", "_freed")
+
+    def __init__(self, router: KvRouter, request_id: str, decision: RoutingDecision) -> None:
+        self.router = router
+        self.request_id = request_id
+        self.decision = decision
+        self._prefilling = True
+        self._freed = False
+
+    def tokens_arrived(self) -> None:
+        if self._prefilling:
+            self._prefilling = False
+            self.router._prefill_done(self.request_id)
+
+    def free(self) -> None:
+        if not self._freed:
+            self._freed = True
+            self.router._free(self.request_id)
+
+    def __enter__(self) -> RoutedRequest:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.free()
 
 
 class KvRouter:
     """One per served model. `sync_workers` follows the model's instances (call it on every
-    discovery change, on the event loop); `select` routes; `prefill_done` / `free` end a request's
-    load. A data-parallel worker is one candidate per dp rank (`(worker_id, dp_rank)`): each rank has
+    discovery change, on the event loop); `select` routes a request and returns the `RoutedRequest`
+    that owns its load until freed. A data-parallel worker is one candidate per dp rank (`(worker_id, dp_rank)`): each rank has
     its own cache and load."""
 
     def __init__(self, runtime: Any, model: str, *, block_size: int, config: KvRouterConfig,
@@ -255,15 +304,19 @@ class KvRouter:
                                 "data": data, "router_id": self.router_id})
 
     # -- routing -------------------------------------------------------------------------------
-    def overlaps(self, token_ids: Sequence[int], seed: int) -> tuple[list[int], list[int], OverlapScores]:
-        local = local_block_hashes(token_ids, self.block_size, seed)
+    def hashes(self, token_ids: Sequence[int], *, lora_name: str | None = None,
+               cache_salt: str | None = None) -> PromptHashes:
+        local = local_block_hashes(token_ids, self.block_size, request_seed(lora_name, cache_salt))
+        return PromptHashes(len(token_ids), local, sequence_hashes(local))
+
+    def overlaps(self, hashes: PromptHashes) -> OverlapScores:
         index = self.approx if self.approx is not None else self.indexer.tree
-        scores = index.find_matches(local)
+        scores = index.find_matches(hashes.local)
         if self.predicted is not None:  # per worker, the better of what events say and what was just routed
-            for worker, blocks in self.predicted.find_matches(local).scores.items():
+            for worker, blocks in self.predicted.find_matches(hashes.local).scores.items():
                 if blocks > scores.scores.get(worker, 0):
                     scores.scores[worker] = blocks
-        return local, sequence_hashes(local), scores
+        return scores
 
     def worker_ranks(self) -> list[WorkerKey]:
         """Every (instance, dp rank) this router routes to."""
@@ -280,56 +333,60 @@ class KvRouter:
 
     def best_worker(self, token_ids: Sequence[int], candidates: Sequence[int], *, lora_name: str | None = None,
                     cache_salt: str | None = None, override: Mapping[str, Any] | None = None,
-                    dp_rank: int | None = None) -> Decision:
+                    dp_rank: int | None = None, hashes: PromptHashes | None = None) -> RoutingDecision:
         """The cheapest (instance, dp rank) of `candidates` (instance ids) for this prompt; nothing is
-        tracked."""
+        tracked. `hashes` (of these tokens, from `hashes()`) saves computing them again."""
         config = self.config.with_overrides(dict(override)) if override else self.config
-        local, seq, scores = self.overlaps(token_ids, request_seed(lora_name, cache_salt))
+        if hashes is None or hashes.tokens != len(token_ids):
+            hashes = self.hashes(token_ids, lora_name=lora_name, cache_salt=cache_salt)
+        scores = self.overlaps(hashes)
         use_overlap = config.overlap_score_weight != 0
-        loads = []
+        loads = {}
         for worker in self.candidate_ranks(candidates, dp_rank):
             decode = self.sequences.active_blocks(worker)
             if config.track_active_blocks:
-                decode += self.sequences.new_blocks(worker, seq)
-            loads.append(WorkerLoad(worker, scores.scores.get(worker, 0) if use_overlap else 0,
-                                    self.sequences.active_prefill_tokens(worker), decode,
-                                    self.sequences.active_requests(worker)))
-        chosen = select_worker(worker_costs(loads, len(token_ids), self.block_size, config), config.temperature, self.rng)
-        overlap = scores.scores.get(chosen, 0) if use_overlap else 0
-        return Decision(chosen, overlap, local, seq, config, scores)
+                decode += self.sequences.new_blocks(worker, hashes.sequence)
+            loads[worker] = WorkerLoad(worker, scores.scores.get(worker, 0) if use_overlap else 0,
+                                       self.sequences.active_prefill_tokens(worker), decode,
+                                       self.sequences.active_requests(worker))
+        costs = worker_costs(list(loads.values()), len(token_ids), self.block_size, config)
+        chosen = select_worker(costs, config.temperature, self.rng)
+        return RoutingDecision(chosen[0], chosen[1], loads[chosen].overlap_blocks, loads[chosen], costs[chosen],
+                               hashes, config, scores)
 
     def select(self, request_id: str, token_ids: Sequence[int], candidates: Sequence[int], *,
                lora_name: str | None = None, cache_salt: str | None = None,
-               override: Mapping[str, Any] | None = None, dp_rank: int | None = None) -> tuple[WorkerKey, int]:
-        """Choose among `candidates` (instance ids) and start tracking the request there.
-        Returns ((instance id, dp rank), overlap blocks)."""
+               override: Mapping[str, Any] | None = None, dp_rank: int | None = None,
+               hashes: PromptHashes | None = None) -> RoutedRequest:
+        """Choose among `candidates` (instance ids) and count the request as load there until the
+        returned `RoutedRequest` is freed."""
         started = time.perf_counter()
         decision = self.best_worker(token_ids, candidates, lora_name=lora_name, cache_salt=cache_salt,
-                                    override=override, dp_rank=dp_rank)
+                                    override=override, dp_rank=dp_rank, hashes=hashes)
         chosen, overlap, config = decision.worker, decision.overlap_blocks, decision.config
-        tracked_blocks = decision.sequence_hashes if config.track_active_blocks else None
+        tracked_blocks = decision.hashes.sequence if config.track_active_blocks else None
         isl = len(token_ids) if config.track_prefill_tokens else 0
         self.sequences.add_request(request_id, chosen, tracked_blocks, isl, overlap)
         self._publish_sync(request_id, chosen, {"add_request": {"token_sequence": tracked_blocks, "isl": isl,
                                                                 "overlap": overlap}})
         for side in (self.approx, self.predicted):
             if side is not None:
-                side.process_routing_decision(chosen, decision.local_hashes, decision.sequence_hashes)
+                side.process_routing_decision(chosen, decision.hashes.local, decision.hashes.sequence)
         decision_seconds, overlap_blocks, prompt_blocks, hit_blocks = self._per_request
         decision_seconds.observe(time.perf_counter() - started)
         overlap_blocks.observe(overlap)
-        prompt_blocks.inc(len(decision.local_hashes))
+        prompt_blocks.inc(len(decision.hashes.local))
         hit_blocks.inc(overlap)
         self._maybe_sweep()
-        return chosen, overlap
+        return RoutedRequest(self, request_id, decision)
 
-    def prefill_done(self, request_id: str) -> None:
+    def _prefill_done(self, request_id: str) -> None:
         worker = self.sequences.request_worker(request_id)
         if worker is not None:
             self.sequences.mark_prefill_completed(request_id)
             self._publish_sync(request_id, worker, "mark_prefill_completed")
 
-    def free(self, request_id: str) -> None:
+    def _free(self, request_id: str) -> None:
         worker = self.sequences.request_worker(request_id)
         if worker is not None:
             self.sequences.free(request_id)

@@ -54,24 +54,18 @@ class RouterService:
                 "override": request.router_config_override, "dp_rank": request.dp_rank}
 
     async def generate(self, request: PreprocessedRequest, context: Context) -> AsyncIterator[Any]:
-        router = self.router
-        (worker, dp_rank), _ = router.select(context.id(), request.token_ids, self._workers(),
-                                             **self._select_args(request))
-        routing = msgspec.structs.replace(request.routing or RoutingHints(), dp_rank=dp_rank)
-        request = msgspec.structs.replace(request, routing=routing)
-        try:
-            first = True
-            async for output in await self.client.direct(request, worker, context):
-                if first and output.get("token_ids"):
-                    first = False
-                    router.prefill_done(context.id())
+        with self.router.select(context.id(), request.token_ids, self._workers(),
+                                **self._select_args(request)) as routed:
+            routing = msgspec.structs.replace(request.routing or RoutingHints(), dp_rank=routed.decision.dp_rank)
+            request = msgspec.structs.replace(request, routing=routing)
+            async for output in await self.client.direct(request, routed.decision.worker_id, context):
+                if output.get("token_ids"):
+                    routed.tokens_arrived()
                 yield output
-        finally:
-            router.free(context.id())
 
     async def best_worker_id(self, request: PreprocessedRequest) -> AsyncIterator[dict[str, Any]]:
         decision = self.router.best_worker(request.token_ids, self._workers(), **self._select_args(request))
-        yield {"worker_id": decision.worker[0], "dp_rank": decision.worker[1],
+        yield {"worker_id": decision.worker_id, "dp_rank": decision.dp_rank,
                "overlap_blocks": decision.overlap_blocks,
                "overlaps": {str(worker[0]): blocks for worker, blocks in decision.scores.scores.items()}}
 
