@@ -22,6 +22,7 @@ from tandem.llm.protocols import PreprocessedRequest, StopConditions
 from tandem.router.config import KvRouterConfig, add_router_args, parse_args_with_router_config
 from tandem.router.kv_router import KvRouter
 from tandem.runtime import Context
+from tandem.runtime.options import RouterMode
 
 BLOCK = 16
 PROMPT = list(range(1000, 1000 + 6 * BLOCK))
@@ -135,7 +136,8 @@ class Workers:
 
 
 async def _pipeline(runtimes: Any, namespace: str, smollm2: str, workers: Workers, *, prefill: bool = True,
-                    enforce_disagg: bool = False, router_mode: str = "kv") -> tuple[ModelPipeline, FrontendMetrics]:
+                    enforce_disagg: bool = False,
+                    router_mode: RouterMode = RouterMode.KV) -> tuple[ModelPipeline, FrontendMetrics]:
     async def serve(component: str, handler: Any, worker_type: str, model_type: ModelType) -> None:
         runtime = await runtimes()
         endpoint = runtime.namespace(namespace).component(component).endpoint("generate")
@@ -149,14 +151,15 @@ async def _pipeline(runtimes: Any, namespace: str, smollm2: str, workers: Worker
     frontend = await runtimes()
     metrics = FrontendMetrics(CollectorRegistry())
     config = KvRouterConfig(use_kv_events=False)  # routers of their own decisions: no event plane here
+    kv = router_mode == RouterMode.KV  # the KV routers exist in kv mode only, as the frontend builds them
 
     def build(model: ServedModel) -> ModelPipeline:
         return ModelPipeline(
             model, manager, router_mode=router_mode, migration_limit=0, migration_max_seq_len=None,
             load=LoadMonitor(LoadThresholds()), metrics=metrics, enforce_disagg=enforce_disagg,
-            kv_router=KvRouter(frontend, "m", block_size=BLOCK, config=config),
+            kv_router=KvRouter(frontend, "m", block_size=BLOCK, config=config) if kv else None,
             prefill_router=KvRouter(frontend, "m", block_size=BLOCK, config=KvRouterConfig(
-                use_kv_events=False, track_active_blocks=False)))
+                use_kv_events=False, track_active_blocks=False)) if kv else None)
 
     manager = ModelManager(frontend, namespace=namespace, build_pipeline=build)
     await manager.start()
@@ -246,7 +249,7 @@ async def test_failed_prefill(runtimes: Any, namespace: str, smollm2: str, enfor
     workers = Workers()
     workers.prefill_mode = "error"
     pipeline, metrics = await _pipeline(runtimes, namespace, smollm2, workers, enforce_disagg=enforce,
-                                        router_mode="round-robin")
+                                        router_mode=RouterMode.ROUND_ROBIN)
     if enforce:
         with pytest.raises(NoWorkerError):
             await _generate(pipeline)

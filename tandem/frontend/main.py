@@ -17,7 +17,14 @@ from tandem.router.config import add_router_args, parse_args_with_router_config
 from tandem.router.kv_router import KvRouter, RouterMetrics
 from tandem.runtime import DistributedRuntime, RuntimeConfig, add_runtime_args, configure_logging, run
 from tandem.runtime.config import env_str
-from tandem.runtime.options import MIGRATION_LIMIT, ROUTER_MODES, Option, add_options, apply_options
+from tandem.runtime.options import (
+    MIGRATION_LIMIT,
+    ROUTER_MODES,
+    Option,
+    RouterMode,
+    add_options,
+    apply_options,
+)
 
 log = logging.getLogger("tandem.frontend")
 
@@ -32,7 +39,7 @@ class FrontendConfig:
     tls_cert_path: str | None = None
     tls_key_path: str | None = None
     model_path: str | None = None
-    router_mode: str = "round-robin"
+    router_mode: RouterMode = RouterMode.ROUND_ROBIN
     migration_limit: int = 3  # the frontend moves a stream cut off mid-way; workers default to 0 (their drain)
     migration_max_seq_len: int | None = None
     enforce_disagg: bool = False
@@ -58,7 +65,7 @@ _HTTP = (
 _MODELS = (
     Option("model_path", ("--model-path",), ("DYN_MODEL_PATH",), "local copy of the model's tokenizer files when "
            "the workers' folder is not visible here", kind=str),
-    Option("router_mode", ("--router-mode",), ("DYN_ROUTER_MODE",), "how to pick a worker", kind=str,
+    Option("router_mode", ("--router-mode",), ("DYN_ROUTER_MODE",), "how to pick a worker", kind=RouterMode,
            choices=ROUTER_MODES),
     MIGRATION_LIMIT,  # a request no worker has accepted yet always goes to another
     Option("migration_max_seq_len", ("--migration-max-seq-len",), ("DYN_MIGRATION_MAX_SEQ_LEN",),
@@ -94,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
 async def serve(args: argparse.Namespace, frontend: FrontendConfig) -> int:
     if bool(frontend.tls_cert_path) != bool(frontend.tls_key_path):
         raise SystemExit("tandem frontend: --tls-cert-path and --tls-key-path must be given together")
-    if args.router_config.conditional_disagg and frontend.router_mode != "kv":
+    if args.router_config.conditional_disagg and frontend.router_mode is not RouterMode.KV:
         raise SystemExit("tandem frontend: --router-conditional-disagg needs --router-mode kv")
     config = RuntimeConfig.from_args(args)
     scope = args.namespace or env_str("DYN_NAMESPACE")  # which workers to serve; None = every namespace
@@ -106,7 +113,7 @@ async def serve(args: argparse.Namespace, frontend: FrontendConfig) -> int:
     subscribed: set[str] = set()
     manager: ModelManager
 
-    router_config = args.router_config if frontend.router_mode == "kv" else None
+    router_config = args.router_config if frontend.router_mode is RouterMode.KV else None
     router_metrics = RouterMetrics(runtime.registry) if router_config is not None else None
 
     def build(model: ServedModel) -> ModelPipeline:

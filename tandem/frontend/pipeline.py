@@ -42,6 +42,7 @@ from tandem.llm.protocols import (
 from tandem.llm.tokenizer import Tokenizer, TooManyTokens
 from tandem.router.kv_router import KvRouter, PromptHashes, RoutedRequest
 from tandem.runtime import Client, Context, InstanceUnreachableError, NoInstancesError, StreamIncompleteError
+from tandem.runtime.options import RouterMode
 from tandem.runtime.request_plane import ResponseStream
 
 log = logging.getLogger(__name__)
@@ -161,7 +162,7 @@ class ModelPipeline:
         model: ServedModel,
         manager: ModelManager,
         *,
-        router_mode: str,
+        router_mode: RouterMode,
         migration_limit: int,
         migration_max_seq_len: int | None,
         load: LoadMonitor,
@@ -176,10 +177,10 @@ class ModelPipeline:
         self.router_mode = router_mode
         self.inflight: dict[int, int] = {}
         # `kv` routes token requests with the KV router; text-input requests (no tokens here) round robin.
-        self.kv_router = kv_router if router_mode == "kv" else None
-        self.prefill_router = prefill_router if router_mode == "kv" else None
-        self.selector: Selector = make_selector("round-robin" if router_mode == "kv" else router_mode, self.inflight)
-        self.prefill_selector: Selector = make_selector("round-robin", self.inflight)
+        self.kv_router = kv_router  # given in kv mode only
+        self.prefill_router = prefill_router
+        self.selector: Selector = make_selector(router_mode, self.inflight)
+        self.prefill_selector: Selector = make_selector(RouterMode.ROUND_ROBIN, self.inflight)
         self.migration_limit = migration_limit or model.card.migration_limit
         self.migration_max_seq_len = migration_max_seq_len
         self.load = load
@@ -287,7 +288,7 @@ class ModelPipeline:
             if pinned not in self.model.instances:
                 raise NoWorkerError(f"worker instance {pinned} does not serve model {self.model.name!r}")
             return pinned, None, None
-        if self.router_mode == "direct":
+        if self.router_mode is RouterMode.DIRECT:
             raise openai.RequestError(
                 "the frontend runs with --router-mode direct: name the worker in the x-worker-instance-id header",
                 param="x-worker-instance-id",

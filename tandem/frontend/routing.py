@@ -15,7 +15,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from tandem.runtime.options import ROUTER_MODES
+from tandem.runtime.options import RouterMode
 
 log = logging.getLogger(__name__)
 
@@ -66,18 +66,16 @@ class PowerOfTwo:
         return a if self._inflight.get(a, 0) <= self._inflight.get(b, 0) else b
 
 
-def make_selector(mode: str, inflight: dict[int, int]) -> Selector:
-    if mode == "round-robin":
-        return RoundRobin()
-    if mode == "random":
+def make_selector(mode: RouterMode, inflight: dict[int, int]) -> Selector:
+    """The selector of a mode that picks among workers by themselves; `kv` falls back to round-robin for
+    what the KV router does not route (text requests), `direct` for nothing (it needs a named worker)."""
+    if mode is RouterMode.RANDOM:
         return Random()
-    if mode == "least-loaded":
+    if mode is RouterMode.LEAST_LOADED:
         return LeastLoaded(inflight)
-    if mode == "power-of-two":
+    if mode is RouterMode.POWER_OF_TWO:
         return PowerOfTwo(inflight)
-    if mode == "direct":
-        return RoundRobin()  # only used when a request does not name its instance: rejected earlier
-    raise ValueError(f"router mode {mode!r} is not available in this version; use one of {ROUTER_MODES[:5]}")
+    return RoundRobin()
 
 
 @dataclass

@@ -12,6 +12,7 @@ import argparse
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from tandem.runtime.config import env_bool, env_str
@@ -61,13 +62,15 @@ class Option:
         if value is None:
             return default
         self._validate(value, source)
-        return value
+        return self.kind(value) if self.choices else value  # one of the choices: as the kind (an enum)
 
     def _from_env(self) -> tuple[Any, str]:
         for name in self.envs:
             raw = env_str(name)
             if raw is None:
                 continue
+            if self.choices:
+                return raw, name  # checked against the choices by _validate
             if self.kind is bool:
                 return env_bool(name), name
             try:
@@ -109,7 +112,18 @@ def apply_options(target: Any, options: Iterable[Option], args: argparse.Namespa
 
 
 # Settings more than one component reads (the frontend and the workers, or `tandem run` and the frontend).
-ROUTER_MODES = ("round-robin", "random", "power-of-two", "least-loaded", "direct", "kv")
+class RouterMode(StrEnum):
+    """How the frontend picks a worker (`--router-mode`)."""
+
+    ROUND_ROBIN = "round-robin"
+    RANDOM = "random"
+    POWER_OF_TWO = "power-of-two"  # of two random workers, the one with fewer requests in flight
+    LEAST_LOADED = "least-loaded"  # fewest requests in flight from this frontend
+    DIRECT = "direct"  # the request names its worker
+    KV = "kv"  # the KV-aware router (token requests)
+
+
+ROUTER_MODES = tuple(mode.value for mode in RouterMode)
 MIGRATION_LIMIT = Option(
     "migration_limit", ("--migration-limit",), ("DYN_MIGRATION_LIMIT",),
     "times a request may move to another worker when its worker fails mid-stream", kind=int, minimum=0)
