@@ -424,7 +424,8 @@ async def test_routes_need_system_server(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 async def test_card_callbacks_publish_adapter_cards(runtimes: Any, namespace: str, tmp_path: Path) -> None:
-    from tandem.llm.model_card import ModelDeploymentCard, parse_card_key
+    from tandem.llm.model_card import ModelDeploymentCard
+    from tandem.runtime.keys import parse_model_key
 
     runtime = await runtimes()
     endpoint = runtime.namespace(namespace).component("backend").endpoint("generate")
@@ -434,7 +435,7 @@ async def test_card_callbacks_publish_adapter_cards(runtimes: Any, namespace: st
     prefix = f"v1/mdc/{namespace}/"
     entries = dict(await runtime.store.get_prefix(prefix))
     [(key, value)] = entries.items()
-    assert parse_card_key(key)[3:] == (runtime.instance_id, "org/sql")
+    assert parse_model_key(key)[3:] == (runtime.instance_id, "org/sql")
     card = ModelDeploymentCard.from_json(value)
     assert card.display_name == "org/sql" and card.lora is not None and card.lora.base_model == "base-model"
     assert card.user_data == {"lora_adapter": True, "lora_id": 42} and card.context_length == 2048

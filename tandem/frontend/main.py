@@ -17,6 +17,7 @@ from tandem.router.config import add_router_args, parse_args_with_router_config
 from tandem.router.kv_router import KvRouter, RouterMetrics
 from tandem.runtime import DistributedRuntime, RuntimeConfig, add_runtime_args, configure_logging, run
 from tandem.runtime.config import env_str
+from tandem.runtime.keys import parse_endpoint_path
 from tandem.runtime.options import (
     MIGRATION_LIMIT,
     ROUTER_MODES,
@@ -171,11 +172,10 @@ async def serve(args: argparse.Namespace, frontend: FrontendConfig) -> int:
 
 
 async def _follow_load(runtime: DistributedRuntime, endpoint_path: str, load: LoadMonitor) -> None:
-    namespace, component, _ = endpoint_path.split(".")
+    namespace, component, _ = parse_endpoint_path(endpoint_path)
     subscriber = await runtime.namespace(namespace).component(component).subscribe("kv_metrics")
     async for event in subscriber:
-        if isinstance(event, dict):
-            load.apply(event)
+        load.apply(event)
 
 
 def main(argv: list[str] | None = None) -> int:

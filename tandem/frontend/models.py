@@ -22,10 +22,9 @@ from tandem.llm.model_card import (
     ModelInput,
     ModelType,
     WorkerType,
-    parse_card_key,
     verify_files,
 )
-from tandem.runtime import Client, DistributedRuntime
+from tandem.runtime import Client, DistributedRuntime, keys
 from tandem.runtime.discovery import Watch
 
 log = logging.getLogger(__name__)
@@ -62,7 +61,7 @@ class ModelManager:
         on_change: Callable[[], None] | None = None,
     ) -> None:
         self.runtime = runtime
-        self.prefix = f"v1/mdc/{namespace}/" if namespace else "v1/mdc/"
+        self.prefix = keys.models_prefix(namespace)
         self.model_path = model_path
         self.models: dict[str, ServedModel] = {}
         self.clients: dict[str, Client] = {}
@@ -122,7 +121,7 @@ class ModelManager:
 
     async def _on_put(self, key: str, value: bytes) -> None:
         try:
-            namespace, component, endpoint, instance_id, _ = parse_card_key(key)
+            namespace, component, endpoint, instance_id, _ = keys.parse_model_key(key)
             card = ModelDeploymentCard.from_json(value)
         except (ValueError, msgspec.DecodeError) as e:
             log.error("ignoring malformed model card at %s: %s", key, e)
@@ -167,7 +166,7 @@ class ModelManager:
             return
         name = entry[0]
         try:
-            _, _, _, instance_id, _ = parse_card_key(key)
+            _, _, _, instance_id, _ = keys.parse_model_key(key)
         except ValueError:
             return
         model = self.models.get(name)
@@ -182,7 +181,7 @@ class ModelManager:
             # Cards rejected earlier for disagreeing may now take over, earliest first.
             for waiting_key, (waiting_name, card) in list(self._cards.items()):
                 if waiting_name == name:
-                    ns, comp, ep, waiting_id, _ = parse_card_key(waiting_key)
+                    ns, comp, ep, waiting_id, _ = keys.parse_model_key(waiting_key)
                     await self._admit(waiting_key, card, f"{ns}.{comp}.{ep}", waiting_id)
 
     def _folder_for(self, card: ModelDeploymentCard) -> str | None:

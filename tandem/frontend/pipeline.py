@@ -174,7 +174,7 @@ class ModelPipeline:
         self.model = model
         self.manager = manager
         self.preprocessor = Preprocessor(model) if model.card.model_input == ModelInput.Tokens else None
-        self.router_mode = router_mode
+        self.router_mode = RouterMode(router_mode)
         self.inflight: dict[int, int] = {}
         # `kv` routes token requests with the KV router; text-input requests (no tokens here) round robin.
         self.kv_router = kv_router  # given in kv mode only

@@ -15,6 +15,9 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import msgspec
+
+from tandem.router.protocols import active_load_from_builtins
 from tandem.runtime.options import RouterMode
 
 log = logging.getLogger(__name__)
@@ -69,6 +72,7 @@ class PowerOfTwo:
 def make_selector(mode: RouterMode, inflight: dict[int, int]) -> Selector:
     """The selector of a mode that picks among workers by themselves; `kv` falls back to round-robin for
     what the KV router does not route (text requests), `direct` for nothing (it needs a named worker)."""
+    mode = RouterMode(mode)
     if mode is RouterMode.RANDOM:
         return Random()
     if mode is RouterMode.LEAST_LOADED:
@@ -104,17 +108,18 @@ class LoadMonitor:
     thresholds: LoadThresholds
     loads: dict[int, WorkerLoad] = field(default_factory=dict)
 
-    def apply(self, event: dict[str, Any]) -> None:
+    def apply(self, event: Any) -> None:
+        """One `kv_metrics` event (an `ActiveLoad`, as the event plane delivers it); others are ignored."""
         try:
-            worker = int(event["worker_id"])
-        except (KeyError, TypeError, ValueError):
+            active = active_load_from_builtins(event)
+        except msgspec.ValidationError:
             return
-        load = self.loads.setdefault(worker, WorkerLoad())
-        used = event.get("kv_used_blocks", event.get("active_decode_blocks"))
+        load = self.loads.setdefault(active.worker_id, WorkerLoad())
+        used = active.kv_used_blocks if active.kv_used_blocks is not None else active.active_decode_blocks
         if used is not None:
-            load.kv_used_blocks = int(used)
-        if event.get("active_prefill_tokens") is not None:
-            load.active_prefill_tokens = int(event["active_prefill_tokens"])
+            load.kv_used_blocks = used
+        if active.active_prefill_tokens is not None:
+            load.active_prefill_tokens = active.active_prefill_tokens
 
     def is_busy(self, worker: int, total_blocks: int | None, max_batched_tokens: int | None) -> bool:
         load = self.loads.get(worker)

@@ -203,11 +203,3 @@ async def register_model(endpoint: Any, card: ModelDeploymentCard) -> str:
     key = keys.model_key(endpoint.namespace, endpoint.component, endpoint.name, runtime.instance_id, suffix)
     await runtime.register_key(key, card.to_json())
     return key
-
-
-def parse_card_key(key: str) -> tuple[str, str, str, int, str | None]:
-    """`v1/mdc/ns/comp/ep/{id:x}[/lora]` -> (ns, comp, ep, instance id, lora name or None)."""
-    parts = key.split("/")
-    if len(parts) < 6 or parts[0] != "v1" or parts[1] != "mdc":
-        raise ValueError(f"not a model card key: {key!r}")
-    return parts[2], parts[3], parts[4], int(parts[5], 16), "/".join(parts[6:]) or None

@@ -33,6 +33,7 @@ from tandem.router.protocols import (
 )
 from tandem.router.selector import WorkerLoad, select_worker, worker_costs
 from tandem.router.sequences import ActiveSequences
+from tandem.runtime.keys import parse_endpoint_path
 
 ACTIVE_SEQUENCES_TOPIC = "active_sequences_events"
 
@@ -205,7 +206,7 @@ class KvRouter:
                 continue
             self._workers[worker_id] = path
             if self.config.use_kv_events:
-                namespace, component, _ = path.split(".")
+                namespace, component, _ = parse_endpoint_path(path)
                 scope = f"{namespace}/{component}"
                 if scope not in self._subscribed:
                     self._subscribed.add(scope)
@@ -213,7 +214,7 @@ class KvRouter:
                 for rank in range(self._dp_sizes.get(worker_id, 1)):
                     self.runtime.spawn(self._recover(worker_id, None, rank))
             if self.config.replica_sync:
-                namespace, component, _ = path.split(".")
+                namespace, component, _ = parse_endpoint_path(path)
                 if f"sync:{namespace}/{component}" not in self._subscribed:
                     self._subscribed.add(f"sync:{namespace}/{component}")
                     self.runtime.spawn(self._follow_replicas(namespace, component))
@@ -242,7 +243,7 @@ class KvRouter:
         path = self._workers.get(worker_id)
         if path is None:  # gone meanwhile (its index and waiting events went with it)
             return
-        namespace, component, _ = path.split(".")
+        namespace, component, _ = parse_endpoint_path(path)
         query: dict[str, Any] = {"start_event_id": None, "end_event_id": None, "dp_rank": dp_rank}
         if gap is not None:
             query = {"start_event_id": gap.first_missing, "end_event_id": gap.last_missing, "dp_rank": gap.worker[1]}

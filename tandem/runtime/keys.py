@@ -29,6 +29,19 @@ def model_key(namespace: str, component: str, endpoint: str, instance_id: int, s
     return f"{base}/{suffix}" if suffix else base
 
 
+def models_prefix(namespace: str | None = None) -> str:
+    """Where the model cards of `namespace` (of every namespace for None) are."""
+    return f"{MODELS}/{namespace}/" if namespace else f"{MODELS}/"
+
+
+def parse_model_key(key: str) -> tuple[str, str, str, int, str | None]:
+    """`v1/mdc/ns/comp/ep/{id:x}[/lora]` -> (ns, comp, ep, instance id, lora name or None)."""
+    parts = key.split("/")
+    if len(parts) < 6 or f"{parts[0]}/{parts[1]}" != MODELS:
+        raise ValueError(f"not a model card key: {key!r}")
+    return parts[2], parts[3], parts[4], int(parts[5], 16), "/".join(parts[6:]) or None
+
+
 def event_channel_prefix(scope: str, topic: str) -> str:
     return f"{EVENT_CHANNELS}/{scope}/topic/{topic}/"
 
