@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from tandem.frontend.http import OFF_LOOP_PROMPT_BYTES
+from tandem.frontend.preprocess import OFF_LOOP_PROMPT_BYTES
 from tests.conftest import TandemProcess
 from tests.deployment import MODEL, Deployment
 from tests.engines import wait_until

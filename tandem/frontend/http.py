@@ -32,9 +32,6 @@ from tandem.runtime.auth import bearer_matches
 
 log = logging.getLogger("tandem.frontend")
 
-# Request bodies above this size are templated and tokenized in a thread: a 7k-token prompt costs tens of
-# milliseconds, which on the event loop would stall every other stream.
-OFF_LOOP_PROMPT_BYTES = 8192
 SSE_BATCH = 16  # most SSE events held back for one write while the worker's outputs are already here
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
 
@@ -61,6 +58,22 @@ class Outcome:
     completion_tokens: int = 0
     first_token_at: float | None = None
     last_token_at: float | None = None
+
+
+@dataclass
+class Exchange:
+    """One token-input request while it is answered: what the streaming and the unary paths share."""
+
+    model: str
+    request_id: str
+    context: Context
+    attempt: Attempt
+    outcome: Outcome
+    processor: OutputProcessor
+    chunks: openai.ChatStream | openai.CompletionStream
+    prompt_ids: list[int]
+    first: dict[str, Any]  # the worker's first output (routing failures were answered before)
+    outputs: Any  # the rest of the worker's outputs
 
 
 def _error(status: int, message: str, param: str | None = None, type_: str | None = None) -> web.Response:
@@ -241,11 +254,7 @@ class FrontendServer:
         pipeline: ModelPipeline = model.pipeline
         if pipeline.preprocessor is None:
             return await self._relay_text(request, chat, msgspec.json.decode(body), pipeline, "chat_completions")
-        if len(body) > OFF_LOOP_PROMPT_BYTES:  # long prompts tokenize off the event loop (the tokenizer drops the GIL)
-            prompt_ids, _ = await asyncio.to_thread(pipeline.preprocessor.chat_prompt, chat)
-        else:
-            prompt_ids, _ = pipeline.preprocessor.chat_prompt(chat)
-        return await self._serve(request, chat, pipeline, prompt_ids, "chat_completions")
+        return await self._serve(request, chat, len(body), pipeline, "chat_completions")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
@@ -254,24 +263,21 @@ class FrontendServer:
         pipeline: ModelPipeline = model.pipeline
         if pipeline.preprocessor is None:
             raise openai.RequestError(f"model {model.name!r} only serves chat completions", param="model")
-        if len(body) > OFF_LOOP_PROMPT_BYTES:
-            prompt_ids = await asyncio.to_thread(pipeline.preprocessor.completion_prompt, completion)
-        else:
-            prompt_ids = pipeline.preprocessor.completion_prompt(completion)
-        return await self._serve(request, completion, pipeline, prompt_ids, "completions")
+        return await self._serve(request, completion, len(body), pipeline, "completions")
 
-    async def _serve(self, request: web.Request, req: Any, pipeline: ModelPipeline, prompt_ids: list[int],
+    async def _serve(self, request: web.Request, req: Any, body_size: int, pipeline: ModelPipeline,
                      endpoint: str) -> web.StreamResponse:
+        """A token-input request: preprocess, then the same frame (metrics, log line, cancellation) around
+        the streaming or the unary answer."""
+        assert pipeline.preprocessor is not None
         hints = openai.routing_hints(req, request.headers)
         pinned = _pinned_instance(hints, pipeline, request)
-        preprocessed = pipeline.preprocess(req, prompt_ids, hints)
-        assert pipeline.preprocessor is not None
-        processor = OutputProcessor(pipeline.preprocessor.tokenizer, prompt_ids, preprocessed.stop_conditions,
-                                    preprocessed.sampling_options, preprocessed.output_options)
+        prepared = await pipeline.preprocessor.prepare(req, body_size, hints)
+        prompt_ids, processor = prepared.prompt_ids, prepared.processor
         request_id = uuid.uuid4().hex  # never the client's x-request-id: two clients may send the same one
         context = Context(request_id)
         attempt = Attempt()
-        outputs = pipeline.generate(preprocessed, context, attempt, pinned=pinned, guided=req.is_guided)
+        outputs = pipeline.generate(prepared.request, context, attempt, pinned=pinned, guided=req.is_guided)
         model_name = pipeline.model.name
         chat = endpoint == "chat_completions"
         stream_cls = openai.ChatStream if chat else openai.CompletionStream
@@ -292,62 +298,18 @@ class FrontendServer:
                 first: dict[str, Any] = await anext(outputs, {})
             except Exception as e:
                 return self._failure(e, model_name, endpoint)
+            exchange = Exchange(model_name, request_id, context, attempt, outcome, processor, chunks, prompt_ids,
+                                first, outputs)
             if req.stream:
                 response = web.StreamResponse(headers=SSE_HEADERS)
                 await response.prepare(request)
-                # Events wait in `pending` while the worker's next output is already here, so a burst
-                # goes out in one write; the first content, and any event before a wait, go out at once.
-                pending: list[bytes] = []
-                if isinstance(chunks, openai.ChatStream):
-                    pending.append(openai.sse(chunks.start()))
-                text_offset = 0
-                flushed = False
-                try:
-                    async for delta in self._deltas(first, outputs, processor, context, outcome, model_name):
-                        if delta.text or delta.logprobs:
-                            if isinstance(chunks, openai.ChatStream):
-                                logprobs = openai.chat_logprobs(delta.logprobs) if delta.logprobs else None
-                                pending.append(openai.sse(chunks.content(delta.text, logprobs)))
-                            else:
-                                logprobs = (openai.completion_logprobs(delta.logprobs, text_offset)
-                                            if delta.logprobs else None)
-                                pending.append(openai.sse(chunks.text(delta.text, logprobs)))
-                                text_offset += len(delta.text)
-                        if pending and (not flushed or not attempt.output_ready or len(pending) >= SSE_BATCH):
-                            await response.write(b"".join(pending))
-                            pending.clear()
-                            flushed = True
-                except (StreamIncompleteError, RemoteError, NoWorkerError) as e:
-                    log.warning("request %s failed mid-stream: %s", request_id, e)
-                    pending.append(openai.sse_error(_status_of(e), _public_message(e)))
-                    await response.write(b"".join(pending))
-                    await response.write_eof()
-                    return response
-                pending.append(openai.sse(chunks.finish(openai.finish_reason(outcome.finish_reason) or "stop")))
-                if req.include_usage:
-                    pending.append(openai.sse(chunks.usage(self._usage(prompt_ids, outcome))))
-                pending.append(openai.SSE_DONE)
-                await response.write(b"".join(pending))
-                await response.write_eof()
-                status = "success"
+                if await self._stream(response, exchange, include_usage=req.include_usage):
+                    status = "success"
                 return response
-            try:
-                async for _ in self._deltas(first, outputs, processor, context, outcome, model_name):
-                    pass
-            except (StreamIncompleteError, RemoteError, NoWorkerError) as e:
-                return self._failure(e, model_name, endpoint)
-            usage = self._usage(prompt_ids, outcome)
-            finish = openai.finish_reason(outcome.finish_reason) or "stop"
-            if chat:
-                body = openai.chat_completion(chunks.id, chunks.created, model_name, content="".join(outcome.text),
-                                              finish_reason=finish, usage=usage,
-                                              logprobs=openai.chat_logprobs(outcome.logprobs) if outcome.logprobs else None)
-            else:
-                body = openai.completion(chunks.id, chunks.created, model_name, text="".join(outcome.text),
-                                         finish_reason=finish, usage=usage,
-                                         logprobs=openai.completion_logprobs(outcome.logprobs) if outcome.logprobs else None)
-            status = "success"
-            return web.Response(body=msgspec.json.encode(body), content_type="application/json")
+            reply, ok = await self._unary(exchange, endpoint)
+            if ok:
+                status = "success"
+            return reply
         except (asyncio.CancelledError, ConnectionResetError) as gone:
             context.kill()  # the client went away: stop the worker now
             metrics.cancellations.labels(model_name, endpoint, request_type).inc()
@@ -377,12 +339,71 @@ class FrontendServer:
                 f"{ttft * 1000:.1f}" if ttft is not None else "-", elapsed * 1000,
             )
 
-    async def _deltas(self, first: dict[str, Any], outputs: Any, processor: OutputProcessor, context: Context,
-                      outcome: Outcome, model: str) -> Any:
+    async def _stream(self, response: web.StreamResponse, exchange: Exchange, *, include_usage: bool) -> bool:
+        """The streaming answer: SSE events as the deltas come, then finish, usage and [DONE]. Returns
+        whether the request succeeded; a failure mid-stream ends the stream with an error event."""
+        chunks, outcome = exchange.chunks, exchange.outcome
+        chat = isinstance(chunks, openai.ChatStream)
+        # Events wait in `pending` while the worker's next output is already here, so a burst goes out
+        # in one write; the first content, and any event before a wait, go out at once.
+        pending: list[bytes] = [openai.sse(chunks.start())] if chat else []
+        text_offset = 0
+        flushed = False
+        try:
+            async for delta in self._deltas(exchange):
+                if delta.text or delta.logprobs:
+                    if chat:
+                        logprobs = openai.chat_logprobs(delta.logprobs) if delta.logprobs else None
+                        pending.append(openai.sse(chunks.content(delta.text, logprobs)))
+                    else:
+                        logprobs = (openai.completion_logprobs(delta.logprobs, text_offset)
+                                    if delta.logprobs else None)
+                        pending.append(openai.sse(chunks.text(delta.text, logprobs)))
+                        text_offset += len(delta.text)
+                if pending and (not flushed or not exchange.attempt.output_ready or len(pending) >= SSE_BATCH):
+                    await response.write(b"".join(pending))
+                    pending.clear()
+                    flushed = True
+        except (StreamIncompleteError, RemoteError, NoWorkerError) as e:
+            log.warning("request %s failed mid-stream: %s", exchange.request_id, e)
+            pending.append(openai.sse_error(_status_of(e), _public_message(e)))
+            await response.write(b"".join(pending))
+            await response.write_eof()
+            return False
+        pending.append(openai.sse(chunks.finish(openai.finish_reason(outcome.finish_reason) or "stop")))
+        if include_usage:
+            pending.append(openai.sse(chunks.usage(self._usage(exchange.prompt_ids, outcome))))
+        pending.append(openai.SSE_DONE)
+        await response.write(b"".join(pending))
+        await response.write_eof()
+        return True
+
+    async def _unary(self, exchange: Exchange, endpoint: str) -> tuple[web.Response, bool]:
+        """The whole answer in one JSON body, once the worker has finished; and whether it succeeded."""
+        try:
+            async for _ in self._deltas(exchange):
+                pass
+        except (StreamIncompleteError, RemoteError, NoWorkerError) as e:
+            return self._failure(e, exchange.model, endpoint), False
+        outcome, chunks, model = exchange.outcome, exchange.chunks, exchange.model
+        usage = self._usage(exchange.prompt_ids, outcome)
+        finish = openai.finish_reason(outcome.finish_reason) or "stop"
+        if isinstance(chunks, openai.ChatStream):
+            body = openai.chat_completion(chunks.id, chunks.created, model, content="".join(outcome.text),
+                                          finish_reason=finish, usage=usage,
+                                          logprobs=openai.chat_logprobs(outcome.logprobs) if outcome.logprobs else None)
+        else:
+            body = openai.completion(chunks.id, chunks.created, model, text="".join(outcome.text),
+                                     finish_reason=finish, usage=usage,
+                                     logprobs=openai.completion_logprobs(outcome.logprobs) if outcome.logprobs else None)
+        return web.Response(body=msgspec.json.encode(body), content_type="application/json"), True
+
+    async def _deltas(self, exchange: Exchange) -> Any:
         """Engine outputs -> processed deltas, one per output; stops the worker on a local stop."""
-        itl = self.metrics.itl.labels(model)
-        queued = self.metrics.queued.labels(model)
-        output: dict[str, Any] | None = first
+        processor, outcome, context, outputs = exchange.processor, exchange.outcome, exchange.context, exchange.outputs
+        itl = self.metrics.itl.labels(exchange.model)
+        queued = self.metrics.queued.labels(exchange.model)
+        output: dict[str, Any] | None = exchange.first
         while output is not None:
             delta = processor.process(output)
             if output.get("completion_usage"):

@@ -1,7 +1,7 @@
-"""The per-model pipeline: preprocess an OpenAI request into a PreprocessedRequest, send it to a
-worker (with migration), and turn the worker's token stream back into text.
+"""The per-model pipeline: route a preprocessed request to a worker (KV-aware or by the routing mode),
+disaggregate it (prefill on a prefill worker first), and migrate its stream when a worker fails.
 
-    HTTP -> Preprocessor -> ModelPipeline.generate (route + migrate) -> OutputProcessor -> HTTP
+    HTTP -> Preprocessor.prepare -> ModelPipeline.generate (disaggregate, route, migrate) -> HTTP
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from tandem.frontend.disagg import (
 )
 from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.models import ModelManager, ServedModel
+from tandem.frontend.preprocess import Preprocessor
 from tandem.frontend.routing import LoadMonitor, NoWorkerError, Selector, make_selector
-from tandem.llm.chat_template import ChatTemplate
 from tandem.llm.model_card import ModelInput
 from tandem.llm.protocols import (
     FinishReason,
@@ -39,81 +39,12 @@ from tandem.llm.protocols import (
     RoutingHints,
     parse_finish_reason,
 )
-from tandem.llm.tokenizer import Tokenizer, TooManyTokens
 from tandem.router.kv_router import KvRouter, PromptHashes, RoutedRequest
 from tandem.runtime import Client, Context, InstanceUnreachableError, NoInstancesError, StreamIncompleteError
 from tandem.runtime.options import RouterMode
 from tandem.runtime.request_plane import ResponseStream
 
 log = logging.getLogger(__name__)
-
-# Prompt bound for a model whose card declares no context length.
-UNKNOWN_CONTEXT_TOKENS = 1 << 20
-
-
-class Preprocessor:
-    """Chat template + tokenizer of one model (token-input models).
-
-    A prompt is refused before it is tokenized when it has more characters than could fit the context
-    (context length x the longest token), and tokenizing stops once it has more tokens than fit: a huge
-    body costs a bounded amount of memory and CPU before its 400."""
-
-    def __init__(self, model: ServedModel) -> None:
-        self.tokenizer = Tokenizer.from_folder(model.folder)
-        template = model.card.chat_template or self.tokenizer.chat_template
-        self.template = (
-            ChatTemplate(template, bos_token=self.tokenizer.bos_token, eos_token=self.tokenizer.eos_token)
-            if template else None
-        )
-        self.context_length = model.card.context_length
-        # Prompts may hold at most this many tokens: the context minus one generated token.
-        self.max_prompt_tokens = (self.context_length or UNKNOWN_CONTEXT_TOKENS) - 1
-        self.max_prompt_chars = (self.max_prompt_tokens + 1) * self.tokenizer.longest_token_chars
-
-    def chat_prompt(self, request: openai.ChatRequest) -> tuple[list[int], str]:
-        if self.template is None:
-            raise openai.RequestError("this model has no chat template; use /v1/completions", param="messages")
-        use_raw = bool(request.ext.use_raw_prompt)
-        if use_raw:
-            text = "".join(_text_of(m.get("content")) for m in request.messages)
-        else:
-            try:
-                text = self.template.render(request.messages, tools=request.tools,
-                                            chat_template_kwargs=request.chat_template_kwargs)
-            except ValueError as e:
-                raise openai.RequestError(f"cannot apply the chat template: {e}", param="messages") from None
-        return self._encode(text, "messages"), text
-
-    def completion_prompt(self, request: openai.CompletionRequest) -> list[int]:
-        if isinstance(request.prompt, str):
-            return self._encode(request.prompt, "prompt")
-        if len(request.prompt) > self.max_prompt_tokens:
-            raise self._too_long(f"{len(request.prompt)} tokens", "prompt")
-        vocab = self.tokenizer.vocab_size
-        if any(not 0 <= t < vocab for t in request.prompt):
-            raise openai.RequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
-        return list(request.prompt)
-
-    def _encode(self, text: str, param: str) -> list[int]:
-        if len(text) > self.max_prompt_chars:
-            raise self._too_long(f"{len(text)} characters (at most {self.max_prompt_chars} can fit)", param)
-        try:
-            return self.tokenizer.encode(text, add_special_tokens=False, limit=self.max_prompt_tokens)
-        except TooManyTokens as e:
-            raise self._too_long(f"at least {e.at_least} tokens", param) from None
-
-    def _too_long(self, size: str, param: str) -> openai.RequestError:
-        context = f"{self.context_length} tokens" if self.context_length else \
-            f"{self.max_prompt_tokens + 1} tokens (the model declares none; this is the frontend's bound)"
-        return openai.RequestError(f"this model's maximum context length is {context}, but the prompt has {size}",
-                                   param=param)
-
-
-def _text_of(content: Any) -> str:
-    if isinstance(content, list):
-        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
-    return content or ""
-
 
 def _on_dp_rank(request: Any, dp_rank: int) -> Any:
     """`request` addressed to one data-parallel rank of its worker (`routing.dp_rank`)."""
@@ -186,54 +117,6 @@ class ModelPipeline:
         self.load = load
         self.metrics = metrics
         self.enforce_disagg = enforce_disagg  # no remote prefill -> 503 instead of local prefill
-
-    # -- preprocessing -------------------------------------------------------------------------
-    def preprocess(self, request: openai.ChatRequest | openai.CompletionRequest, prompt_ids: list[int],
-                   routing: RoutingHints | None) -> PreprocessedRequest:
-        assert self.preprocessor is not None
-        tokenizer = self.preprocessor.tokenizer
-        stop = openai.stop_conditions(request)
-        context_length = self.preprocessor.context_length
-        if context_length:
-            if len(prompt_ids) >= context_length:
-                raise openai.RequestError(
-                    f"this model's maximum context length is {context_length} tokens, but the prompt has "
-                    f"{len(prompt_ids)} tokens", param="messages" if isinstance(request, openai.ChatRequest) else "prompt",
-                )
-            room = context_length - len(prompt_ids)
-            if stop.max_tokens is None:
-                stop.max_tokens = room
-            elif stop.max_tokens > room:
-                raise openai.RequestError(
-                    f"this model's maximum context length is {context_length} tokens; the prompt has "
-                    f"{len(prompt_ids)} tokens and max_tokens is {stop.max_tokens}",
-                    param="max_tokens",
-                )
-        elif stop.max_tokens is not None and stop.max_tokens >= openai.MAX_TOKENS_LIMIT:
-            raise openai.RequestError(f"max_tokens must be less than {openai.MAX_TOKENS_LIMIT} "
-                                      f"(got {stop.max_tokens})", param="max_tokens")
-        eos = list(tokenizer.eos_token_ids)
-        if stop.ignore_eos:
-            stop.stop = None
-            stop.stop_token_ids = None
-            stop.stop_token_ids_hidden = None
-            eos_ids: list[int] = []
-        else:
-            stop.stop_token_ids_hidden = eos
-            eos_ids = eos
-        ext = request.ext
-        return PreprocessedRequest(
-            model=self.model.name,
-            token_ids=prompt_ids,
-            stop_conditions=stop,
-            sampling_options=openai.sampling_options(request),
-            output_options=openai.output_options(request),
-            eos_token_ids=eos_ids,
-            mdc_sum=self.model.card.mdcsum,
-            annotations=list(ext.annotations),
-            routing=routing,
-            extra_args={"nvext": msgspec.to_builtins(ext)} if ext != openai.Nvext() else None,
-        )
 
     # -- routing -------------------------------------------------------------------------------
     def candidates(self, exclude: set[int]) -> list[int]:

@@ -9,14 +9,14 @@ import sys
 import time
 from typing import Any
 
-from tandem.frontend import main, pipeline
+from tandem.frontend import main, preprocess
 
 GATE = os.environ["TANDEM_TEST_GATE"]
-_chat_prompt, _completion_prompt = pipeline.Preprocessor.chat_prompt, pipeline.Preprocessor.completion_prompt
+_chat_prompt, _completion_prompt = preprocess.Preprocessor.chat_prompt, preprocess.Preprocessor.completion_prompt
 
 
 def _gated(original: Any) -> Any:
-    def wait_then(self: pipeline.Preprocessor, request: Any) -> Any:
+    def wait_then(self: preprocess.Preprocessor, request: Any) -> Any:
         with open(f"{GATE}.entered", "a") as f:  # tells the test a request is being tokenized
             f.write("x")
         while not os.path.exists(GATE):
@@ -26,8 +26,8 @@ def _gated(original: Any) -> Any:
     return wait_then
 
 
-pipeline.Preprocessor.chat_prompt = _gated(_chat_prompt)  # type: ignore[method-assign]
-pipeline.Preprocessor.completion_prompt = _gated(_completion_prompt)  # type: ignore[method-assign]
+preprocess.Preprocessor.chat_prompt = _gated(_chat_prompt)  # type: ignore[method-assign]
+preprocess.Preprocessor.completion_prompt = _gated(_completion_prompt)  # type: ignore[method-assign]
 
 if __name__ == "__main__":
     sys.exit(main.main())

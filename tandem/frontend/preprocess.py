@@ -1,0 +1,166 @@
+"""Preprocessing for token-input models: an OpenAI request in, a `PreprocessedRequest` (the prompt
+templated and tokenized, the limits checked) and the `OutputProcessor` that turns the worker's tokens
+back into text out. `Preprocessor.prepare` is the one entry point."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from tandem.frontend import openai
+from tandem.llm.chat_template import ChatTemplate
+from tandem.llm.postprocess import OutputProcessor
+from tandem.llm.protocols import PreprocessedRequest, RoutingHints
+from tandem.llm.tokenizer import Tokenizer, TooManyTokens
+
+if TYPE_CHECKING:
+    from tandem.frontend.models import ServedModel
+
+# Request bodies above this size are templated and tokenized in a thread: a 7k-token prompt costs tens of
+# milliseconds, which on the event loop would stall every other stream.
+OFF_LOOP_PROMPT_BYTES = 8192
+
+# Prompt bound for a model whose card declares no context length.
+UNKNOWN_CONTEXT_TOKENS = 1 << 20
+
+
+@dataclass
+class Prepared:
+    """A client request made ready for a worker: what the worker gets and what turns its tokens into text."""
+
+    request: PreprocessedRequest
+    processor: OutputProcessor
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.request.token_ids
+
+
+class Preprocessor:
+    """Chat template + tokenizer of one model (token-input models): `prepare` is the one entry point.
+
+    A prompt is refused before it is tokenized when it has more characters than could fit the context
+    (context length x the longest token), and tokenizing stops once it has more tokens than fit: a huge
+    body costs a bounded amount of memory and CPU before its 400."""
+
+    def __init__(self, model: ServedModel) -> None:
+        self.model = model.name
+        self.mdcsum = model.card.mdcsum
+        self.tokenizer = Tokenizer.from_folder(model.folder)
+        template = model.card.chat_template or self.tokenizer.chat_template
+        self.template = (
+            ChatTemplate(template, bos_token=self.tokenizer.bos_token, eos_token=self.tokenizer.eos_token)
+            if template else None
+        )
+        self.context_length = model.card.context_length
+        # Prompts may hold at most this many tokens: the context minus one generated token.
+        self.max_prompt_tokens = (self.context_length or UNKNOWN_CONTEXT_TOKENS) - 1
+        self.max_prompt_chars = (self.max_prompt_tokens + 1) * self.tokenizer.longest_token_chars
+
+    async def prepare(self, request: openai.ChatRequest | openai.CompletionRequest, body_size: int,
+                      routing: RoutingHints | None) -> Prepared:
+        """The prompt (templated and tokenized; off the event loop for a large body, the tokenizer drops
+        the GIL), the worker request with its limits checked, and its output processor."""
+        chat = isinstance(request, openai.ChatRequest)
+        render: Any = partial(self.chat_prompt if chat else self.completion_prompt, request)
+        prompt_ids = await asyncio.to_thread(render) if body_size > OFF_LOOP_PROMPT_BYTES else render()
+        preprocessed = self.worker_request(request, prompt_ids, routing)
+        processor = OutputProcessor(self.tokenizer, prompt_ids, preprocessed.stop_conditions,
+                                    preprocessed.sampling_options, preprocessed.output_options)
+        return Prepared(preprocessed, processor)
+
+    def chat_prompt(self, request: openai.ChatRequest) -> list[int]:
+        if self.template is None:
+            raise openai.RequestError("this model has no chat template; use /v1/completions", param="messages")
+        use_raw = bool(request.ext.use_raw_prompt)
+        if use_raw:
+            text = "".join(_text_of(m.get("content")) for m in request.messages)
+        else:
+            try:
+                text = self.template.render(request.messages, tools=request.tools,
+                                            chat_template_kwargs=request.chat_template_kwargs)
+            except ValueError as e:
+                raise openai.RequestError(f"cannot apply the chat template: {e}", param="messages") from None
+        return self._encode(text, "messages")
+
+    def completion_prompt(self, request: openai.CompletionRequest) -> list[int]:
+        if isinstance(request.prompt, str):
+            return self._encode(request.prompt, "prompt")
+        if len(request.prompt) > self.max_prompt_tokens:
+            raise self._too_long(f"{len(request.prompt)} tokens", "prompt")
+        vocab = self.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in request.prompt):
+            raise openai.RequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        return list(request.prompt)
+
+    def worker_request(self, request: openai.ChatRequest | openai.CompletionRequest, prompt_ids: list[int],
+                       routing: RoutingHints | None) -> PreprocessedRequest:
+        """The request a worker gets: `max_tokens` bounded by what the context leaves (the one place it is
+        checked against the context), EOS as hidden stop ids unless `ignore_eos`."""
+        tokenizer = self.tokenizer
+        stop = openai.stop_conditions(request)
+        context_length = self.context_length
+        if context_length:
+            if len(prompt_ids) >= context_length:
+                raise openai.RequestError(
+                    f"this model's maximum context length is {context_length} tokens, but the prompt has "
+                    f"{len(prompt_ids)} tokens", param="messages" if isinstance(request, openai.ChatRequest) else "prompt",
+                )
+            room = context_length - len(prompt_ids)
+            if stop.max_tokens is None:
+                stop.max_tokens = room
+            elif stop.max_tokens > room:
+                raise openai.RequestError(
+                    f"this model's maximum context length is {context_length} tokens; the prompt has "
+                    f"{len(prompt_ids)} tokens and max_tokens is {stop.max_tokens}",
+                    param="max_tokens",
+                )
+        elif stop.max_tokens is not None and stop.max_tokens >= openai.MAX_TOKENS_LIMIT:
+            raise openai.RequestError(f"max_tokens must be less than {openai.MAX_TOKENS_LIMIT} "
+                                      f"(got {stop.max_tokens})", param="max_tokens")
+        eos = list(tokenizer.eos_token_ids)
+        if stop.ignore_eos:
+            stop.stop = None
+            stop.stop_token_ids = None
+            stop.stop_token_ids_hidden = None
+            eos_ids: list[int] = []
+        else:
+            stop.stop_token_ids_hidden = eos
+            eos_ids = eos
+        ext = request.ext
+        return PreprocessedRequest(
+            model=self.model,
+            token_ids=prompt_ids,
+            stop_conditions=stop,
+            sampling_options=openai.sampling_options(request),
+            output_options=openai.output_options(request),
+            eos_token_ids=eos_ids,
+            mdc_sum=self.mdcsum,
+            annotations=list(ext.annotations),
+            routing=routing,
+            extra_args={"nvext": msgspec.to_builtins(ext)} if ext != openai.Nvext() else None,
+        )
+
+    def _encode(self, text: str, param: str) -> list[int]:
+        if len(text) > self.max_prompt_chars:
+            raise self._too_long(f"{len(text)} characters (at most {self.max_prompt_chars} can fit)", param)
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=False, limit=self.max_prompt_tokens)
+        except TooManyTokens as e:
+            raise self._too_long(f"at least {e.at_least} tokens", param) from None
+
+    def _too_long(self, size: str, param: str) -> openai.RequestError:
+        context = f"{self.context_length} tokens" if self.context_length else \
+            f"{self.max_prompt_tokens + 1} tokens (the model declares none; this is the frontend's bound)"
+        return openai.RequestError(f"this model's maximum context length is {context}, but the prompt has {size}",
+                                   param=param)
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return content or ""
