@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
@@ -29,6 +30,8 @@ from tandem.router.indexer import ApproxIndexer, EventGap, KvIndexer, OverlapSco
 from tandem.router.protocols import (
     KV_EVENT_TOPIC,
     WORKER_KV_INDEXER_QUERY_ENDPOINT,
+    KvEventsAnswer,
+    KvEventsQuery,
     router_event_from_builtins,
 )
 from tandem.router.selector import WorkerLoad, select_worker, worker_costs
@@ -244,18 +247,17 @@ class KvRouter:
         if path is None:  # gone meanwhile (its index and waiting events went with it)
             return
         namespace, component, _ = parse_endpoint_path(path)
-        query: dict[str, Any] = {"start_event_id": None, "end_event_id": None, "dp_rank": dp_rank}
-        if gap is not None:
-            query = {"start_event_id": gap.first_missing, "end_event_id": gap.last_missing, "dp_rank": gap.worker[1]}
-        answers: list[dict[str, Any]] = []
+        query = (KvEventsQuery(dp_rank=dp_rank) if gap is None
+                 else KvEventsQuery(gap.first_missing, gap.last_missing, gap.worker[1]))
+        answers: list[KvEventsAnswer] = []
         try:
             endpoint = self.runtime.namespace(namespace).component(component).endpoint(WORKER_KV_INDEXER_QUERY_ENDPOINT)
             client = await endpoint.client()
             await client.wait_for_instances(1, timeout=5)
-            answers = [a async for a in await client.direct(query, worker_id)]
-        except Exception as e:
+            answers = [msgspec.convert(a, KvEventsAnswer) async for a in await client.direct(query, worker_id)]
+        except Exception as e:  # unreachable, or an answer that is not one
             log.info("no KV event recovery from worker %x (%s): its index fills from new events", worker_id, e)
-        events = [router_event_from_builtins(raw) for answer in answers for raw in answer.get("events", [])]
+        events = [event for answer in answers for event in answer.events]
         if gap is None:
             # A dump: only what precedes the live events already applied (an old `removed` must not
             # undo a newer `stored`).
@@ -266,7 +268,7 @@ class KvRouter:
             applied = self.indexer.fill_gap(gap, events)  # also what waited for it (given up: that alone)
             if answers:
                 self.metrics.gaps_recovered.labels(self.model).inc()
-            if not answers or not all(answer.get("complete", True) for answer in answers):
+            if not answers or not all(answer.complete for answer in answers):
                 log.warning("KV events %d-%d of worker %x are gone: its index may miss blocks",
                             gap.first_missing, gap.last_missing, worker_id)
         self.metrics.events_applied.labels(self.model).inc(applied)

@@ -102,6 +102,26 @@ class ActiveLoad(msgspec.Struct):
     kv_used_blocks: int | None = None
 
 
+class KvEventsQuery(msgspec.Struct, omit_defaults=True):
+    """A `worker_kv_indexer_query` request: the buffered events of one dp rank with
+    `start_event_id <= event_id <= end_event_id` (None: from the oldest, to the newest, the first rank)."""
+
+    start_event_id: int | None = None
+    end_event_id: int | None = None
+    dp_rank: int | None = None
+
+
+class KvEventsAnswer(msgspec.Struct, omit_defaults=True):
+    """Its answer; `complete` is False when part of the range has left the worker's ring buffer."""
+
+    events: list[RouterEvent]
+    complete: bool
+    worker_id: int | None = None
+    dp_rank: int | None = None
+    last_event_id: int | None = None
+    error: str | None = None
+
+
 # -- constructors --------------------------------------------------------------------------------
 def stored_event(
     event_id: int, parent_hash: int | None, blocks: list[KvBlock], dp_rank: int = 0

@@ -15,7 +15,13 @@ from typing import Any, Protocol
 
 import msgspec
 
-from tandem.router.protocols import WORKER_KV_INDEXER_BUFFER_SIZE, KvCacheEvent, KvCacheEventData, RouterEvent
+from tandem.router.protocols import (
+    WORKER_KV_INDEXER_BUFFER_SIZE,
+    KvCacheEvent,
+    KvCacheEventData,
+    KvEventsQuery,
+    RouterEvent,
+)
 
 
 class SupportsPublish(Protocol):
@@ -80,16 +86,13 @@ class KvEventPublisher:
         return list(islice(self._buffer, lo, hi)), complete
 
     async def indexer_query(self, request: Any, context: Any = None) -> AsyncIterator[dict[str, Any]]:
-        """`worker_kv_indexer_query` handler: request `{"start_event_id": int|None,
-        "end_event_id": int|None}` → one `{"events": [...], "complete": bool, ...}`."""
-        yield self.answer(request)
+        """`worker_kv_indexer_query` handler of this publisher alone (see `indexer_query_handler`)."""
+        async for answer in indexer_query_handler([self])(request):
+            yield answer
 
-    def answer(self, request: Any) -> dict[str, Any]:
-        request = request if isinstance(request, dict) else {}
-        try:
-            events, complete = self.query(request.get("start_event_id"), request.get("end_event_id"))
-        except (TypeError, ValueError) as e:
-            return {"events": [], "complete": False, "error": f"bad query: {e}"}
+    def answer(self, query: KvEventsQuery) -> dict[str, Any]:
+        """The events `query` asks for, as a `KvEventsAnswer` map (the buffer holds them as sent)."""
+        events, complete = self.query(query.start_event_id, query.end_event_id)
         return {
             "events": events,
             "complete": complete,
@@ -106,11 +109,15 @@ def indexer_query_handler(publishers: Sequence[KvEventPublisher]) -> Callable[..
     default = publishers[0] if publishers else None
 
     async def handler(request: Any, context: Any = None) -> AsyncIterator[dict[str, Any]]:
-        rank = request.get("dp_rank") if isinstance(request, dict) else None
-        publisher = default if rank is None else by_rank.get(rank)
-        if publisher is None:
-            yield {"events": [], "complete": False, "error": f"no KV event publisher for dp_rank {rank}"}
+        try:
+            query = msgspec.convert(request, KvEventsQuery)
+        except msgspec.ValidationError as e:
+            yield {"events": [], "complete": False, "error": f"bad query: {e}"}
             return
-        yield publisher.answer(request)
+        publisher = default if query.dp_rank is None else by_rank.get(query.dp_rank)
+        if publisher is None:
+            yield {"events": [], "complete": False, "error": f"no KV event publisher for dp_rank {query.dp_rank}"}
+            return
+        yield publisher.answer(query)
 
     return handler
