@@ -5,6 +5,7 @@ prefixes; same timing model, same aiperf 0.13 workload, one stack after the othe
     .venv/bin/python bench/router_bench.py                 # tandem kv, tandem round-robin, Dynamo kv
     .venv/bin/python bench/router_bench.py --quick         # a short smoke run (fewer conversations)
     .venv/bin/python bench/router_bench.py --stacks tandem-kv,dynamo-kv,dynamo-rr --json out.json
+    .venv/bin/python bench/router_bench.py --stacks tandem-kv,base-kv --baseline-tree WORKTREE --rounds 2
 
 Needs .bench/dynamo-venv and .bench/aiperf-venv (`bash bench/setup_baselines.sh`).
 
@@ -71,6 +72,7 @@ STACKS = {  # name -> (implementation, router mode, label)
     "tandem-rr": ("tandem", "round-robin", "tandem round-robin"),
     "dynamo-kv": ("dynamo", "kv", "Dynamo 1.6.1 kv"),
     "dynamo-rr": ("dynamo", "round-robin", "Dynamo 1.6.1 round-robin"),
+    "base-kv": ("base", "kv", "tandem kv, baseline tree"),  # tandem from --baseline-tree
 }
 
 
@@ -149,7 +151,8 @@ def run_stack(stack: str, args: argparse.Namespace, trace: str, requests: int,
     with bench_run(stack, args.keep_logs, prefix=f"router-bench-{stack}-") as run:
         workdir = run.workdir
         deployment = run.deployment = Deployment(impl, engine_flags(args), workdir, args.dynamo_python, workers=WORKERS,
-                                router_mode=mode, frontend_args=frontend_args)
+                                router_mode=mode, frontend_args=frontend_args,
+                                tree=args.baseline_tree if impl == "base" else None)
         artifacts = os.path.join(workdir, "aiperf")
         busy0, t0 = machine_busy_seconds(), time.monotonic()
         run_aiperf(aiperf_command(args, deployment.url, trace, requests, artifacts),
@@ -215,6 +218,12 @@ def report(results: dict[str, dict[str, float]]) -> str:
         rps = ratio("tandem-kv", "dynamo-kv", "rps")
         checks.append(f"- tandem kv / Dynamo kv: TTFT p50 **{r:.2f}x**, TTFT p99 {r99:.2f}x, requests/s {rps:.2f}x "
                       f"(target: no worse than Dynamo, i.e. TTFT p50 <= ~1.05x: {'met' if r <= 1.05 else 'NOT met'})")
+    r = ratio("tandem-kv", "base-kv", "ttft_p50_ms")
+    if r is not None:
+        checks.append(f"- tandem kv / the baseline tree: TTFT p50 {r:.3f}x, TTFT p99 "
+                      f"{ratio('tandem-kv', 'base-kv', 'ttft_p99_ms'):.3f}x, requests/s "
+                      f"{ratio('tandem-kv', 'base-kv', 'rps'):.3f}x, hit rate "
+                      f"{ratio('tandem-kv', 'base-kv', 'hit_rate_pct'):.3f}x")
     r = ratio("dynamo-rr", "dynamo-kv", "ttft_p50_ms")
     if r is not None:
         checks.append(f"- TTFT p50, Dynamo round-robin / Dynamo kv: {r:.2f}x")
@@ -244,6 +253,8 @@ def main() -> None:
     parser.add_argument("--max-others", type=float, default=30.0, help="wait until the machine is this quiet first")
     parser.add_argument("--quiet-timeout", type=float, default=300, help="... for at most this many seconds")
     parser.add_argument("--run-timeout", type=float, default=900, help="seconds one aiperf run may take")
+    parser.add_argument("--baseline-tree", default=None,
+                        help="tandem from this source tree (a git worktree of an older commit), as stack base-kv")
     add_output_args(parser)
     args = parser.parse_args()
     if args.conversations is None:
@@ -252,6 +263,8 @@ def main() -> None:
     for s in stacks:
         if s not in STACKS:
             parser.error(f"unknown stack {s!r} ({', '.join(STACKS)})")
+    if "base-kv" in stacks and not args.baseline_tree:
+        parser.error("the base-kv stack needs --baseline-tree")
     if not os.access(args.aiperf, os.X_OK):
         raise SystemExit(f"no aiperf at {args.aiperf}: run bash bench/setup_baselines.sh")
     if any(STACKS[s][0] == "dynamo" for s in stacks):
