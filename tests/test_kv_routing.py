@@ -314,6 +314,32 @@ async def test_data_parallel_ranks_are_separate_candidates(runtimes, namespace) 
         router.select("bad", prompts[0], [7, 9], dp_rank=5)
 
 
+async def test_a_routed_request_counts_as_load_until_freed_once(runtimes, namespace) -> None:  # type: ignore[no-untyped-def]
+    """The lifecycle object: its prompt is load until the first tokens, its blocks until it is freed; a
+    second `free()` of an old one (a migrated request is routed again under the same id) frees nothing."""
+    from tandem.router.config import KvRouterConfig
+    from tandem.router.kv_router import KvRouter
+
+    router = KvRouter(await runtimes(), "m", block_size=BLOCK, config=KvRouterConfig(use_kv_events=False))
+    router.sync_workers({7: f"{namespace}.backend.generate"})
+    prompt = list(range(4 * BLOCK))
+    first = router.select("r", prompt, [7])
+    decision = first.decision
+    assert (decision.worker, decision.overlap_blocks, decision.load.active_prefill_tokens) == ((7, 0), 0, 0)
+    assert decision.cost > 0 and decision.hashes.tokens == len(prompt) and len(decision.hashes.local) == 4
+    assert router.sequences.active_prefill_tokens((7, 0)) == len(prompt)
+    first.tokens_arrived()
+    first.tokens_arrived()
+    assert router.sequences.active_prefill_tokens((7, 0)) == 0 and "r" in router.sequences
+    first.free()
+    assert "r" not in router.sequences
+    with router.select("r", prompt + [1], [7]) as again:  # the same id, routed again
+        assert again.decision.overlap_blocks == 4  # its own earlier decision, in approximate mode
+        first.free()
+        assert "r" in router.sequences
+    assert "r" not in router.sequences
+
+
 def test_data_parallel_worker_ranks_are_routed_by_their_own_caches(tmp_path: Path, smollm2: str, routing: str) -> None:
     """One mocker worker with 4 dp ranks: each rank has its own cache (a prompt cached on rank 2 misses
     on rank 3), and the KV router sends a prompt to the rank holding it, named in routing.dp_rank."""
