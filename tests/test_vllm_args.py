@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -150,7 +151,7 @@ def test_defaults() -> None:
     assert (config.namespace, config.component, config.endpoint) == ("dynamo", "backend", "generate")
     assert config.connector == ["nixl"]
     assert config.migration_limit == 0
-    assert config.enable_local_indexer is True and config.durable_kv_events is False
+    assert config.enable_local_indexer is True
     assert config.endpoint_types == "chat,completions"
     assert config.sleep_mode_level == 1
     assert config.model == DEFAULT_MODEL and config.served_model_name == DEFAULT_MODEL
@@ -189,21 +190,35 @@ def test_env_values_used(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DYN_NAMESPACE", "ns1")
     monkeypatch.setenv("DYN_MIGRATION_LIMIT", "3")
     monkeypatch.setenv("DYN_CONNECTOR", "kvbm, nixl")
-    monkeypatch.setenv("DYN_TOOL_CALL_PARSER", "hermes")
-    monkeypatch.setenv("DYN_REASONING_PARSER", "deepseek_r1")
     monkeypatch.setenv("DYN_VLLM_USE_TOKENIZER", "yes")
     monkeypatch.setenv("DYN_VLLM_SLEEP_MODE_LEVEL", "2")
-    monkeypatch.setenv("DYN_DURABLE_KV_EVENTS", "on")
+    monkeypatch.setenv("DYN_LOCAL_INDEXER", "off")
     monkeypatch.setenv("DYN_REQUEST_PLANE", "tcp")
     config = build()
     assert config.namespace == "ns1"
     assert config.migration_limit == 3
     assert config.connector == ["kvbm", "nixl"]
-    assert (config.dyn_tool_call_parser, config.dyn_reasoning_parser) == ("hermes", "deepseek_r1")
     assert config.use_vllm_tokenizer
     assert config.sleep_mode_level == 2
-    assert config.durable_kv_events and not config.enable_local_indexer
+    assert not config.enable_local_indexer
     assert config.runtime.request_plane == "tcp"
+
+
+@pytest.mark.parametrize(("argv", "env", "message"), [
+    (["--dyn-tool-call-parser", "hermes"], {}, "--dyn-tool-call-parser (DYN_TOOL_CALL_PARSER): tool-call parsing is "
+     "not built yet in tandem"),
+    ([], {"DYN_REASONING_PARSER": "deepseek_r1"}, "--dyn-reasoning-parser (DYN_REASONING_PARSER): reasoning parsing "
+     "is not built yet in tandem"),
+    (["--durable-kv-events"], {}, "--durable-kv-events (DYN_DURABLE_KV_EVENTS): durable KV events need the NATS "
+     "event plane"),
+])
+def test_settings_not_acted_on_yet_are_refused(monkeypatch: pytest.MonkeyPatch, argv: list[str],
+                                                env: dict[str, str], message: str) -> None:
+    """Accepted and ignored, these would silently change nothing: they are refused by name until built."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build(*argv)
 
 
 def test_bad_env_values(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -217,7 +232,6 @@ def test_bad_env_values(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_local_indexer_flags(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert build("--durable-kv-events").enable_local_indexer is False
     assert build("--no-enable-local-indexer").enable_local_indexer is False
     monkeypatch.setenv("DYN_LOCAL_INDEXER", "false")
     assert build().enable_local_indexer is False

@@ -64,8 +64,6 @@ class ModelRuntimeConfig(msgspec.Struct, omit_defaults=True):
     context_length: int | None = None
     enable_local_indexer: bool = False  # serves worker_kv_indexer_query (its KV events can be re-fetched)
     data_parallel_size: int = 1
-    tool_call_parser: str | None = None
-    reasoning_parser: str | None = None
 
 
 # Files of a model folder the frontend reads; their checksums go into the card.

@@ -121,9 +121,6 @@ class Config:
     connector: list[str] = field(default_factory=lambda: list(DEFAULT_CONNECTORS))  # [] = no connector
     migration_limit: int = 0
     enable_local_indexer: bool = True
-    durable_kv_events: bool = False
-    dyn_tool_call_parser: str | None = None
-    dyn_reasoning_parser: str | None = None
     custom_jinja_template: str | None = None  # absolute path, ~ and $VARS expanded
     endpoint_types: str = DEFAULT_ENDPOINT_TYPES
     dump_config_to: str | None = None
@@ -224,18 +221,10 @@ def _normalize_connectors(values: list[str]) -> list[str]:
 # Parsers
 
 
-_LOCAL_INDEXER = Option("enable_local_indexer", ("--enable-local-indexer",), ("DYN_LOCAL_INDEXER",),
-                        "keep a local KV indexer the router can query (default: on unless --durable-kv-events)",
-                        kind=bool)
 _DYNAMO_OPTIONS = (
     MIGRATION_LIMIT,
-    _LOCAL_INDEXER,
-    Option("durable_kv_events", ("--durable-kv-events",), ("DYN_DURABLE_KV_EVENTS",),
-           "publish KV events durably instead of keeping a local indexer", kind=bool),
-    Option("dyn_tool_call_parser", ("--dyn-tool-call-parser",), ("DYN_TOOL_CALL_PARSER",),
-           "tool-call parser the frontend applies to this model", kind=str),
-    Option("dyn_reasoning_parser", ("--dyn-reasoning-parser",), ("DYN_REASONING_PARSER",),
-           "reasoning parser the frontend applies to this model", kind=str),
+    Option("enable_local_indexer", ("--enable-local-indexer",), ("DYN_LOCAL_INDEXER",),
+           "keep the recent KV events for routers to fetch again (worker_kv_indexer_query)", kind=bool),
     Option("custom_jinja_template", ("--custom-jinja-template",), ("DYN_CUSTOM_JINJA_TEMPLATE",),
            "chat template file overriding the model's (~ and $VARS expanded)", kind=str, metavar="FILE"),
     Option("endpoint_types", ("--endpoint-types", "--dyn-endpoint-types"), ("DYN_ENDPOINT_TYPES",),
@@ -255,6 +244,21 @@ _CPU_OPTIONS = (
     Option("cpu_cores", ("--cpu-cores",), ("TANDEM_CPU_CORES",),
            "cores this engine's threads bind to, e.g. 0 or 2-3; sets VLLM_CPU_OMP_THREADS_BIND unless it is "
            "already set. Give each engine on a host its own cores", kind=str),
+)
+
+
+# Dynamo settings that tandem does not act on yet: each is refused by name, with what it would need,
+# rather than accepted and ignored.
+_NOT_BUILT_OPTIONS = (
+    (Option("durable_kv_events", ("--durable-kv-events",), ("DYN_DURABLE_KV_EVENTS",),
+            "publish KV events durably (NATS JetStream)", kind=bool),
+     "durable KV events need the NATS event plane, which is not built yet in tandem"),
+    (Option("dyn_tool_call_parser", ("--dyn-tool-call-parser",), ("DYN_TOOL_CALL_PARSER",),
+            "tool-call parser the frontend applies to this model", kind=str),
+     "tool-call parsing is not built yet in tandem (tool calls would reach clients as plain text)"),
+    (Option("dyn_reasoning_parser", ("--dyn-reasoning-parser",), ("DYN_REASONING_PARSER",),
+            "reasoning parser the frontend applies to this model", kind=str),
+     "reasoning parsing is not built yet in tandem (thinking would reach clients mixed into the answer)"),
 )
 
 
@@ -296,6 +300,10 @@ def build_dynamo_parser() -> argparse.ArgumentParser:
         else:
             mm.add_argument(flag, action="store_true", default=env_bool(env), help=f"[env {env}]")
 
+    later = parser.add_argument_group("Dynamo vLLM Options not built yet",
+                                      "each is refused, naming it and why, with exit status 2")
+    for option, _ in _NOT_BUILT_OPTIONS:
+        option.add_to(later, None)
     add_options(parser.add_argument_group("tandem CPU Options"), _CPU_OPTIONS, Config)
     return parser
 
@@ -394,9 +402,10 @@ def build_config(argv: list[str] | None = None, *, is_cpu: bool | None = None, a
         connector=list(dyn.connector),
         is_cpu=is_cpu,
     )
+    for option, why in _NOT_BUILT_OPTIONS:
+        if option.value(dyn):
+            raise ValueError(f"{option.flags[0]} ({option.envs[0]}): {why}")
     apply_options(config, _DYNAMO_OPTIONS + _CPU_OPTIONS, dyn)
-    if _LOCAL_INDEXER.value(dyn) is None:
-        config.enable_local_indexer = not config.durable_kv_events  # a durable event stream replaces it
     config.namespace = config.runtime.namespace
     config.validate()
     config.component = _component(config)
