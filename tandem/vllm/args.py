@@ -408,7 +408,7 @@ def build_config(argv: list[str] | None = None, *, is_cpu: bool | None = None, a
     apply_options(config, _DYNAMO_OPTIONS + _CPU_OPTIONS, dyn)
     config.namespace = config.runtime.namespace
     config.validate()
-    config.component = _component(config)
+    config.component = config.disaggregation_mode.default_component
 
     served = ns.served_model_name
     if isinstance(served, list | tuple):
@@ -433,10 +433,6 @@ def build_config(argv: list[str] | None = None, *, is_cpu: bool | None = None, a
     if apply_env:
         os.environ.update(config.env_updates)
     return config
-
-
-def _component(config: Config) -> str:
-    return config.disaggregation_mode.default_component
 
 
 def platform_is_cpu() -> bool:
