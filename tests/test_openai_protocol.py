@@ -458,7 +458,7 @@ def test_chat_completion_validates():
     assert parsed.usage is not None and parsed.usage.total_tokens == 3
     calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
     body = oai.chat_completion("chatcmpl-x", 5, "m", content=None, finish_reason="tool_calls", usage=oai.usage(1, 2),
-                               tool_calls=calls, reasoning_content="thinking")  # fmt: skip
+                               tool_calls=calls, reasoning="thinking")  # fmt: skip
     parsed = ChatCompletion.model_validate(body)
     assert parsed.choices[0].message.tool_calls[0].function.name == "f"  # type: ignore[index, union-attr]
     assert body["choices"][0]["message"]["reasoning_content"] == "thinking"

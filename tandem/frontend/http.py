@@ -25,7 +25,8 @@ from tandem.frontend.models import ModelManager, ServedModel
 from tandem.frontend.openapi import openapi_spec
 from tandem.frontend.pipeline import Attempt, ModelPipeline, StreamLost
 from tandem.frontend.routing import NoWorkerError
-from tandem.llm.postprocess import OutputProcessor
+from tandem.llm.parsers import ChatParser, ParsedDelta, ToolCallDelta
+from tandem.llm.postprocess import OutputProcessor, ProcessedDelta
 from tandem.llm.protocols import RoutingHints
 from tandem.runtime import Context, DistributedRuntime, RemoteError, StreamIncompleteError
 from tandem.runtime.auth import bearer_matches
@@ -45,6 +46,7 @@ class HttpConfig:
     tls_key_path: str | None = None
     body_limit_bytes: int = 192 * 1024 * 1024
     body_read_timeout: float = 60.0  # a client that declares a body and never sends it is cut off after this
+    reasoning_field: str = "reasoning_content"  # or "reasoning" (vLLM's newer name)
 
 
 @dataclass
@@ -52,12 +54,23 @@ class Outcome:
     """What one request produced, for the response, metrics and the log line."""
 
     text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # OpenAI's message.tool_calls
+    reasoning_tokens: int | None = None  # counted when the model has a reasoning parser
     logprobs: list[Any] = field(default_factory=list)
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
     completion_tokens: int = 0
     first_token_at: float | None = None
     last_token_at: float | None = None
+
+    def add_calls(self, deltas: list[ToolCallDelta]) -> None:
+        for d in deltas:
+            if d.id is not None:
+                self.tool_calls.append({"id": d.id, "type": "function",
+                                        "function": {"name": d.name, "arguments": d.arguments}})
+            else:
+                self.tool_calls[d.index]["function"]["arguments"] += d.arguments
 
 
 @dataclass
@@ -70,6 +83,7 @@ class Exchange:
     attempt: Attempt
     outcome: Outcome
     processor: OutputProcessor
+    parser: ChatParser | None  # thinking and tool calls in a chat answer
     chunks: openai.ChatStream | openai.CompletionStream
     prompt_ids: list[int]
     first: dict[str, Any]  # the worker's first output (routing failures were answered before)
@@ -274,16 +288,16 @@ class FrontendServer:
         pinned = _pinned_instance(hints, pipeline, request)
         prepared = await pipeline.preprocessor.prepare(req, body_size, hints)
         prompt_ids, processor = prepared.prompt_ids, prepared.processor
+        chat = endpoint == "chat_completions"
         request_id = uuid.uuid4().hex  # never the client's x-request-id: two clients may send the same one
         context = Context(request_id)
         attempt = Attempt()
         outputs = pipeline.generate(prepared.request, context, attempt, pinned=pinned, guided=req.is_guided)
         model_name = pipeline.model.name
-        chat = endpoint == "chat_completions"
         stream_cls = openai.ChatStream if chat else openai.CompletionStream
         chunks = stream_cls(model_name, include_usage=req.include_usage, id=f"{stream_cls._prefix}{request_id}")
         started = time.perf_counter()
-        outcome = Outcome()
+        outcome = Outcome(reasoning_tokens=0 if chat and pipeline.preprocessor.parsers.reasoning else None)
         metrics = self.metrics
         request_type = "stream" if req.stream else "unary"
         status = "error"
@@ -298,8 +312,8 @@ class FrontendServer:
                 first: dict[str, Any] = await anext(outputs, {})
             except Exception as e:
                 return self._failure(e, model_name, endpoint)
-            exchange = Exchange(model_name, request_id, context, attempt, outcome, processor, chunks, prompt_ids,
-                                first, outputs)
+            exchange = Exchange(model_name, request_id, context, attempt, outcome, processor, prepared.parser,
+                                chunks, prompt_ids, first, outputs)
             if req.stream:
                 response = web.StreamResponse(headers=SSE_HEADERS)
                 await response.prepare(request)
@@ -349,17 +363,22 @@ class FrontendServer:
         pending: list[bytes] = [openai.sse(chunks.start())] if chat else []
         text_offset = 0
         flushed = False
+        reasoning_field = self.config.reasoning_field
         try:
-            async for delta in self._deltas(exchange):
-                if delta.text or delta.logprobs:
-                    if chat:
-                        logprobs = openai.chat_logprobs(delta.logprobs) if delta.logprobs else None
-                        pending.append(openai.sse(chunks.content(delta.text, logprobs)))
-                    else:
-                        logprobs = (openai.completion_logprobs(delta.logprobs, text_offset)
-                                    if delta.logprobs else None)
-                        pending.append(openai.sse(chunks.text(delta.text, logprobs)))
-                        text_offset += len(delta.text)
+            async for delta, parsed in self._deltas(exchange):
+                if isinstance(chunks, openai.ChatStream):
+                    logprobs = openai.chat_logprobs(delta.logprobs) if delta.logprobs else None
+                    if parsed.reasoning:
+                        pending.append(openai.sse(chunks.reasoning(parsed.reasoning, reasoning_field, logprobs)))
+                        logprobs = None
+                    if parsed.content or logprobs:
+                        pending.append(openai.sse(chunks.content(parsed.content, logprobs)))
+                    if parsed.tool_calls:
+                        pending.append(openai.sse(chunks.tool_calls([d.openai() for d in parsed.tool_calls])))
+                elif delta.text or delta.logprobs:
+                    logprobs = (openai.completion_logprobs(delta.logprobs, text_offset) if delta.logprobs else None)
+                    pending.append(openai.sse(chunks.text(delta.text, logprobs)))
+                    text_offset += len(delta.text)
                 if pending and (not flushed or not exchange.attempt.output_ready or len(pending) >= SSE_BATCH):
                     await response.write(b"".join(pending))
                     pending.clear()
@@ -370,7 +389,7 @@ class FrontendServer:
             await response.write(b"".join(pending))
             await response.write_eof()
             return False
-        pending.append(openai.sse(chunks.finish(openai.finish_reason(outcome.finish_reason) or "stop")))
+        pending.append(openai.sse(chunks.finish(self._finish_reason(exchange))))
         if include_usage:
             pending.append(openai.sse(chunks.usage(self._usage(exchange.prompt_ids, outcome))))
         pending.append(openai.SSE_DONE)
@@ -387,20 +406,35 @@ class FrontendServer:
             return self._failure(e, exchange.model, endpoint), False
         outcome, chunks, model = exchange.outcome, exchange.chunks, exchange.model
         usage = self._usage(exchange.prompt_ids, outcome)
-        finish = openai.finish_reason(outcome.finish_reason) or "stop"
+        finish = self._finish_reason(exchange)
         if isinstance(chunks, openai.ChatStream):
-            body = openai.chat_completion(chunks.id, chunks.created, model, content="".join(outcome.text),
+            content = "".join(outcome.text)
+            body = openai.chat_completion(chunks.id, chunks.created, model,
+                                          content=None if outcome.tool_calls and not content else content,
                                           finish_reason=finish, usage=usage,
-                                          logprobs=openai.chat_logprobs(outcome.logprobs) if outcome.logprobs else None)
+                                          logprobs=openai.chat_logprobs(outcome.logprobs) if outcome.logprobs else None,
+                                          tool_calls=outcome.tool_calls,
+                                          reasoning=("".join(outcome.reasoning) or None) if exchange.parser else None,
+                                          reasoning_field=self.config.reasoning_field)
         else:
             body = openai.completion(chunks.id, chunks.created, model, text="".join(outcome.text),
                                      finish_reason=finish, usage=usage,
                                      logprobs=openai.completion_logprobs(outcome.logprobs) if outcome.logprobs else None)
         return web.Response(body=msgspec.json.encode(body), content_type="application/json"), True
 
+    @staticmethod
+    def _finish_reason(exchange: Exchange) -> str:
+        finish = openai.finish_reason(exchange.outcome.finish_reason) or "stop"
+        parser = exchange.parser
+        if finish == "stop" and parser is not None and parser.calls_finish:
+            return "tool_calls"
+        return finish
+
     async def _deltas(self, exchange: Exchange) -> Any:
-        """Engine outputs -> processed deltas, one per output; stops the worker on a local stop."""
+        """Engine outputs -> (processed delta, what it means for the client), one per output; stops the
+        worker on a local stop."""
         processor, outcome, context, outputs = exchange.processor, exchange.outcome, exchange.context, exchange.outputs
+        parser = exchange.parser
         itl = self.metrics.itl.labels(exchange.model)
         queued = self.metrics.queued.labels(exchange.model)
         output: dict[str, Any] | None = exchange.first
@@ -419,22 +453,56 @@ class FrontendServer:
             outcome.completion_tokens = delta.completion_tokens
             if delta.error:
                 raise RemoteError(delta.error, 500)
-            if delta.text:
-                outcome.text.append(delta.text)
+            parsed = self._parse(exchange, delta)
             if delta.logprobs:
                 outcome.logprobs.extend(delta.logprobs)
-            yield delta  # even an empty one: the caller may have events to flush before the next wait
             if delta.finish_reason:
                 outcome.finish_reason = delta.finish_reason
+                if parser is not None:
+                    self._collect(outcome, parsed)
+                    yield delta, parsed
+                    delta, parsed = ProcessedDelta(completion_tokens=delta.completion_tokens), parser.finish()
+                self._collect(outcome, parsed)
+                yield delta, parsed  # even an empty one: the caller may have events to flush before the next wait
                 if output.get("finish_reason") is None:
                     context.stop_generating()  # stopped here (stop string, max tokens): the worker can stop
                 return
+            self._collect(outcome, parsed)
+            yield delta, parsed
             output = await anext(outputs, None)
         self._raise_if_cut_off(context)
         tail = processor.finish()
-        if tail.text:
-            outcome.text.append(tail.text)
-            yield tail
+        parsed = self._parse(exchange, tail)
+        if parser is not None:
+            more = parser.finish()
+            parsed.content += more.content
+            parsed.reasoning += more.reasoning
+            parsed.tool_calls.extend(more.tool_calls)
+        if parsed:
+            self._collect(outcome, parsed)
+            yield tail, parsed
+
+    @staticmethod
+    def _parse(exchange: Exchange, delta: ProcessedDelta) -> ParsedDelta:
+        """The delta's text as content, reasoning and tool calls; its tokens counted as reasoning while the
+        output thinks."""
+        parser = exchange.parser
+        if parser is None:
+            return ParsedDelta(content=delta.text)
+        was_thinking = parser.thinking
+        parsed = parser.feed(delta.text) if delta.text else ParsedDelta()
+        if exchange.outcome.reasoning_tokens is not None and (was_thinking or parser.thinking):
+            exchange.outcome.reasoning_tokens += len(delta.token_ids)
+        return parsed
+
+    @staticmethod
+    def _collect(outcome: Outcome, parsed: ParsedDelta) -> None:
+        if parsed.content:
+            outcome.text.append(parsed.content)
+        if parsed.reasoning:
+            outcome.reasoning.append(parsed.reasoning)
+        if parsed.tool_calls:
+            outcome.add_calls(parsed.tool_calls)
 
     def _raise_if_cut_off(self, context: Context) -> None:
         """A stream that ended because the shutdown's drain bound passed fails with that reason."""
@@ -443,7 +511,8 @@ class FrontendServer:
 
     @staticmethod
     def _usage(prompt_ids: list[int], outcome: Outcome) -> dict[str, Any]:
-        return openai.usage(len(prompt_ids), outcome.completion_tokens, _cached(outcome.usage))
+        return openai.usage(len(prompt_ids), outcome.completion_tokens, _cached(outcome.usage),
+                            reasoning_tokens=outcome.reasoning_tokens)
 
     def _failure(self, error: BaseException, model: str, endpoint: str) -> web.Response:
         status = _status_of(error)

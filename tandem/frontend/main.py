@@ -11,6 +11,7 @@ from tandem.frontend.http import FrontendServer, HttpConfig
 from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.models import ModelManager, ServedModel
 from tandem.frontend.pipeline import ModelPipeline
+from tandem.frontend.preprocess import ParserNames
 from tandem.frontend.routing import LoadMonitor, LoadThresholds
 from tandem.llm.model_card import ModelInput
 from tandem.router.config import add_router_args, parse_args_with_router_config
@@ -47,6 +48,9 @@ class FrontendConfig:
     active_decode_blocks_threshold: float | None = None
     active_prefill_tokens_threshold: int | None = None
     active_prefill_tokens_threshold_frac: float | None = None
+    dyn_tool_call_parser: str | None = None
+    dyn_reasoning_parser: str | None = None
+    reasoning_field_name: str = "reasoning_content"
 
 
 _HTTP = (
@@ -75,6 +79,15 @@ _MODELS = (
            "request no prefill worker can take fails with 503 instead of being prefilled by its decode worker",
            kind=bool),
 )
+_PARSERS = (
+    Option("dyn_tool_call_parser", ("--dyn-tool-call-parser",), ("DYN_TOOL_CALL_PARSER",),
+           "tool-call parser for every model, instead of the one its workers name", kind=str),
+    Option("dyn_reasoning_parser", ("--dyn-reasoning-parser",), ("DYN_REASONING_PARSER",),
+           "reasoning parser for every model, instead of the one its workers name", kind=str),
+    Option("reasoning_field_name", ("--reasoning-field-name",), ("DYN_REASONING_FIELD_NAME",),
+           "the answer field that carries the model's thinking", kind=str,
+           choices=("reasoning_content", "reasoning")),
+)
 _OVERLOAD = (
     Option("active_decode_blocks_threshold", ("--active-decode-blocks-threshold",),
            ("DYN_ACTIVE_DECODE_BLOCKS_THRESHOLD",), "a worker is busy above this fraction of its KV blocks in use",
@@ -93,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = FrontendConfig()
     add_options(parser.add_argument_group("HTTP"), _HTTP, defaults)
     add_options(parser.add_argument_group("Models and routing"), _MODELS, defaults)
+    add_options(parser.add_argument_group("Tool calls and reasoning"), _PARSERS, defaults)
     add_options(parser.add_argument_group("Overload"), _OVERLOAD, defaults)
     add_router_args(parser)
     add_runtime_args(parser)
@@ -130,7 +144,8 @@ async def serve(args: argparse.Namespace, frontend: FrontendConfig) -> int:
                                       config=replace(router_config, track_active_blocks=False, replica_sync=False))
         return ModelPipeline(model, manager, router_mode=frontend.router_mode, migration_limit=frontend.migration_limit,
                              migration_max_seq_len=frontend.migration_max_seq_len, load=load, metrics=metrics,
-                             kv_router=kv_router, prefill_router=prefill_router, enforce_disagg=frontend.enforce_disagg)
+                             kv_router=kv_router, prefill_router=prefill_router, enforce_disagg=frontend.enforce_disagg,
+                             parsers=ParserNames(frontend.dyn_tool_call_parser, frontend.dyn_reasoning_parser))
 
     def on_change() -> None:
         for model in manager.served():
@@ -158,7 +173,7 @@ async def serve(args: argparse.Namespace, frontend: FrontendConfig) -> int:
         host=frontend.http_host, port=frontend.http_port, api_key=frontend.api_key, tls_cert_path=frontend.tls_cert_path,
         tls_key_path=frontend.tls_key_path,
         body_limit_bytes=int(frontend.http_body_limit_mb * 1024 * 1024),
-        body_read_timeout=frontend.http_body_timeout,
+        body_read_timeout=frontend.http_body_timeout, reasoning_field=frontend.reasoning_field_name,
     ))
     await server.start()
     runtime.add_drain(server.drain)  # SIGTERM: finish the HTTP streams before the planes close
@@ -182,8 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parse_args_with_router_config(parser, sys.argv[1:] if argv is None else argv)
     try:
-        frontend = apply_options(FrontendConfig(), _HTTP + _MODELS + _OVERLOAD, args)
-    except ValueError as e:
+        frontend = apply_options(FrontendConfig(), _HTTP + _MODELS + _PARSERS + _OVERLOAD, args)
+        ParserNames(frontend.dyn_tool_call_parser, frontend.dyn_reasoning_parser).checked()
+    except ValueError as e:  # including a parser name that is not built
         parser.error(str(e))
     configure_logging()
     return run(lambda: serve(args, frontend))

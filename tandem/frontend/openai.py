@@ -174,6 +174,8 @@ class _ChatBody(_Body, kw_only=True):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -205,13 +207,28 @@ class _Derived:
 class ChatRequest(_ChatBody, _Derived, kw_only=True):
     """A validated chat request. `messages` are plain dicts for the chat template, with text-part
     lists joined into one string; `max_tokens` already holds max_completion_tokens when given;
-    `stop` is a list; `ext` is the parsed nvext; `guided` the single guided-decoding mode."""
+    `stop` is a list; `ext` is the parsed nvext; `guided` the single guided-decoding mode (a forced
+    `tool_choice` is one); `tool_choice` is none, auto or required, and `forced_function` names the
+    function a named choice forces."""
 
     stream: bool = False
     stop: list[str] | None = None
     messages: list[dict[str, Any]] = []
     ext: Nvext = msgspec.field(default_factory=Nvext)
     guided: GuidedDecoding | None = None
+    forced_function: str | None = None
+
+    @property
+    def thinking(self) -> bool:
+        """False when the client switched thinking off through the template's switch."""
+        kwargs = self.chat_template_kwargs or {}
+        return kwargs.get("enable_thinking", kwargs.get("thinking", True)) is not False
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """Extra chat-template variables: chat_template_kwargs, and reasoning_effort when given."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
 
 
 class CompletionRequest(_CompletionBody, _Derived, kw_only=True):
@@ -396,11 +413,35 @@ def _check_messages(messages: list[dict[str, Any]] | None) -> list[dict[str, Any
         for key in ("name", "tool_call_id"):
             if msg.get(key) is not None and not isinstance(msg[key], str):
                 raise _fail(f"{p}.{key}", f"'{p}.{key}' must be a string.")
+        if role == "tool" and not msg.get("tool_call_id"):
+            raise _fail(f"{p}.tool_call_id", f"'{p}.tool_call_id' is required for a tool message.")
         calls = msg.get("tool_calls")
-        if calls is not None and not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
-            raise _fail(f"{p}.tool_calls", f"'{p}.tool_calls' must be a list of objects.")
+        if calls is not None:
+            _check_tool_calls(calls, f"{p}.tool_calls")
         out.append(msg)
     return out
+
+
+class _CalledFunction(msgspec.Struct):
+    name: str
+    arguments: str
+
+
+class _AssistantCall(msgspec.Struct):
+    function: _CalledFunction
+    id: str | None = None
+    type: str = "function"
+
+
+def _check_tool_calls(calls: Any, param: str) -> None:
+    """An assistant message's earlier calls, as the client echoes them back (OpenAI's shape)."""
+    if not isinstance(calls, list):
+        raise _fail(param, f"'{param}' must be a list of objects.")
+    for j, item in enumerate(calls):
+        try:
+            msgspec.convert(item, _AssistantCall)
+        except msgspec.ValidationError as e:
+            raise _from_validation(e, f"{param}[{j}]") from None
 
 
 def _join_parts(parts: list[Any], param: str) -> str:
@@ -425,11 +466,95 @@ def parse_chat_request(body: bytes) -> ChatRequest:
     derived = _check_common(raw)
     if raw.top_logprobs is not None and not raw.logprobs:
         raise _fail("top_logprobs", "top_logprobs requires logprobs to be true.")
-    if isinstance(raw.tool_choice, str) and raw.tool_choice not in ("none", "auto", "required"):
-        raise _fail("tool_choice", f"tool_choice must be none, auto, required or an object (got {raw.tool_choice!r}).")
-    fields = msgspec.structs.asdict(raw) | derived
+    if raw.reasoning_effort is not None and raw.reasoning_effort not in REASONING_EFFORTS:
+        raise _fail("reasoning_effort", f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)} "
+                                        f"(got {raw.reasoning_effort!r}).")
+    fields = msgspec.structs.asdict(raw) | derived | _tool_choice(raw, derived["guided"])
     fields["messages"] = _check_messages(raw.messages)
     return ChatRequest(**fields)
+
+
+REASONING_EFFORTS = ("minimal", "low", "medium", "high")
+_FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+
+class _Function(msgspec.Struct):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class _Tool(msgspec.Struct):
+    type: str
+    function: _Function
+
+
+class _NamedFunction(msgspec.Struct):
+    name: str
+
+
+class _NamedChoice(msgspec.Struct):
+    type: str
+    function: _NamedFunction
+
+
+def _tools(tools: list[dict[str, Any]]) -> list[_Tool]:
+    checked = []
+    for i, tool in enumerate(tools):
+        try:
+            item = msgspec.convert(tool, _Tool)
+        except msgspec.ValidationError as e:
+            raise _from_validation(e, f"tools[{i}]") from None
+        if item.type != "function":
+            raise _fail(f"tools[{i}].type", f"'tools[{i}].type' must be 'function' (got {item.type!r}).")
+        if not _FUNCTION_NAME.match(item.function.name):
+            raise _fail(f"tools[{i}].function.name", f"'tools[{i}].function.name' must be 1 to 64 letters, "
+                                                     f"digits, '_', '.' or '-' (got {item.function.name!r}).")
+        checked.append(item)
+    return checked
+
+
+def _tool_choice(raw: _ChatBody, guided: GuidedDecoding | None) -> dict[str, Any]:
+    """tool_choice as none / auto / required (+ the forced function), checked against `tools`; a forced
+    choice becomes the request's guided decoding (a JSON schema built from the tools)."""
+    tools = _tools(raw.tools) if raw.tools else []
+    choice = raw.tool_choice
+    forced: str | None = None
+    if isinstance(choice, dict):
+        try:
+            named = msgspec.convert(choice, _NamedChoice)
+        except msgspec.ValidationError as e:
+            raise _from_validation(e, "tool_choice") from None
+        if named.type != "function":
+            raise _fail("tool_choice.type", f"'tool_choice.type' must be 'function' (got {named.type!r}).")
+        forced = named.function.name
+        if forced not in {t.function.name for t in tools}:
+            raise _fail("tool_choice.function.name",
+                        f"tool_choice names function {forced!r}, which is not in 'tools'.")
+        choice = "required"
+    elif choice is None:
+        choice = "auto" if tools else "none"
+    elif choice not in ("none", "auto", "required"):
+        raise _fail("tool_choice", f"tool_choice must be none, auto, required or an object (got {choice!r}).")
+    if choice == "required" and not tools:
+        raise _fail("tool_choice", "tool_choice 'required' needs at least one tool in 'tools'.")
+    if choice != "required":
+        return {"tool_choice": choice}
+    if guided is not None:
+        raise _fail("tool_choice", "a forced tool_choice cannot be combined with response_format or guided "
+                                   "decoding (it is enforced through guided decoding itself).")
+    if forced is not None:
+        function = next(t.function for t in tools if t.function.name == forced)
+        schema: dict[str, Any] = function.parameters or {"type": "object"}
+    else:
+        items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
+                                                   "parameters": t.function.parameters or {"type": "object"}},
+                  "required": ["name", "parameters"]} for t in tools]  # fmt: skip
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+        if raw.parallel_tool_calls is False:
+            schema["maxItems"] = 1
+    return {"tool_choice": "required", "forced_function": forced, "guided": GuidedDecoding(json=schema)}
 
 
 def _token_ids(ids: list[Any], param: str) -> list[int]:
@@ -579,11 +704,14 @@ def completion_logprobs(tokens: Iterable[TokenLogprob], text_offset: int = 0) ->
     return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None, *,
+          reasoning_tokens: int | None = None) -> dict[str, Any]:  # fmt: skip
     out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
     if cached_tokens is not None:
         out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     return out
 
 
@@ -621,13 +749,13 @@ def completion_usage_chunk(id: str, created: int, model: str, usage: dict[str, A
 
 def chat_completion(id: str, created: int, model: str, *, content: str | None, finish_reason: str,
                     usage: dict[str, Any], logprobs: dict[str, Any] | None = None,
-                    tool_calls: list[dict[str, Any]] | None = None,
-                    reasoning_content: str | None = None) -> dict[str, Any]:  # fmt: skip
+                    tool_calls: list[dict[str, Any]] | None = None, reasoning: str | None = None,
+                    reasoning_field: str = "reasoning_content") -> dict[str, Any]:  # fmt: skip
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if tool_calls:
         message["tool_calls"] = tool_calls
-    if reasoning_content is not None:
-        message["reasoning_content"] = reasoning_content
+    if reasoning is not None:
+        message[reasoning_field] = reasoning
     choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
     return _envelope(id, created, model, "chat.completion", [choice]) | {"usage": usage}
 
@@ -665,6 +793,12 @@ class ChatStream(_Stream):
 
     def content(self, text: str, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         return self._chunk({"content": text}, logprobs=logprobs)
+
+    def reasoning(self, text: str, field: str, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        return self._chunk({field: text}, logprobs=logprobs)
+
+    def tool_calls(self, calls: list[dict[str, Any]]) -> dict[str, Any]:
+        return self._chunk({"tool_calls": calls})
 
     def finish(self, finish_reason: str) -> dict[str, Any]:
         return self._chunk({}, finish_reason)

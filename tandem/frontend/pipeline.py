@@ -27,7 +27,7 @@ from tandem.frontend.disagg import (
 )
 from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.models import ModelManager, ServedModel
-from tandem.frontend.preprocess import Preprocessor
+from tandem.frontend.preprocess import ParserNames, Preprocessor
 from tandem.frontend.routing import LoadMonitor, NoWorkerError, Selector, make_selector
 from tandem.llm.model_card import ModelInput
 from tandem.llm.protocols import (
@@ -101,10 +101,12 @@ class ModelPipeline:
         kv_router: KvRouter | None = None,
         prefill_router: KvRouter | None = None,
         enforce_disagg: bool = False,
+        parsers: ParserNames | None = None,
     ) -> None:
         self.model = model
         self.manager = manager
-        self.preprocessor = Preprocessor(model) if model.card.model_input == ModelInput.Tokens else None
+        # `parsers`: the frontend's overrides of the model's tool-call and reasoning parsers.
+        self.preprocessor = Preprocessor(model, parsers) if model.card.model_input == ModelInput.Tokens else None
         self.router_mode = RouterMode(router_mode)
         self.inflight: dict[int, int] = {}
         # `kv` routes token requests with the KV router; text-input requests (no tokens here) round robin.

@@ -13,6 +13,13 @@ import msgspec
 
 from tandem.frontend import openai
 from tandem.llm.chat_template import ChatTemplate
+from tandem.llm.parsers import (
+    ChatParser,
+    chat_parser,
+    check_reasoning_parser,
+    check_tool_parser,
+    needs_special_tokens,
+)
 from tandem.llm.postprocess import OutputProcessor
 from tandem.llm.protocols import PreprocessedRequest, RoutingHints
 from tandem.llm.tokenizer import Tokenizer, TooManyTokens
@@ -28,12 +35,27 @@ OFF_LOOP_PROMPT_BYTES = 8192
 UNKNOWN_CONTEXT_TOKENS = 1 << 20
 
 
+@dataclass(frozen=True)
+class ParserNames:
+    """The tool-call and reasoning parsers of a model (its card's, unless the frontend overrides them)."""
+
+    tool_call: str | None = None
+    reasoning: str | None = None
+
+    def checked(self) -> ParserNames:
+        """Raises UnknownParserError for a name that is not built."""
+        return ParserNames(check_tool_parser(self.tool_call) if self.tool_call else None,
+                           check_reasoning_parser(self.reasoning) if self.reasoning else None)
+
+
 @dataclass
 class Prepared:
-    """A client request made ready for a worker: what the worker gets and what turns its tokens into text."""
+    """A client request made ready for a worker: what the worker gets, what turns its tokens into text,
+    and what finds the thinking and tool calls in that text (None when there is nothing to find)."""
 
     request: PreprocessedRequest
     processor: OutputProcessor
+    parser: ChatParser | None = None
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -47,8 +69,13 @@ class Preprocessor:
     (context length x the longest token), and tokenizing stops once it has more tokens than fit: a huge
     body costs a bounded amount of memory and CPU before its 400."""
 
-    def __init__(self, model: ServedModel) -> None:
+    def __init__(self, model: ServedModel, overrides: ParserNames | None = None) -> None:
+        """`overrides`: the frontend's tool-call and reasoning parsers, instead of the card's."""
         self.model = model.name
+        config = model.card.runtime_config
+        overrides = overrides or ParserNames()
+        self.parsers = ParserNames(overrides.tool_call or config.tool_call_parser,
+                                   overrides.reasoning or config.reasoning_parser).checked()
         self.mdcsum = model.card.mdcsum
         self.tokenizer = Tokenizer.from_folder(model.folder)
         template = model.card.chat_template or self.tokenizer.chat_template
@@ -66,26 +93,52 @@ class Preprocessor:
         """The prompt (templated and tokenized; off the event loop for a large body, the tokenizer drops
         the GIL), the worker request with its limits checked, and its output processor."""
         chat = isinstance(request, openai.ChatRequest)
-        render: Any = partial(self.chat_prompt if chat else self.completion_prompt, request)
-        prompt_ids = await asyncio.to_thread(render) if body_size > OFF_LOOP_PROMPT_BYTES else render()
+        render: Any = partial(self.chat_prompt, request) if chat else partial(self._completion, request)
+        prompt_ids, prompt = await asyncio.to_thread(render) if body_size > OFF_LOOP_PROMPT_BYTES else render()
         preprocessed = self.worker_request(request, prompt_ids, routing)
+        parser = self.chat_parser(request, prompt) if isinstance(request, openai.ChatRequest) else None
+        if parser is not None and preprocessed.output_options.skip_special_tokens is None and \
+                needs_special_tokens(self.parsers.tool_call, self.parsers.reasoning):
+            preprocessed.output_options.skip_special_tokens = False  # the family's markers are special tokens
         processor = OutputProcessor(self.tokenizer, prompt_ids, preprocessed.stop_conditions,
                                     preprocessed.sampling_options, preprocessed.output_options)
-        return Prepared(preprocessed, processor)
+        return Prepared(preprocessed, processor, parser)
 
-    def chat_prompt(self, request: openai.ChatRequest) -> list[int]:
+    def chat_parser(self, request: openai.ChatRequest, prompt: str) -> ChatParser | None:
+        """The request's output parser: the model's parsers, as the request's tools, tool_choice and
+        thinking switch use them."""
+        if request.ext.max_thinking_tokens is not None and self.parsers.reasoning is None:
+            raise openai.RequestError(f"nvext.max_thinking_tokens needs a reasoning parser, and model "
+                                      f"{self.model!r} is served without one (--dyn-reasoning-parser)",
+                                      param="nvext.max_thinking_tokens")
+        return chat_parser(tool_parser=self.parsers.tool_call, reasoning_parser=self.parsers.reasoning,
+                           tools=request.tools, tool_choice=request.tool_choice,
+                           forced_function=request.forced_function, thinking=request.thinking, prompt=prompt,
+                           parallel_tool_calls=request.parallel_tool_calls is not False)
+
+    def chat_prompt(self, request: openai.ChatRequest) -> tuple[list[int], str]:
+        """The prompt's token ids and text."""
+        text = self.chat_text(request)
+        return self._encode(text, "messages"), text
+
+    def _completion(self, request: openai.CompletionRequest) -> tuple[list[int], str]:
+        return self.completion_prompt(request), ""
+
+    def chat_text(self, request: openai.ChatRequest) -> str:
+        """The templated prompt (tools left out when tool_choice is none)."""
         if self.template is None:
             raise openai.RequestError("this model has no chat template; use /v1/completions", param="messages")
         use_raw = bool(request.ext.use_raw_prompt)
         if use_raw:
             text = "".join(_text_of(m.get("content")) for m in request.messages)
         else:
+            tools = request.tools if request.tool_choice != "none" else None
             try:
-                text = self.template.render(request.messages, tools=request.tools,
-                                            chat_template_kwargs=request.chat_template_kwargs)
+                text = self.template.render(request.messages, tools=tools,
+                                            chat_template_kwargs=request.template_kwargs())
             except ValueError as e:
                 raise openai.RequestError(f"cannot apply the chat template: {e}", param="messages") from None
-        return self._encode(text, "messages")
+        return text
 
     def completion_prompt(self, request: openai.CompletionRequest) -> list[int]:
         if isinstance(request.prompt, str):

@@ -64,6 +64,8 @@ class ModelRuntimeConfig(msgspec.Struct, omit_defaults=True):
     context_length: int | None = None
     enable_local_indexer: bool = False  # serves worker_kv_indexer_query (its KV events can be re-fetched)
     data_parallel_size: int = 1
+    tool_call_parser: str | None = None  # how the frontend finds tool calls in this model's output
+    reasoning_parser: str | None = None  # ... and its thinking
 
 
 # Files of a model folder the frontend reads; their checksums go into the card.
@@ -106,6 +108,10 @@ class ModelDeploymentCard(msgspec.Struct, omit_defaults=True):
             "kv_cache_block_size": self.kv_cache_block_size,
             "model_input": self.model_input,
         }
+        # Workers that parse the model's output differently do not serve the same model.
+        for parser in ("tool_call_parser", "reasoning_parser"):
+            if getattr(self.runtime_config, parser) is not None:
+                identity[parser] = getattr(self.runtime_config, parser)
         return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
 
     def for_lora(self, name: str, user_data: dict[str, Any] | None = None) -> ModelDeploymentCard:

@@ -16,7 +16,7 @@ from tandem.models import resolve_model
 from tandem.runtime import RuntimeConfig, add_runtime_args
 from tandem.runtime.keys import parse_endpoint_path
 from tandem.runtime.options import MIGRATION_LIMIT, Option
-from tandem.worker.config import DisaggregationMode
+from tandem.worker.config import PARSER_OPTIONS, DisaggregationMode, parser_options
 
 DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1,
                "fp8_e5m2": 1, "int8": 1}
@@ -45,6 +45,8 @@ class MockerConfig:
     migration_limit: int = 0
     # Test hook (env DYN_MOCKER_DROP_KV_EVENTS, 0 = off): every Nth KV event is not published, as if lost.
     drop_kv_events: int = 0
+    dyn_tool_call_parser: str | None = None  # put in the card: the frontend parses the (synthetic) output with them
+    dyn_reasoning_parser: str | None = None
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
     @property
@@ -89,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="data-parallel ranks per worker instance, each its own engine, KV cache and KV event "
                        "stream; requests name theirs in routing.dp_rank [default 1]")
     MIGRATION_LIMIT.add_to(model, 0)
+    for option in PARSER_OPTIONS:
+        option.add_to(model, None)
     model.add_argument("--context-length", "--max-model-len", dest="context_length", type=int, default=None,
                        help="maximum sequence length [default: the model's max_position_embeddings]")
     engine = parser.add_argument_group("Simulated engine")
@@ -188,6 +192,7 @@ def _config(args: argparse.Namespace) -> MockerConfig:
         raise ValueError(f"--planner-profile-data {options['planner_profile_data']}: no such file")
 
     drop_kv_events = _DROP_KV_EVENTS.value(args, 0)
+    tool_call_parser, reasoning_parser = parser_options(args)
 
     model_path = resolve_model(_MODEL_PATH.value(args, "smollm2"))
     model_config = _read_model_config(model_path)
@@ -206,6 +211,7 @@ def _config(args: argparse.Namespace) -> MockerConfig:
         num_workers=args.num_workers, migration_limit=MIGRATION_LIMIT.value(args, 0), context_length=context_length,
         enable_conditional_disagg=args.enable_conditional_disagg, drop_kv_events=drop_kv_events,
         kv_bytes_per_token=int(kv_bytes), runtime=runtime.replace(namespace=namespace), engine=engine,
+        dyn_tool_call_parser=tool_call_parser, dyn_reasoning_parser=reasoning_parser,
         **options,  # type: ignore[arg-type]
     )
 

@@ -87,6 +87,7 @@ async def start_worker(config: MockerConfig, runtime: DistributedRuntime, tokeni
             total_kv_blocks=engine_config.num_blocks, max_num_seqs=engine_config.max_num_seqs,
             max_num_batched_tokens=engine_config.max_num_batched_tokens, context_length=config.context_length,
             enable_local_indexer=bool(publishers), data_parallel_size=config.data_parallel_size,
+            tool_call_parser=config.dyn_tool_call_parser, reasoning_parser=config.dyn_reasoning_parser,
         ),
     )
     await serve_worker(component, handler, spec, endpoint=config.endpoint, kv_publishers=publishers,

@@ -4,7 +4,7 @@ real model folder (real tokenizer) and answers `generate` with scripted tokens.
 What it generates, decided from the prompt text:
   `[[say:TEXT]]`  the tokens of TEXT, then EOS
   `[[echo]]`      the request's options as JSON (to check what reached the engine), then EOS
-  `[[prompt]]`    the prompt text it received (to check templating), then EOS
+  `[[prompt]]`    the prompt text it received, its EOS tokens left out (to check templating), then EOS
   `[[fail]]`      two tokens, then the handler raises (a worker error mid-stream)
   otherwise       the tokens of a fixed sentence, repeated until max_tokens
 A request whose prompt already ends with the first k scripted tokens continues from token k, so a
@@ -53,7 +53,7 @@ from tandem.runtime import (
     run,
 )
 from tandem.runtime.options import MIGRATION_LIMIT
-from tandem.worker.config import DisaggregationMode
+from tandem.worker.config import PARSER_OPTIONS, DisaggregationMode, parser_options
 from tandem.worker.harness import WorkerSpec, serve_worker
 
 DEFAULT_TEXT = " The quick brown fox jumps over the lazy dog."
@@ -78,7 +78,8 @@ class TestEngine:
         if "[[fail]]" in prompt_text:
             return self.tokenizer.encode(" partial output", add_special_tokens=False).ids, False
         if "[[prompt]]" in prompt_text:
-            return self.tokenizer.encode(prompt_text.replace("[[prompt]]", ""), add_special_tokens=False).ids, True
+            ids = self.tokenizer.encode(prompt_text.replace("[[prompt]]", ""), add_special_tokens=False).ids
+            return [t for t in ids if t != self.eos], True
         if "[[echo]]" in prompt_text:
             wire = msgspec.to_builtins(request)  # as the frontend sent it: absent options stay absent
             options = {k: wire.get(k) for k in ("stop_conditions", "sampling_options", "output_options",
@@ -227,12 +228,18 @@ async def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--total-kv-blocks", type=int, default=1024)
     MIGRATION_LIMIT.add_to(parser, 0)
+    for option in PARSER_OPTIONS:
+        option.add_to(parser, None)
     parser.add_argument("--lora", action="append", default=[], help="also serve a LoRA adapter of this name")
     parser.add_argument("--delay-ms", type=float, default=0.0)
     parser.add_argument("--die-after", type=int, default=0)
     parser.add_argument("--report", default=None)
     add_runtime_args(parser)
     args = parser.parse_args(argv)
+    try:
+        tool_call_parser, reasoning_parser = parser_options(args)
+    except ValueError as e:
+        parser.error(str(e))
     configure_logging()
     model_path = resolve_model(args.model)
     runtime = await DistributedRuntime.create(RuntimeConfig.from_args(args))
@@ -247,7 +254,8 @@ async def main(argv: list[str] | None = None) -> int:
         model_input=ModelInput(args.model_input), context_length=args.context_length,
         custom_template_path=args.custom_jinja_template, loras=args.lora,
         runtime_config=ModelRuntimeConfig(total_kv_blocks=args.total_kv_blocks, max_num_seqs=256,
-                                          max_num_batched_tokens=8192),
+                                          max_num_batched_tokens=8192, tool_call_parser=tool_call_parser,
+                                          reasoning_parser=reasoning_parser),
     )
     await serve_worker(component, engine, spec, summary="test engine")
     await runtime.wait_closed()

@@ -30,7 +30,7 @@ from tandem.models.prepare import MODEL_NAME, PrepareError, is_default_model
 from tandem.models.resolve import resolve_model
 from tandem.runtime.config import RuntimeConfig, add_runtime_args, detect_host, env_bool, env_str
 from tandem.runtime.options import MIGRATION_LIMIT, Option, add_options, apply_options
-from tandem.worker.config import DisaggregationMode
+from tandem.worker.config import PARSER_OPTIONS, DisaggregationMode, check_parser_options
 
 if TYPE_CHECKING:
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -128,6 +128,8 @@ class Config:
     is_decode_worker: bool = False
     use_vllm_tokenizer: bool = False
     sleep_mode_level: int = 1
+    dyn_tool_call_parser: str | None = None
+    dyn_reasoning_parser: str | None = None
     # tandem
     cpu_cores: str | None = None  # cores this engine's threads bind to ("0", "2-3"); CPU only
     is_cpu: bool = False
@@ -239,6 +241,7 @@ _DYNAMO_OPTIONS = (
            "text in/text out: the worker tokenizes (chat completions only)", kind=bool),
     Option("sleep_mode_level", ("--sleep-mode-level",), ("DYN_VLLM_SLEEP_MODE_LEVEL",),
            "1: offload weights to CPU, 2: discard weights, 3: discard all", kind=int),
+    *PARSER_OPTIONS,
 )
 _CPU_OPTIONS = (
     Option("cpu_cores", ("--cpu-cores",), ("TANDEM_CPU_CORES",),
@@ -253,12 +256,6 @@ _NOT_BUILT_OPTIONS = (
     (Option("durable_kv_events", ("--durable-kv-events",), ("DYN_DURABLE_KV_EVENTS",),
             "publish KV events durably (NATS JetStream)", kind=bool),
      "durable KV events need the NATS event plane, which is not built yet in tandem"),
-    (Option("dyn_tool_call_parser", ("--dyn-tool-call-parser",), ("DYN_TOOL_CALL_PARSER",),
-            "tool-call parser the frontend applies to this model", kind=str),
-     "tool-call parsing is not built yet in tandem (tool calls would reach clients as plain text)"),
-    (Option("dyn_reasoning_parser", ("--dyn-reasoning-parser",), ("DYN_REASONING_PARSER",),
-            "reasoning parser the frontend applies to this model", kind=str),
-     "reasoning parsing is not built yet in tandem (thinking would reach clients mixed into the answer)"),
 )
 
 
@@ -408,6 +405,7 @@ def build_config(argv: list[str] | None = None, *, is_cpu: bool | None = None, a
     apply_options(config, _DYNAMO_OPTIONS + _CPU_OPTIONS, dyn)
     config.namespace = config.runtime.namespace
     config.validate()
+    check_parser_options(config.dyn_tool_call_parser, config.dyn_reasoning_parser)
     config.component = config.disaggregation_mode.default_component
 
     served = ns.served_model_name
@@ -430,9 +428,25 @@ def build_config(argv: list[str] | None = None, *, is_cpu: bool | None = None, a
     config.engine_args = AsyncEngineArgs.from_cli_args(ns)
 
     _apply_engine_defaults(config)
+    _thinking_budget(config)
     if apply_env:
         os.environ.update(config.env_updates)
     return config
+
+
+def _thinking_budget(config: Config) -> None:
+    """With --dyn-reasoning-parser, tell vLLM where thinking starts and ends, so that a request's
+    `max_thinking_tokens` (vLLM's thinking_token_budget) can force its end; a --reasoning-config or
+    vLLM --reasoning-parser given by the user wins."""
+    args = config.engine_args
+    if config.dyn_reasoning_parser is None or args.reasoning_config is not None or args.reasoning_parser:
+        return
+    from vllm.config.reasoning import ReasoningConfig
+
+    from tandem.llm.parsers import thinking_markers
+
+    start, end = thinking_markers(config.dyn_reasoning_parser)
+    args.reasoning_config = ReasoningConfig(reasoning_start_str=start, reasoning_end_str=end)
 
 
 def platform_is_cpu() -> bool:

@@ -55,6 +55,10 @@ def build_sampling_params(request: PreprocessedRequest, defaults: dict[str, Any]
     for key, value in _given(stop).items():
         if key in _SAMPLING_FIELDS and key != "stop":
             kwargs[key] = value
+    if stop.max_thinking_tokens is not None:
+        # vLLM forces the end of thinking after this many tokens (the engine's reasoning config, set from
+        # --dyn-reasoning-parser, says which tokens open and close it).
+        kwargs["thinking_token_budget"] = stop.max_thinking_tokens
     if stop.stop_token_ids_hidden:
         kwargs["stop_token_ids"] = sorted(set(kwargs.get("stop_token_ids") or []) | set(stop.stop_token_ids_hidden))
     for key, value in (("logprobs", request.output_options.logprobs),

@@ -156,6 +156,7 @@ async def _serve(config: Config, runtime: DistributedRuntime, shutdown_event: as
                 max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
                 context_length=model_max_len, enable_local_indexer=bool(relays),
                 data_parallel_size=vllm_config.parallel_config.data_parallel_size,
+                tool_call_parser=config.dyn_tool_call_parser, reasoning_parser=config.dyn_reasoning_parser,
             ),
         )
         await serve_worker(component, handler, spec, endpoint=config.endpoint, kv_publishers=relays,

@@ -1,0 +1,259 @@
+"""Tool-call and reasoning parsers (`tandem.llm.parsers`): each family's output format, parsed whole and
+streamed token by token and at every split, with the same result."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tandem.llm.parsers import (
+    REASONING_PARSERS,
+    TOOL_PARSERS,
+    ChatParser,
+    UnknownParserError,
+    chat_parser,
+    check_reasoning_parser,
+    check_tool_parser,
+)
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                                     "metric": {"type": "boolean"}, "hours": {"type": "array"}},
+                   "required": ["city"]}}}  # fmt: skip
+SEARCH = {"type": "function", "function": {
+    "name": "search", "parameters": {"type": "object", "properties": {"query": {"type": "string"},
+                                                                      "filters": {"type": "object"}}}}}  # fmt: skip
+TOOLS = [WEATHER, SEARCH]
+
+# Each family's special tokens, added to the SmolLM2 tokenizer so markers are single tokens as in the
+# real models.
+SPECIAL = ["<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]",
+           "<|python_start|>", "<|python_end|>", "<think>", "</think>", "<|channel|>", "<|message|>",
+           "<|end|>", "<|start|>", "<|constrain|>", "<TOOLCALL>", "</TOOLCALL>"]  # fmt: skip
+
+NESTED = {"query": "naïve café ☕ \"quoted\" \\ back", "filters": {"tags": ["a", {"b": [1, 2.5, None]}], "ok": True}}
+
+
+def call(name: str, args: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    return name, args
+
+
+# (tool parser, reasoning parser, output text, content, reasoning, calls)
+CASES: dict[str, tuple[str | None, str | None, str, str | None, str, list[tuple[str, dict[str, Any]]]]] = {
+    "hermes_single": ("hermes", None,
+                      '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>',
+                      None, "", [call("get_weather", {"city": "Paris", "days": 3})]),
+    "hermes_text_then_parallel": ("hermes", None,
+                                  "Let me look both up.\n<tool_call>\n"
+                                  '{"name": "get_weather", "arguments": {"city": "東京"}}\n</tool_call>\n<tool_call>\n'
+                                  + json.dumps({"name": "search", "arguments": NESTED}) + "\n</tool_call>",
+                                  "Let me look both up.", "",
+                                  [call("get_weather", {"city": "東京"}), call("search", NESTED)]),
+    "qwen25_plain_text": ("qwen25", None, "No tools needed: 2 < 3 and {braces} are fine.",
+                          "No tools needed: 2 < 3 and {braces} are fine.", "", []),
+    "hermes_malformed_kept_as_text": ("hermes", None, "<tool_call>{not json}</tool_call> sorry",
+                                      "<tool_call>{not json}</tool_call> sorry", "", []),
+    "hermes_cut_off_recovered": ("hermes", None, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par',
+                                 None, "", [call("get_weather", {"city": "Par"})]),
+    "llama3_json_plain": ("llama3_json", None, '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+                          None, "", [call("get_weather", {"city": "Paris"})]),
+    "llama3_json_python_tag_two": ("llama3_json", None,
+                                   '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+                                   + json.dumps({"name": "search", "parameters": NESTED}),
+                                   None, "", [call("get_weather", {"city": "Paris"}), call("search", NESTED)]),
+    "llama3_json_text": ("llama3_json", None, "The weather is {sunny}.", "The weather is {sunny}.", "", []),
+    "mistral_list": ("mistral", None,
+                     '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                     '{"name": "search", "arguments": {"query": "x"}}]',
+                     None, "", [call("get_weather", {"city": "Paris"}), call("search", {"query": "x"})]),
+    "mistral_args_form": ("mistral", None,
+                          '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "metric": true}'
+                          '[TOOL_CALLS]search[CALL_ID]a1b2c3d4e[ARGS]' + json.dumps(NESTED),
+                          None, "", [call("get_weather", {"city": "Paris", "metric": True}), call("search", NESTED)]),
+    "pythonic_list": ("pythonic", None,
+                      "[get_weather(city='Paris', days=3, hours=[1, 2]), search(query=\"a, b) [c]\", filters={'k': None})]",
+                      None, "", [call("get_weather", {"city": "Paris", "days": 3, "hours": [1, 2]}),
+                                 call("search", {"query": "a, b) [c]", "filters": {"k": None}})]),
+    "pythonic_llama4_tags": ("pythonic", None, "<|python_start|>[get_weather(city=\"Oslo\")]<|python_end|>",
+                             None, "", [call("get_weather", {"city": "Oslo"})]),
+    "pythonic_not_a_call": ("pythonic", None, "[1] is the first source.", "[1] is the first source.", "", []),
+    "qwen3_coder_xml": ("qwen3_coder", None,
+                        "I will check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Francisco\n"
+                        "</parameter>\n<parameter=days>\n2\n</parameter>\n<parameter=metric>\ntrue\n</parameter>\n"
+                        "</function>\n</tool_call>",
+                        "I will check.", "", [call("get_weather", {"city": "San Francisco", "days": 2, "metric": True})]),
+    "qwen3_coder_cut_off": ("qwen3_coder", None, "<tool_call>\n<function=search>\n<parameter=query>\nbest café",
+                            None, "", [call("search", {"query": "best café"})]),
+    "default_toolcall": ("default", None,
+                         '<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</TOOLCALL>',
+                         None, "", [call("get_weather", {"city": "Paris"})]),
+    "harmony_call": ("harmony", "gpt_oss",
+                     "<|channel|>analysis<|message|>Need the weather tool.<|end|><|start|>assistant<|channel|>"
+                     'commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}',
+                     None, "Need the weather tool.", [call("get_weather", {"city": "Paris"})]),
+    "harmony_final": ("harmony", "gpt_oss",
+                      "<|channel|>analysis<|message|>Easy one.<|end|><|start|>assistant<|channel|>final<|message|>"
+                      "Hello <b>there</b>!",
+                      "Hello <b>there</b>!", "Easy one.", []),
+    "deepseek_r1_forced": (None, "deepseek_r1", "First, 2+2 is 4.\n</think>\n\nThe answer is 4.",
+                           "The answer is 4.", "First, 2+2 is 4.\n", []),
+    "deepseek_r1_never_closed": (None, "deepseek_r1", "Still thinking about <it>", None,
+                                 "Still thinking about <it>", []),
+    "qwen3_tags": (None, "qwen3", "<think>\nShort.\n</think>\n\nHi!", "Hi!", "\nShort.\n", []),
+    "qwen3_no_thinking": (None, "qwen3", "Hi, no tags <think> here.", "Hi, no tags <think> here.", "", []),
+    "basic_then_tool": ("hermes", "basic",
+                        '<think>call it</think><tool_call>{"name": "search", "arguments": {"query": "q"}}</tool_call>',
+                        None, "call it", [call("search", {"query": "q"})]),
+}
+
+
+def collect(parser: ChatParser, pieces: list[str]) -> tuple[str | None, str, list[tuple[str, dict[str, Any]]], list[str]]:
+    """(content or None, reasoning, calls as (name, arguments), ids) from feeding `pieces`."""
+    content, reasoning = "", ""
+    calls: dict[int, list[Any]] = {}
+    ids: list[str] = []
+    for delta in [parser.feed(p) for p in pieces] + [parser.finish()]:
+        content += delta.content
+        reasoning += delta.reasoning
+        for d in delta.tool_calls:
+            if d.id is not None:
+                assert d.index not in calls and d.index == len(calls), "a call's header comes first, in order"
+                calls[d.index] = [d.name, ""]
+                ids.append(d.id)
+            calls[d.index][1] += d.arguments
+    parsed = [(name, json.loads(args)) for name, args in calls.values()]
+    return content or None, reasoning, parsed, ids
+
+
+def parser_for(case: str) -> ChatParser:
+    tool, reasoning, *_ = CASES[case]
+    p = chat_parser(tool_parser=tool, reasoning_parser=reasoning, tools=TOOLS if tool else None)
+    assert p is not None
+    return p
+
+
+@pytest.fixture(scope="module")
+def extended_tok(smollm2: str, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HfTokenizer
+
+    from tandem.llm.tokenizer import Tokenizer
+
+    folder = tmp_path_factory.mktemp("extended")
+    for f in Path(smollm2).iterdir():
+        if f.is_file():
+            shutil.copy(f, folder / f.name)
+    hf = HfTokenizer.from_file(str(folder / "tokenizer.json"))
+    hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL])
+    hf.save(str(folder / "tokenizer.json"))
+    return Tokenizer.from_folder(folder)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_whole_output(case: str) -> None:
+    _, _, text, content, reasoning, calls = CASES[case]
+    got_content, got_reasoning, got_calls, ids = collect(parser_for(case), [text])
+    assert (got_content, got_reasoning, got_calls) == (content, reasoning, calls)
+    assert len(set(ids)) == len(ids) and all(i.startswith("call_") for i in ids)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_token_stream_equals_whole(case: str, extended_tok) -> None:  # type: ignore[no-untyped-def]
+    """Detokenized one token at a time (markers are single special tokens), as the frontend feeds it."""
+    text = CASES[case][2]
+    ids = extended_tok.encode(text, add_special_tokens=False)
+    for marker in SPECIAL:
+        if marker in text:
+            assert extended_tok.encode(marker, add_special_tokens=False).__len__() == 1
+    step = extended_tok.decode_stream([], skip_special_tokens=False).step
+    pieces = [step(i) for i in ids]
+    assert "".join(pieces) == text
+    whole = collect(parser_for(case), [text])[:3]
+    assert collect(parser_for(case), pieces)[:3] == whole
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_split_equals_whole(case: str, data: st.DataObject) -> None:
+    text = CASES[case][2]
+    cuts = sorted(data.draw(st.sets(st.integers(0, len(text)), max_size=len(text))))
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    assert collect(parser_for(case), pieces)[:3] == collect(parser_for(case), [text])[:3]
+
+
+def test_char_by_char_streams_text_at_once() -> None:
+    """Plain text outside calls is not held back, except what may begin a marker."""
+    p = chat_parser(tool_parser="hermes", reasoning_parser=None, tools=TOOLS)
+    assert p is not None
+    assert p.feed("Hello").content == "Hello"
+    assert p.feed(" wor").content == " wor"
+    assert p.feed("ld <tool").content == "ld"  # " <tool" may open a call
+    assert p.feed("bar> no").content == " <toolbar> no"
+
+
+def test_reasoning_streams_before_the_end_tag() -> None:
+    p = chat_parser(tool_parser=None, reasoning_parser="deepseek_r1", tools=None)
+    assert p is not None and p.thinking
+    assert p.feed("Let me").reasoning == "Let me"
+    assert p.feed(" think</th").reasoning == " think"
+    out = p.feed("ink>Done")
+    assert (out.reasoning, out.content) == ("", "Done") and not p.thinking
+
+
+def test_prompt_that_opens_thinking() -> None:
+    p = chat_parser(tool_parser=None, reasoning_parser="qwen3", tools=None, prompt="<|im_start|>assistant\n<think>\n")
+    assert p is not None
+    assert collect(p, ["plan</think>answer"])[:2] == ("answer", "plan")
+
+
+def test_thinking_switched_off_parses_no_reasoning() -> None:
+    assert chat_parser(tool_parser=None, reasoning_parser="deepseek_r1", tools=None, thinking=False) is None
+
+
+def test_tool_choice_none_parses_no_calls() -> None:
+    text = '<tool_call>{"name": "search", "arguments": {}}</tool_call>'
+    assert chat_parser(tool_parser="hermes", reasoning_parser=None, tools=TOOLS, tool_choice="none") is None
+    p = chat_parser(tool_parser=None, reasoning_parser=None, tools=TOOLS)  # tools but no parser: `default`
+    assert p is not None and collect(p, [text])[0] == text
+
+
+def test_named_function_streams_arguments() -> None:
+    p = chat_parser(tool_parser=None, reasoning_parser=None, tools=TOOLS, forced_function="search")
+    assert p is not None
+    first = p.feed('{"query": ')
+    assert [d.openai() for d in first.tool_calls][0]["function"] == {"name": "search", "arguments": ""}
+    assert first.tool_calls[1].arguments == '{"query": '
+    rest = p.feed('"x"}')
+    assert rest.tool_calls[0].openai() == {"index": 0, "function": {"arguments": '"x"}'}}
+    assert not p.finish()
+
+
+def test_required_parses_the_list() -> None:
+    p = chat_parser(tool_parser="hermes", reasoning_parser=None, tools=TOOLS, tool_choice="required")
+    assert p is not None
+    got = collect(p, ['[{"name": "get_weather", "parameters": {"city": "Rome"}}, ',
+                      '{"name": "search", "parameters": {"query": "q"}}]'])
+    assert got[2] == [call("get_weather", {"city": "Rome"}), call("search", {"query": "q"})]
+    cut = chat_parser(tool_parser=None, reasoning_parser=None, tools=TOOLS, tool_choice="required")
+    assert cut is not None and collect(cut, ['[{"name": "get_wea'])[0] == '[{"name": "get_wea'
+
+
+def test_names_are_checked() -> None:
+    for name in TOOL_PARSERS:
+        assert check_tool_parser(name) == name
+    for name in REASONING_PARSERS:
+        assert check_reasoning_parser(name) == name
+    with pytest.raises(UnknownParserError, match="not built yet.*hermes"):
+        check_tool_parser("kimi_k2")
+    with pytest.raises(UnknownParserError, match="unknown tool-call parser 'nope'; known: hermes"):
+        check_tool_parser("nope")
+    with pytest.raises(UnknownParserError, match="unknown reasoning parser"):
+        check_reasoning_parser("hermes")
