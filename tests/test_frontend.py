@@ -349,6 +349,15 @@ def test_text_input_model_is_relayed(tmp_path: Path, smollm2):
         assert reply.choices[0].message.content == "relayed words here"
         streamed, _ = stream_text(client.chat.completions.create(model=MODEL, messages=say("a b c"), stream=True))
         assert streamed == "a b c"
+        # What only the frontend's parsing or guided decoding could honour is refused, not ignored.
+        tools = [{"type": "function", "function": {"name": "f"}}]
+        for body, param in (({"tools": tools}, "tool_choice"), ({"guided_regex": "a+"}, "guided_regex"),
+                            ({"nvext": {"max_thinking_tokens": 3}}, "nvext.max_thinking_tokens")):
+            r = httpx.post(f"{deployment.url}/v1/chat/completions",
+                           json={"model": MODEL, "messages": say("x"), **body})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        reply = client.chat.completions.create(model=MODEL, messages=say("no tools"), tools=tools, tool_choice="none")
+        assert reply.choices[0].message.content == "no tools"
     finally:
         deployment.stop()
 

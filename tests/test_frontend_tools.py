@@ -223,3 +223,23 @@ def test_unknown_parser_name_is_refused_by_the_worker(deployment, smollm2):
     assert done.returncode == 2 and "not built yet" in done.stderr and "hermes" in done.stderr
     with pytest.raises(openai.NotFoundError):
         deployment.client().chat.completions.create(model="kimi", messages=ask("x"))
+
+
+def test_reasoning_field_name(deployment):
+    """--reasoning-field-name reasoning: vLLM's newer name for the thinking field."""
+    from tests.conftest import TandemProcess
+
+    frontend = TandemProcess("tandem.frontend", "--http-host", "127.0.0.1", "--http-port", "0", "--discovery-backend",
+                             "file", "--reasoning-field-name", "reasoning", env=deployment.env)
+    try:
+        url = frontend.ready[0]
+        deployment.wait_for_instances(len(deployment.engines), url=url)
+        _, text, _, reasoning, _ = FAMILIES["r1"]
+        body = {"model": "r1", "messages": ask(text), "tools": TOOLS}
+        message = httpx.post(f"{url}/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        assert message["reasoning"] == reasoning and "reasoning_content" not in message
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert "".join(e["choices"][0]["delta"].get("reasoning", "") for e in events if e["choices"]) == reasoning
+    finally:
+        frontend.stop()

@@ -288,3 +288,22 @@ def test_logprobs_are_simulated(mocker: Deployment) -> None:
     assert plain.choices[0].logprobs is None and plain.choices[0].text == completion.choices[0].text
     plain_chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10)
     assert plain_chat.choices[0].logprobs is None
+
+
+def test_parsers_go_through_the_card(tmp_path: Path, smollm2: str) -> None:
+    """The mocker takes the parser flags like the other workers: with deepseek_r1 (thinking forced), its
+    synthetic answer is all thinking."""
+    from tandem.mocker.args import parse_args
+
+    with pytest.raises(SystemExit) as refused:
+        parse_args(["--model-path", smollm2, "--dyn-tool-call-parser", "phi4"])
+    assert refused.value.code == 2
+    deployment = Deployment(tmp_path, smollm2, engine_module="tandem.mocker",
+                            engines=[[*MOCKER, "--dyn-reasoning-parser", "deepseek_r1"]])
+    try:
+        reply = deployment.client().chat.completions.create(model=MODEL, max_tokens=8,
+                                                            messages=[{"role": "user", "content": "hi"}])
+        assert reply.choices[0].message.reasoning_content and not reply.choices[0].message.content
+        assert reply.usage.completion_tokens_details.reasoning_tokens == reply.usage.completion_tokens == 8
+    finally:
+        deployment.stop()

@@ -204,11 +204,32 @@ def test_env_values_used(monkeypatch: pytest.MonkeyPatch) -> None:
     assert config.runtime.request_plane == "tcp"
 
 
+def test_parsers_go_to_the_card_and_the_thinking_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DYN_REASONING_PARSER", "deepseek_r1")
+    config = build("--dyn-tool-call-parser", "hermes")
+    assert (config.dyn_tool_call_parser, config.dyn_reasoning_parser) == ("hermes", "deepseek_r1")
+    budget = config.engine_args.reasoning_config
+    assert (budget.reasoning_start_str, budget.reasoning_end_str) == ("<think>", "</think>")
+    harmony = build("--dyn-reasoning-parser", "gpt_oss").engine_args.reasoning_config
+    assert harmony.reasoning_start_str == "<|channel|>analysis<|message|>"
+    monkeypatch.delenv("DYN_REASONING_PARSER")
+    assert build().engine_args.reasoning_config is None
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--dyn-tool-call-parser", "kimi_k2"], "--dyn-tool-call-parser (DYN_TOOL_CALL_PARSER): tool-call parser "
+     "'kimi_k2' is not built yet in tandem; built: hermes"),
+    (["--dyn-reasoning-parser", "nope"], "--dyn-reasoning-parser (DYN_REASONING_PARSER): unknown reasoning parser "
+     "'nope'; known: deepseek_r1"),
+    (["--use-vllm-tokenizer", "--dyn-reasoning-parser", "qwen3"], "--dyn-tool-call-parser and "
+     "--dyn-reasoning-parser need token input"),
+])
+def test_parser_names_not_built_are_refused(argv: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build(*argv)
+
+
 @pytest.mark.parametrize(("argv", "env", "message"), [
-    (["--dyn-tool-call-parser", "hermes"], {}, "--dyn-tool-call-parser (DYN_TOOL_CALL_PARSER): tool-call parsing is "
-     "not built yet in tandem"),
-    ([], {"DYN_REASONING_PARSER": "deepseek_r1"}, "--dyn-reasoning-parser (DYN_REASONING_PARSER): reasoning parsing "
-     "is not built yet in tandem"),
     (["--durable-kv-events"], {}, "--durable-kv-events (DYN_DURABLE_KV_EVENTS): durable KV events need the NATS "
      "event plane"),
 ])

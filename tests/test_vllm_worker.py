@@ -76,6 +76,65 @@ def test_json_schema_output(vllm):
     jsonschema.validate(json.loads(text), schema)
 
 
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
+                   "required": ["city", "unit"]}}}  # fmt: skip
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"timezone": {"type": "string"}}, "required": ["timezone"]}}}
+WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_named_tool_choice_gives_a_valid_call(vllm):
+    """SmolLM2 is too small to call tools unprompted; a named tool_choice makes it, through guided decoding."""
+    client = vllm.client()
+    reply = client.chat.completions.create(model=MODEL, messages=WEATHER_QUESTION, tools=[WEATHER, CLOCK],
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                           temperature=0, max_tokens=60)
+    call = reply.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    streamed = client.chat.completions.create(model=MODEL, messages=WEATHER_QUESTION, tools=[WEATHER, CLOCK],
+                                              tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                              temperature=0, max_tokens=60, stream=True)
+    arguments, names = "", []
+    for chunk in streamed:
+        for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            names += [delta.function.name] if delta.function.name else []
+            arguments += delta.function.arguments or ""
+    assert names == ["get_weather"] and arguments == call.function.arguments
+
+
+def test_required_tool_choice_gives_valid_calls(vllm):
+    reply = vllm.client().chat.completions.create(model=MODEL, messages=WEATHER_QUESTION, tools=[WEATHER, CLOCK],
+                                                  tool_choice="required", parallel_tool_calls=False, temperature=0,
+                                                  max_tokens=80)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    schema = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+def test_max_thinking_tokens_cuts_an_open_think_block(vllm):
+    """A prompt that opens a <think> block: without a budget SmolLM2 never closes it; with
+    nvext.max_thinking_tokens the engine forces </think> after that many tokens and the answer follows."""
+    prompt = [{"role": "user", "content": "<|im_start|>user\nList the planets.<|im_end|>\n<|im_start|>assistant\n"
+                                          "<think>"}]
+    client = vllm.client()
+    open_ended = client.chat.completions.create(model=MODEL, messages=prompt, temperature=0, max_tokens=30,
+                                                extra_body={"nvext": {"use_raw_prompt": True}})
+    assert open_ended.choices[0].message.content is None or not open_ended.choices[0].message.content.strip()
+    assert open_ended.usage.completion_tokens_details.reasoning_tokens == open_ended.usage.completion_tokens
+    cut = client.chat.completions.create(model=MODEL, messages=prompt, temperature=0, max_tokens=30,
+                                         extra_body={"nvext": {"use_raw_prompt": True, "max_thinking_tokens": 4}})
+    message = cut.choices[0].message
+    assert message.reasoning_content and message.content
+    assert open_ended.choices[0].message.reasoning_content.startswith(message.reasoning_content.rstrip())
+    # 4 thinking tokens, then the forced end tag's tokens.
+    assert 4 < cut.usage.completion_tokens_details.reasoning_tokens < cut.usage.completion_tokens
+
+
 def test_clear_kv_blocks_and_cached_tokens(vllm):
     messages = [{"role": "system", "content": "You are a helpful assistant. " * 20}, *QUESTION]
     client = vllm.client(default_headers=vllm.pin)

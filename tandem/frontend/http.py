@@ -267,6 +267,7 @@ class FrontendServer:
         model = self._model(chat.model)
         pipeline: ModelPipeline = model.pipeline
         if pipeline.preprocessor is None:
+            _check_text_input(chat, model.name)
             return await self._relay_text(request, chat, msgspec.json.decode(body), pipeline, "chat_completions")
         return await self._serve(request, chat, len(body), pipeline, "chat_completions")
 
@@ -589,6 +590,22 @@ class FrontendServer:
         finally:
             del self._inflight[request_id]
             await outputs.aclose()
+
+
+def _check_text_input(chat: openai.ChatRequest, model: str) -> None:
+    """A text-input model's engine templates the request and its output is relayed as it is: what needs the
+    frontend's parsing or the engine's guided decoding is refused rather than ignored."""
+    why = f"model {model!r} takes text input (--use-vllm-tokenizer): its engine's output is relayed unparsed"
+    if chat.tools and chat.tool_choice != "none":
+        raise openai.RequestError(f"{why}, so tool calls cannot be returned; send tool_choice 'none' or serve "
+                                  "the model with token input", param="tool_choice")
+    if chat.guided is not None:
+        given = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                 "structured_outputs")
+        raise openai.RequestError(f"{why} and its text mode has no guided decoding",
+                                  param=next((name for name in given if getattr(chat, name) is not None), None))
+    if chat.ext.max_thinking_tokens is not None:
+        raise openai.RequestError(f"{why}, with no reasoning parser", param="nvext.max_thinking_tokens")
 
 
 def _is_json(content_type: str) -> bool:

@@ -202,6 +202,17 @@ def _sampling(model: dict[str, Any]) -> dict[str, Any]:
 _TEXT_PART = {"type": "object", "required": ["type", "text"],
               "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
 _CONTENT = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]}
+_FUNCTION_NAME = {"type": "string", "pattern": "^[A-Za-z0-9_.\\-]{1,64}$"}
+_TOOL = {"type": "object", "required": ["type", "function"],
+         "properties": {"type": {"const": "function"},
+                        "function": {"type": "object", "required": ["name"],
+                                     "properties": {"name": _FUNCTION_NAME, "description": _STRING,
+                                                    "parameters": _nullable({"type": "object"}),
+                                                    "strict": _BOOL}}}}  # fmt: skip
+_NAMED_CHOICE = {"type": "object", "required": ["type", "function"],
+                 "properties": {"type": {"const": "function"},
+                                "function": {"type": "object", "required": ["name"],
+                                             "properties": {"name": {"type": "string"}}}}}  # fmt: skip
 _MESSAGE_FIELDS = {"name": _STRING, "tool_call_id": _STRING,
                    "tool_calls": _nullable({"type": "array", "items": {"type": "object"}})}
 # Every message has content, except an assistant message that carries tool calls instead.
@@ -265,9 +276,10 @@ def openapi_spec(models: list[str]) -> dict[str, Any]:
                         "max_completion_tokens": _int(1, 2**63 - 1),
                         "logprobs": _BOOL,
                         "top_logprobs": _int(0, 20),
-                        "tools": _nullable({"type": "array", "items": {"type": "object"}}),
-                        "tool_choice": _nullable({"anyOf": [{"enum": ["none", "auto", "required"]},
-                                                            {"type": "object"}]}),
+                        "tools": _nullable({"type": "array", "items": _TOOL}),
+                        "tool_choice": _nullable({"anyOf": [{"enum": ["none", "auto", "required"]}, _NAMED_CHOICE]}),
+                        "parallel_tool_calls": _BOOL,
+                        "reasoning_effort": _nullable({"enum": ["minimal", "low", "medium", "high"]}),
                         "chat_template_kwargs": _OBJECT,
                     },
                 },

@@ -406,6 +406,9 @@ def build_config(argv: list[str] | None = None, *, is_cpu: bool | None = None, a
     config.namespace = config.runtime.namespace
     config.validate()
     check_parser_options(config.dyn_tool_call_parser, config.dyn_reasoning_parser)
+    if config.use_vllm_tokenizer and (config.dyn_tool_call_parser or config.dyn_reasoning_parser):
+        raise ValueError("--dyn-tool-call-parser and --dyn-reasoning-parser need token input: with "
+                         "--use-vllm-tokenizer the engine's text is relayed to clients unparsed")
     config.component = config.disaggregation_mode.default_component
 
     served = ns.served_model_name

@@ -57,11 +57,15 @@ def call_id() -> str:
 def held_suffix(text: str, markers: tuple[str, ...]) -> int:
     """Length of the longest end of `text` that begins one of `markers` (a marker may be arriving)."""
     best = 0
+    n = len(text)
     for marker in markers:
-        for n in range(min(len(marker) - 1, len(text)), best, -1):
-            if marker.startswith(text[-n:]):
-                best = n
+        # The leftmost start of the marker within its reach of the end is the longest candidate.
+        i = text.find(marker[0], max(n - len(marker) + 1, 0))
+        while 0 <= i and n - i > best:
+            if marker.startswith(text[i:]):
+                best = n - i
                 break
+            i = text.find(marker[0], i + 1)
     return best
 
 

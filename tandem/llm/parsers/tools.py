@@ -45,6 +45,9 @@ class CallSyntax:
     markers: tuple[str, ...] = ()
     leading: tuple[str, ...] = ()
     filler = " \t\r\n"
+    # Only text with one of these can complete a call (closing brackets, the end of a closing tag): text
+    # without them is not parsed again, which keeps a long call linear to parse.
+    closers = "}])>"
 
     def __init__(self, tools: Sequence[Mapping[str, Any]] = ()) -> None:
         self.tools = tools
@@ -281,11 +284,12 @@ class ToolCallStream:
     Whitespace (the syntax's filler) at the end of the content is held until more content follows:
     around calls it is dropped, so an answer that is only calls has no content."""
 
-    __slots__ = ("syntax", "_buf", "_in_call", "_lead", "_filler", "_any_call", "_markers")
+    __slots__ = ("syntax", "_buf", "_in_call", "_lead", "_filler", "_any_call", "_markers", "_starts")
 
     def __init__(self, syntax: CallSyntax) -> None:
         self.syntax = syntax
         self._markers = syntax.markers
+        self._starts = frozenset(m[0] for m in syntax.markers)  # text without these cannot hold a marker
         self._buf = ""
         self._in_call = False
         self._lead = True  # only filler since the output began or the last call ended
@@ -293,7 +297,14 @@ class ToolCallStream:
         self._any_call = False
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
-        self._buf += text
+        if self._in_call:
+            self._buf += text
+            if not any(c in text for c in self.syntax.closers):
+                return "", []
+        elif not self._buf and not (self._lead and self.syntax.leading) and self._starts.isdisjoint(text):
+            return self._content(text), []  # the common case: plain text, nothing held
+        else:
+            self._buf += text
         return self._run(final=False)
 
     def finish(self) -> tuple[str, list[ToolCall]]:
