@@ -17,6 +17,8 @@ Part 2 (processes): a frontend and two test engines scripted to write the same o
 one Hermes call; `--e2e-tokens` tokens); one engine's model has `--dyn-tool-call-parser hermes
 --dyn-reasoning-parser qwen3`, the other none. Rounds of `--e2e-requests` streamed requests alternate
 between them (each with `tools` on the parsed model); the frontend's CPU seconds per request are compared.
+With `--baseline-tree DIR` (a checkout of an earlier commit, e.g. a `git worktree`), a second frontend
+from that tree serves the plain model in the same rounds: the parser-off path against the code before.
 """
 
 from __future__ import annotations
@@ -194,7 +196,7 @@ def part1(rounds: int, workdir: str) -> dict[str, Any]:
     return results
 
 
-def part2(requests: int, rounds: int, tokens: int, workdir: str) -> dict[str, Any]:
+def part2(requests: int, rounds: int, tokens: int, workdir: str, baseline_tree: str | None) -> dict[str, Any]:
     import httpx
 
     say = ("<think>" + PROSE + "</think>\n\nLet me check. " + PROSE)
@@ -211,21 +213,28 @@ def part2(requests: int, rounds: int, tokens: int, workdir: str) -> dict[str, An
                             ("plain", [])):
             procs.append(Proc(f"engine-{name}", [sys.executable, "-m", "tandem.testing.engine", "--model",
                                                  model_path(), "--model-name", name, *extra], env, workdir, core=1))
-        port = free_port()
-        frontend = Proc("frontend", [sys.executable, "-m", "tandem.frontend", "--http-host", "127.0.0.1",
-                                     "--http-port", str(port)], env, workdir, core=0)
-        procs.append(frontend)
+        frontends: dict[str, tuple[Proc, str]] = {}
+        for name, tree in (("current", None), ("baseline", baseline_tree)):
+            if name == "baseline" and tree is None:
+                continue
+            port = free_port()
+            proc = Proc(f"frontend-{name}", [sys.executable, "-m", "tandem.frontend", "--http-host", "127.0.0.1",
+                                             "--http-port", str(port)], env, workdir, core=0,
+                        **({"cwd": tree} if tree else {}))
+            procs.append(proc)
+            frontends[name] = (proc, f"http://127.0.0.1:{port}")
         for p in procs:
             p.wait_line("READY")
-        url = f"http://127.0.0.1:{port}"
         client = httpx.Client(timeout=60)
-        deadline = time.monotonic() + 60
-        while len(client.get(f"{url}/health").json().get("instances", [])) < 2:
-            if time.monotonic() > deadline:
-                raise RuntimeError("the frontend did not see both engines")
-            time.sleep(0.1)
+        for _, where in frontends.values():
+            deadline = time.monotonic() + 60
+            while len(client.get(f"{where}/health").json().get("instances", [])) < 2:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("a frontend did not see both engines")
+                time.sleep(0.1)
+        frontend, url = frontends["current"]
 
-        def one(model: str) -> int:
+        def one(model: str, url: str = url) -> int:
             body: dict[str, Any] = {"model": model, "stream": True, "max_tokens": tokens + 200,
                                     "messages": [{"role": "user", "content": f"[[say:{say}]]"}]}
             if model == "parsed":
@@ -236,22 +245,30 @@ def part2(requests: int, rounds: int, tokens: int, workdir: str) -> dict[str, An
                     n += line.startswith("data: ")
             return n
 
-        cpu: dict[str, list[float]] = {"parsed": [], "plain": []}
+        # (label, frontend, model): parser on and off on this tree, and off on the baseline tree.
+        runs = [("parsed", "current", "parsed"), ("plain", "current", "plain")]
+        if "baseline" in frontends:
+            runs.append(("plain (baseline tree)", "baseline", "plain"))
+        cpu: dict[str, list[float]] = {label: [] for label, _, _ in runs}
         events: dict[str, int] = {}
-        for model in ("parsed", "plain"):  # warm-up
-            events[model] = one(model)
+        for label, which, model in runs:  # warm-up
+            events[label] = one(model, frontends[which][1])
         with ThreadPoolExecutor(4) as pool:
             for _ in range(rounds):
-                for model in ("parsed", "plain"):
-                    before = cpu_seconds(frontend.pid)
-                    list(pool.map(one, [model] * requests))
-                    cpu[model].append((cpu_seconds(frontend.pid) - before) / requests * 1000)
-        parsed, plain = statistics.median(cpu["parsed"]), statistics.median(cpu["plain"])
+                for label, which, model in runs:
+                    proc, where = frontends[which]
+                    before = cpu_seconds(proc.pid)
+                    list(pool.map(one, [model] * requests, [where] * requests))
+                    cpu[label].append((cpu_seconds(proc.pid) - before) / requests * 1000)
+        median = {label: statistics.median(values) for label, values in cpu.items()}
+        # Rounds drift together (the client shares the machine): compare within each round.
+        paired = {label: statistics.median(a / b for a, b in zip(values, cpu["plain"], strict=True))
+                  for label, values in cpu.items()}
         print(f"frontend CPU per request ({tokens}-token streamed answers, {requests} requests x {rounds} rounds, "
-              f"4 at a time): parser on {parsed:.2f} ms, off {plain:.2f} ms -> {parsed / plain:.3f}x "
-              f"(SSE events per answer: on {events['parsed']}, off {events['plain']})")
-        return {"cpu_ms_per_request": {"parsed": cpu["parsed"], "plain": cpu["plain"]},
-                "median_ratio": parsed / plain, "sse_events": events}
+              f"4 at a time), median of rounds; ratio: median of the per-round ratios to parser off:")
+        for label in cpu:
+            print(f"  {label:<22} {median[label]:6.2f} ms  {paired[label]:.3f}x  ({events[label]} SSE events per answer)")
+        return {"cpu_ms_per_request": cpu, "median_ms": median, "paired_ratio": paired, "sse_events": events}
     finally:
         for p in reversed(procs):
             p.stop()
@@ -264,13 +281,16 @@ def main() -> None:
     parser.add_argument("--e2e-requests", type=int, default=40)
     parser.add_argument("--e2e-rounds", type=int, default=5)
     parser.add_argument("--e2e-tokens", type=int, default=300)
+    parser.add_argument("--baseline-tree", default=None, metavar="DIR",
+                        help="also run the plain model through a frontend from this checkout (part 2)")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON ('-': stdout)")
     args = parser.parse_args()
     workdir = tempfile.mkdtemp(prefix="parser-bench-")
     try:
         results: dict[str, Any] = {"parsers": part1(args.rounds, workdir)}
         if not args.skip_e2e:
-            results["frontend"] = part2(args.e2e_requests, args.e2e_rounds, args.e2e_tokens, workdir)
+            results["frontend"] = part2(args.e2e_requests, args.e2e_rounds, args.e2e_tokens, workdir,
+                                        args.baseline_tree)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     write_json(args.json, results)

@@ -49,7 +49,7 @@ class ForcedCalls:
 class ChatParser:
     """`feed(text)` per detokenized delta -> `ParsedDelta`; `finish()` at the end of the output."""
 
-    __slots__ = ("thinking_tags", "tools", "harmony", "forced", "calls", "max_calls")
+    __slots__ = ("thinking_tags", "tools", "harmony", "forced", "calls", "max_calls", "thinking")
 
     def __init__(self, *, thinking: ThinkTags | None = None, tools: ToolCallStream | None = None,
                  harmony: HarmonyStream | None = None, forced: ForcedCalls | None = None,
@@ -60,13 +60,8 @@ class ChatParser:
         self.forced = forced
         self.calls = 0  # tool calls begun so far
         self.max_calls = max_calls  # parallel_tool_calls false: the first call only
-
-    @property
-    def thinking(self) -> bool:
-        """The output is inside its thinking (for counting reasoning tokens)."""
-        if self.harmony is not None:
-            return self.harmony.thinking
-        return self.thinking_tags is not None and self.thinking_tags.thinking
+        # The output is inside its thinking (for counting reasoning tokens); kept current by feed.
+        self.thinking = bool(thinking and thinking.thinking)
 
     @property
     def calls_finish(self) -> bool:
@@ -87,9 +82,15 @@ class ChatParser:
     def feed(self, text: str) -> ParsedDelta:
         if self.harmony is not None:
             reasoning, content, calls = self.harmony.feed(text)
-        else:
-            reasoning, content = self.thinking_tags.feed(text) if self.thinking_tags else ("", text)
+            self.thinking = self.harmony.thinking
+        elif self.thinking_tags is not None:
+            reasoning, content = self.thinking_tags.feed(text)
+            self.thinking = self.thinking_tags.thinking
             calls = []
+        else:
+            reasoning, content, calls = "", text, []
+        if not content and not calls:
+            return ParsedDelta(reasoning=reasoning)
         return self._parsed(reasoning, content, calls, final=False)
 
     def finish(self) -> ParsedDelta:

@@ -33,7 +33,7 @@ class Part(IntEnum):
 class HarmonyStream:
     """One request's stream: `feed(text)` -> (reasoning, content, complete calls)."""
 
-    __slots__ = ("calls_enabled", "reasoning_enabled", "part", "_buf", "_header", "_body", "_route")
+    __slots__ = ("calls_enabled", "reasoning_enabled", "part", "thinking", "_buf", "_header", "_body", "_route")
 
     def __init__(self, *, calls: bool, reasoning: bool) -> None:
         self.calls_enabled = calls
@@ -43,14 +43,13 @@ class HarmonyStream:
         self._header = ""
         self._body = ""  # a call's body, held until it ends
         self._route = "content"  # where the current body goes: content, reasoning or call:NAME
-
-    @property
-    def thinking(self) -> bool:
-        return self.part is Part.BODY and self._route == "reasoning"
+        self.thinking = False  # inside an analysis body (for counting reasoning tokens)
 
     def feed(self, text: str) -> tuple[str, str, list[ToolCall]]:
         self._buf += text
-        return self._run(final=False)
+        out = self._run(final=False)
+        self.thinking = self.part is Part.BODY and self._route == "reasoning"
+        return out
 
     def finish(self) -> tuple[str, str, list[ToolCall]]:
         reasoning, content, calls = self._run(final=True)

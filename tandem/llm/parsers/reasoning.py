@@ -22,24 +22,23 @@ class Phase(IntEnum):
 class ThinkTags:
     """One request's stream: `feed(text)` -> (reasoning, content)."""
 
-    __slots__ = ("start", "end", "phase", "_buf", "_lead", "_trim")
+    __slots__ = ("start", "end", "phase", "thinking", "_buf", "_lead", "_trim")
 
     def __init__(self, start: str, end: str, *, forced: bool, prompt: str = "") -> None:
         self.start = start
         self.end = end
         opened = forced or prompt.rstrip().endswith(start)
         self.phase = Phase.THINKING if opened else Phase.BEFORE
+        self.thinking = opened  # inside the block (for counting reasoning tokens)
         self._buf = ""
         self._lead = True  # nothing but whitespace yet: a start tag here opens (or repeats) the block
         self._trim = False  # the block just closed: whitespace before the answer is dropped
 
-    @property
-    def thinking(self) -> bool:
-        return self.phase is Phase.THINKING
-
     def feed(self, text: str) -> tuple[str, str]:
         if self.phase is Phase.ANSWER:
             return "", self._answer(text)
+        if not self._lead and not self._buf and self.end[0] not in text:
+            return text, ""  # the common case: thinking text, no tag can be starting
         buf = self._buf + text
         if self._lead:
             stripped = buf.lstrip()
@@ -49,6 +48,7 @@ class ThinkTags:
             self._lead = False
             if stripped.startswith(self.start):
                 self.phase = Phase.THINKING
+                self.thinking = True
                 buf = stripped[len(self.start):]
             elif self.phase is Phase.BEFORE:
                 self.phase = Phase.ANSWER
@@ -57,6 +57,7 @@ class ThinkTags:
         i = buf.find(self.end)
         if i >= 0:
             self.phase = Phase.ANSWER
+            self.thinking = False
             self._buf = ""
             self._trim = True
             return buf[:i], self._answer(buf[i + len(self.end):])
