@@ -260,3 +260,41 @@ def test_names_are_checked() -> None:
         check_tool_parser("nope")
     with pytest.raises(UnknownParserError, match="unknown reasoning parser"):
         check_reasoning_parser("hermes")
+
+
+def pieces_of(delta) -> list[dict[str, Any]]:  # type: ignore[no-untyped-def]
+    return [{k: v for k, v in d.openai().items() if k != "id"} for d in delta.tool_calls]
+
+
+@pytest.mark.parametrize(("tool", "reasoning", "head", "body", "tail"), [
+    ("hermes", None, '<tool_call>\n{"name": "search", ', '"arguments": {"query": "caf', 'é ☕"}}\n</tool_call>'),
+    ("mistral", None, "[TOOL_CALLS]sear", 'ch[ARGS]{"query": "caf', 'é ☕"}'),
+    ("llama3_json", None, '{"name": "search", ', '"parameters": {"query": "caf', 'é ☕"}}'),
+    ("default", None, '<TOOLCALL>[{"name": "search", ', '"arguments": {"query": "caf', 'é ☕"}}]</TOOLCALL>'),
+    ("harmony", "gpt_oss", "<|channel|>commentary to=functions.search <|constrain|>json<|mess",
+     'age|>{"query": "caf', 'é ☕"}'),
+])
+def test_arguments_stream_as_they_are_written(tool: str, reasoning: str | None, head: str, body: str,
+                                              tail: str) -> None:
+    """A JSON call opens as soon as its name is known; its arguments follow as they come, not when the
+    call closes."""
+    p = chat_parser(tool_parser=tool, reasoning_parser=reasoning, tools=TOOLS)
+    assert p is not None
+    assert not p.feed(head).tool_calls
+    opened = p.feed(body)
+    assert pieces_of(opened) == [
+        {"index": 0, "type": "function", "function": {"name": "search", "arguments": ""}},
+        {"index": 0, "function": {"arguments": '{"query": "caf'}}]
+    rest = pieces_of(p.feed(tail)) + pieces_of(p.finish())
+    assert rest == [{"index": 0, "function": {"arguments": 'é ☕"}'}}]
+
+
+def test_required_streams_each_call() -> None:
+    p = chat_parser(tool_parser=None, reasoning_parser=None, tools=TOOLS, tool_choice="required")
+    assert p is not None
+    first = p.feed('[{"name": "get_weather", "parameters": {"city": "Ro')
+    assert [d.name for d in first.tool_calls if d.id] == ["get_weather"]
+    assert first.tool_calls[-1].arguments == '{"city": "Ro'
+    second = p.feed('me"}}, {"name": "search", "parameters": {}}]')
+    assert [(d.index, d.name, d.arguments) for d in second.tool_calls] == [
+        (0, None, 'me"}'), (1, "search", ""), (1, None, "{}")]

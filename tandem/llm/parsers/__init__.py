@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from tandem.llm.parsers.base import ParsedDelta, ToolCall, ToolCallDelta, UnknownParserError
-from tandem.llm.parsers.chat import ChatParser, ForcedCalls
+from tandem.llm.parsers.base import CallPiece, ParsedDelta, ToolCallDelta, UnknownParserError
+from tandem.llm.parsers.chat import ChatParser, NamedCall, required_calls
 from tandem.llm.parsers.harmony import HarmonyStream
 from tandem.llm.parsers.reasoning import ThinkTags
 from tandem.llm.parsers.tools import (
@@ -24,7 +24,7 @@ from tandem.llm.parsers.tools import (
     XmlCalls,
 )
 
-__all__ = ["ChatParser", "ParsedDelta", "ToolCall", "ToolCallDelta", "UnknownParserError", "chat_parser",
+__all__ = ["CallPiece", "ChatParser", "ParsedDelta", "ToolCallDelta", "UnknownParserError", "chat_parser",
            "check_reasoning_parser", "check_tool_parser", "TOOL_PARSERS", "REASONING_PARSERS",
            "needs_special_tokens", "thinking_markers", "HARMONY"]  # fmt: skip
 
@@ -121,15 +121,20 @@ def chat_parser(*, tool_parser: str | None, reasoning_parser: str | None,
         tool_mode = None
     harmony_calls = tool_mode == "auto" and tool_parser == HARMONY
     if harmony_calls or reasoning == "gpt_oss":
-        return ChatParser(harmony=HarmonyStream(calls=harmony_calls, reasoning=reasoning == "gpt_oss"),
-                          forced=ForcedCalls(forced_function) if tool_mode == "forced" else None,
-                          max_calls=max_calls)
+        harmony = HarmonyStream(calls=harmony_calls, reasoning=reasoning == "gpt_oss")
+        if tool_mode != "forced":
+            return ChatParser(harmony=harmony, max_calls=max_calls)
+        if forced_function is not None:
+            return ChatParser(harmony=harmony, named=NamedCall(forced_function), max_calls=max_calls)
+        return ChatParser(harmony=harmony, tools=required_calls(tools or ()), max_calls=max_calls)
     thinking_tags = None
     if reasoning is not None:
         start, end, forced = REASONING_PARSERS[reasoning]  # type: ignore[misc]
         thinking_tags = ThinkTags(start, end, forced=forced, prompt=prompt)
     if tool_mode == "forced":
-        return ChatParser(thinking=thinking_tags, forced=ForcedCalls(forced_function), max_calls=max_calls)
+        if forced_function is not None:
+            return ChatParser(thinking=thinking_tags, named=NamedCall(forced_function), max_calls=max_calls)
+        return ChatParser(thinking=thinking_tags, tools=required_calls(tools or ()), max_calls=max_calls)
     stream = None
     if tool_mode == "auto":
         syntax = TOOL_PARSERS[tool_parser]

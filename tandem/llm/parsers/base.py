@@ -21,6 +21,18 @@ class ToolCall(msgspec.Struct):
     arguments: str
 
 
+class CallPiece(msgspec.Struct):
+    """What a tool-call parser found: with a `name`, a new call begins (`arguments` holds the start of
+    its arguments, maybe all of them, maybe nothing yet); without, more of the current call's arguments."""
+
+    arguments: str
+    name: str | None = None
+
+    @classmethod
+    def whole(cls, call: ToolCall) -> CallPiece:
+        return cls(call.arguments, call.name)
+
+
 class ToolCallDelta(msgspec.Struct, omit_defaults=True):
     """A piece of the `index`-th call of the answer, in OpenAI's streaming shape: the first piece of a
     call carries its id and name, the following ones fragments of its arguments."""
@@ -79,55 +91,68 @@ def first_marker(text: str, markers: tuple[str, ...], start: int = 0) -> tuple[i
     return found, which
 
 
-_CLOSERS = {"{": "}", "[": "]", "(": ")"}
-
-
 def bracket_end(text: str, start: int, quotes: str = '"') -> int | None:
     """Index just past the bracket that closes the one at `text[start]`, skipping quoted strings
     (with backslash escapes); None while it is still open."""
-    stack: list[str] = []
-    quote = ""
-    escaped = False
-    for i in range(start, len(text)):
-        c = text[i]
-        if quote:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
-            elif c == quote:
-                quote = ""
-        elif c in quotes:
-            quote = c
-        elif c in _CLOSERS:
-            stack.append(_CLOSERS[c])
-        elif stack and c == stack[-1]:
-            stack.pop()
-            if not stack:
-                return i + 1
-    return None
+    return BracketScanner(start, quotes).advance(text)
 
 
-def close_json(text: str) -> str:
-    """`text` with its open strings and brackets closed: recovers a call cut off at the end of output."""
-    stack: list[str] = []
-    in_string = escaped = False
-    for c in text:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
-            elif c == '"':
-                in_string = False
-        elif c == '"':
-            in_string = True
-        elif c in "{[":
-            stack.append("}" if c == "{" else "]")
-        elif c in "}]" and stack:
-            stack.pop()
-    tail = ('\\' if escaped else "") + ('"' if in_string else "")
-    return text + tail + "".join(reversed(stack))
+def skip_ws(text: str, i: int) -> int:
+    n = len(text)
+    while i < n and text[i] in " \t\r\n":
+        i += 1
+    return i
+
+
+_CLOSERS = {"{": "}", "[": "]", "(": ")"}
+
+
+class BracketScanner:
+    """Finds, as text arrives, where the bracketed value that starts at `start` ends (a JSON object or
+    list; with `quotes="\"'"` a Python list), skipping quoted strings with backslash escapes."""
+
+    __slots__ = ("pos", "stack", "quotes", "quote", "escaped")
+
+    def __init__(self, start: int, quotes: str = '"') -> None:
+        self.pos = start
+        self.stack: list[str] = []
+        self.quotes = quotes
+        self.quote = ""  # the open string's quote
+        self.escaped = False
+
+    @property
+    def in_string(self) -> bool:
+        return bool(self.quote)
+
+    def advance(self, text: str) -> int | None:
+        """Index just past the value's end, or None while it is open (`text` only grows)."""
+        stack, quotes = self.stack, self.quotes
+        quote, escaped = self.quote, self.escaped
+        for i in range(self.pos, len(text)):
+            c = text[i]
+            if quote:
+                if escaped:
+                    escaped = False
+                elif c == "\\":
+                    escaped = True
+                elif c == quote:
+                    quote = ""
+            elif c in quotes:
+                quote = c
+            elif c in _CLOSERS:
+                stack.append(_CLOSERS[c])
+            elif stack and c == stack[-1]:
+                stack.pop()
+                if not stack:
+                    self.pos = i + 1
+                    return i + 1
+        self.pos = len(text)
+        self.quote, self.escaped = quote, escaped
+        return None
+
+    def closing(self) -> str:
+        """What closes the value as it stands (its open string and brackets): recovers a cut-off call."""
+        return ("\\" if self.escaped else "") + self.quote + "".join(reversed(self.stack))
 
 
 def loads(text: str) -> Any:
@@ -153,12 +178,3 @@ def json_call(value: Any) -> ToolCall | None:
     if not isinstance(args, dict):
         return None
     return ToolCall(value["name"], dumps(args))
-
-
-def json_calls(value: Any) -> list[ToolCall] | None:
-    """One call object or a list of them; None if any item is not a call."""
-    items = value if isinstance(value, list) else [value]
-    calls = [json_call(item) for item in items]
-    if not calls or any(c is None for c in calls):
-        return None
-    return calls  # type: ignore[return-value]

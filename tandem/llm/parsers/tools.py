@@ -3,10 +3,12 @@
 XML (`qwen3_coder`).
 
 One machine (`ToolCallStream`) serves them all. Outside a call, text streams at once, except an end of
-it that may be the beginning of a start marker. From a start marker on, text is held until the family's
-syntax (`CallSyntax.take`) finds the call complete; the call is then returned whole. A call still open
-when the output ends is recovered where its syntax can be closed (JSON brackets, XML end tags);
-anything that does not parse as a call is returned as text, never dropped.
+it that may be the beginning of a start marker. From a start marker on, the family's `Cursor` reads
+the call as it arrives. JSON calls stream: the call opens as soon as its name is known and its
+arguments follow as they are written, held back only where a marker may be starting. Python and XML
+calls are taken whole when they close. A call still open when the output ends is recovered where its
+syntax can be closed (JSON brackets and strings, XML end tags); anything that does not parse as a call
+is returned as text, never dropped.
 """
 
 from __future__ import annotations
@@ -18,24 +20,35 @@ from typing import Any
 import msgspec
 
 from tandem.llm.parsers.base import (
+    BracketScanner,
+    CallPiece,
     ToolCall,
     bracket_end,
-    close_json,
     dumps,
     first_marker,
     held_suffix,
-    json_calls,
+    json_call,
     loads,
+    skip_ws,
 )
 
 
-class Taken(msgspec.Struct):
-    """What a syntax made of the text at a call's start: `calls`, the `consumed` length, and `text`
-    to show as content instead (a malformed call)."""
+class Advance(msgspec.Struct):
+    """What a cursor made of the call text so far: `pieces` of calls; `consumed`, once the call text is
+    over, how much of it was the call (None: more is needed); `text` to show as content instead (text
+    that turned out not to be a call)."""
 
-    calls: list[ToolCall]
-    consumed: int
+    pieces: list[CallPiece]
+    consumed: int | None = None
     text: str = ""
+
+
+class Cursor:
+    """Reads one call text, which starts with its marker and grows at its end."""
+
+    def advance(self, region: str, final: bool) -> Advance:
+        """With `final` (the output ended) it must finish: `consumed` is then set."""
+        raise NotImplementedError
 
 
 class CallSyntax:
@@ -45,74 +58,268 @@ class CallSyntax:
     markers: tuple[str, ...] = ()
     leading: tuple[str, ...] = ()
     filler = " \t\r\n"
-    # Only text with one of these can complete a call (closing brackets, the end of a closing tag): text
-    # without them is not parsed again, which keeps a long call linear to parse.
-    closers = "}])>"
 
     def __init__(self, tools: Sequence[Mapping[str, Any]] = ()) -> None:
         self.tools = tools
 
+    def cursor(self, region: str) -> Cursor:
+        """The cursor for a call text opened by one of the markers (`region` starts with it)."""
+        return WholeCalls(self)
+
     def take(self, region: str, final: bool) -> Taken | None:
-        """The call(s) at the start of `region` (which begins with a marker); None if more text is
-        needed. With `final` (the output ended) it must decide."""
+        """For whole-call syntaxes: the call(s) at the start of `region`; None if more text is needed.
+        With `final` it must decide."""
         raise NotImplementedError
 
-    @staticmethod
-    def as_text(region: str) -> Taken:
-        return Taken([], len(region), region)
+
+class Taken(msgspec.Struct):
+    """A whole-call syntax's answer: `calls`, the `consumed` length, and `text` to show instead (a
+    malformed call)."""
+
+    calls: list[ToolCall]
+    consumed: int
+    text: str = ""
+
+
+def as_text(region: str) -> Taken:
+    return Taken([], len(region), region)
+
+
+class WholeCalls(Cursor):
+    """A syntax whose calls are taken whole (`CallSyntax.take`), tried again only when text that can
+    close a call arrives (a closing bracket or the end of a tag): a long call stays linear to read."""
+
+    __slots__ = ("syntax", "seen")
+    closers = frozenset("}])>")
+
+    def __init__(self, syntax: CallSyntax) -> None:
+        self.syntax = syntax
+        self.seen = 0
+
+    def advance(self, region: str, final: bool) -> Advance:
+        new, self.seen = region[self.seen:], len(region)
+        if not final and self.closers.isdisjoint(new):
+            return Advance([])
+        taken = self.syntax.take(region, final)
+        if taken is None:
+            return Advance([])
+        return Advance([CallPiece.whole(c) for c in taken.calls], taken.consumed, taken.text)
+
+
+# JsonCalls states
+_VALUE, _HEAD, _ARGS, _REST, _WHOLE, _SEP, _AFTER = range(7)
+_INCOMPLETE, _MISMATCH = -1, -2
+
+
+class JsonCalls(Cursor):
+    """Calls as JSON objects `{"name": ..., "arguments" | "parameters": {...}}` from `start` on: one, a
+    list of them, or (with `seps`) several separated by `;`; then the `close` tag, if any.
+
+    A call opens when its name and the start of its arguments object have arrived; the arguments then
+    stream as written. An object of another shape (other keys first, arguments as a string) is taken
+    whole when it closes; one that is not a call ends the call text (it is content)."""
+
+    __slots__ = ("close", "seps", "state", "pos", "in_list", "obj", "scan", "sent", "made")
+
+    def __init__(self, start: int, *, close: str | None, seps: str = "") -> None:
+        self.close = close
+        self.seps = seps
+        self.state = _VALUE
+        self.pos = start
+        self.in_list = False
+        self.obj = start  # where the current call object starts
+        self.scan: BracketScanner | None = None
+        self.sent = 0  # how much of the current arguments has been returned
+        self.made = False  # a call has begun in this call text
+
+    def advance(self, region: str, final: bool) -> Advance:
+        pieces: list[CallPiece] = []
+        n = len(region)
+        while True:
+            state = self.state
+            if state == _VALUE:
+                i = skip_ws(region, self.pos)
+                if i == n:
+                    break
+                c = region[i]
+                if c == "[" and not self.in_list and not self.made:
+                    self.in_list, self.pos = True, i + 1
+                elif c == "]" and self.in_list:
+                    self.in_list, self.pos, self.state = False, i + 1, _AFTER
+                elif c == "{":
+                    self.obj, self.state = i, _HEAD
+                else:
+                    return self._end(region, i, pieces)
+            elif state == _HEAD:
+                head = _call_head(region, self.obj)
+                if head == _INCOMPLETE:
+                    break
+                if head == _MISMATCH:
+                    self.state = _WHOLE
+                    continue
+                name, at = head  # type: ignore[misc]
+                j = skip_ws(region, at)
+                if j == n:
+                    break
+                if region[j] != "{":
+                    self.state = _WHOLE
+                    continue
+                pieces.append(CallPiece("", name))
+                self.made = True
+                self.scan, self.sent, self.state = BracketScanner(j), j, _ARGS
+            elif state == _ARGS:
+                assert self.scan is not None
+                end = self.scan.advance(region)
+                stop = n if end is None else end
+                if stop > self.sent:
+                    pieces.append(CallPiece(region[self.sent:stop]))
+                    self.sent = stop
+                if end is None:
+                    break
+                self.pos, self.state = end, _REST
+            elif state in (_REST, _WHOLE):
+                end = bracket_end(region, self.obj)
+                if end is None:
+                    break
+                if state == _WHOLE:
+                    call = json_call(loads(region[self.obj:end]))
+                    if call is None:
+                        return self._end(region, self.obj, pieces, end)
+                    pieces.append(CallPiece.whole(call))
+                    self.made = True
+                self.pos, self.state = end, _SEP
+            elif state == _SEP:
+                i = skip_ws(region, self.pos)
+                if i == n:
+                    break
+                c = region[i]
+                if self.in_list and c in ",]":
+                    self.pos = i + 1
+                    if c == "]":
+                        self.in_list, self.state = False, _AFTER
+                    else:
+                        self.state = _VALUE
+                elif not self.in_list and c in self.seps:
+                    self.pos, self.state = i + 1, _VALUE
+                else:
+                    self.pos, self.state = i, _AFTER
+            else:  # _AFTER: the close tag, if the syntax has one
+                if self.close is None:
+                    return Advance(pieces, self.pos)
+                i = skip_ws(region, self.pos)
+                if region.startswith(self.close, i):
+                    return Advance(pieces, i + len(self.close))
+                if n - i < len(self.close) and self.close.startswith(region[i:]):
+                    break
+                return Advance(pieces, i)
+        if not final:
+            return Advance(pieces)
+        return self._finish(region, pieces)
+
+    def _end(self, region: str, at: int, pieces: list[CallPiece], text_end: int | None = None) -> Advance:
+        """The call text ends at `at`: what follows is content. Without a call made, the text read so
+        far (through `text_end`) is content too."""
+        if self.made:
+            return Advance(pieces, at)
+        end = text_end if text_end is not None else at
+        return Advance([], end, region[:end])
+
+    def _finish(self, region: str, pieces: list[CallPiece]) -> Advance:
+        """The output ended inside the call text. Arguments cut off are closed; an object cut off before
+        its arguments began is a call only if it was cut outside a string (a name is never guessed)."""
+        n = len(region)
+        if self.state == _ARGS:
+            assert self.scan is not None
+            pieces.append(CallPiece(self.scan.closing()))
+        elif self.state in (_HEAD, _WHOLE):
+            scan = BracketScanner(self.obj)
+            scan.advance(region)
+            call = None if scan.in_string else json_call(loads(region[self.obj:] + scan.closing()))
+            if call is not None:
+                pieces.append(CallPiece.whole(call))
+            elif not self.made:
+                return Advance([], n, region)
+            else:
+                return Advance(pieces, self.obj)
+        elif not self.made:
+            return Advance([], n, region)
+        return Advance(pieces, n)
+
+
+# `{"name": "<name>", "arguments"|"parameters": `: strings (None: the name itself) and punctuation.
+_HEAD: tuple[tuple[str, tuple[str, ...] | None], ...] = (
+    ("string", ("name",)), ("punct", (":",)), ("string", None), ("punct", (",",)),
+    ("string", ("arguments", "parameters")), ("punct", (":",)))
+
+
+def _call_head(text: str, at: int) -> tuple[str, int] | int:
+    """The head of the call object at `at`: (name, index after it), _INCOMPLETE while it may still
+    come, or _MISMATCH (another shape)."""
+    i = at + 1
+    name = ""
+    for kind, expected in _HEAD:
+        if kind == "punct":
+            assert expected is not None
+            i = _punct(text, i, expected[0])
+            if i < 0:
+                return i
+            continue
+        value, i = _string(text, i)
+        if not isinstance(value, str):
+            return value
+        if expected is None:
+            name = value
+        elif value not in expected:
+            return _MISMATCH
+    return (name, i) if name else _MISMATCH
+
+
+def _punct(text: str, i: int, char: str) -> int:
+    i = skip_ws(text, i)
+    if i == len(text):
+        return _INCOMPLETE
+    return i + 1 if text[i] == char else _MISMATCH
+
+
+def _string(text: str, i: int) -> tuple[str | int, int]:
+    """The JSON string at `i` (after blanks), decoded, and the index after it."""
+    i = skip_ws(text, i)
+    if i == len(text):
+        return _INCOMPLETE, i
+    if text[i] != '"':
+        return _MISMATCH, i
+    j = i + 1
+    while True:
+        j = text.find('"', j)
+        if j < 0:
+            return _INCOMPLETE, i
+        backslashes = 0
+        while text[j - 1 - backslashes] == "\\":
+            backslashes += 1
+        if backslashes % 2 == 0:
+            break
+        j += 1
+    value = loads(text[i:j + 1])
+    return (value, j + 1) if isinstance(value, str) else (_MISMATCH, i)
 
 
 class TaggedJson(CallSyntax):
-    """`<open>` JSON call (or list of calls) `<close>`; a `close` of None runs to the end of the
-    output (several calls there may be separated by `;`)."""
+    """`<open>` JSON call (or list of calls) `<close>`; a `close` of None runs to the end of the JSON
+    values (several may be separated by `;`). A leading marker is the call's own first character."""
 
     def __init__(self, tools: Sequence[Mapping[str, Any]] = (), *, tags: tuple[tuple[str, str | None], ...],
                  leading: tuple[str, ...] = ()) -> None:
         super().__init__(tools)
         self.tags = dict(tags)
         self.markers = tuple(self.tags)
-        self.leading = leading  # a leading marker is the call's own first character (`{`)
+        self.leading = leading
         if leading:
             self.filler = " \t\r\n;"
 
-    def take(self, region: str, final: bool) -> Taken | None:
+    def cursor(self, region: str) -> Cursor:
         marker = next((m for m in self.markers if region.startswith(m)), "")
         close = self.tags.get(marker) if marker else None
-        if close is not None:
-            end = region.find(close, len(marker))
-            if end < 0:
-                return self._recover(region, len(marker)) if final else None
-            calls = json_calls(loads(region[len(marker):end]))
-            consumed = end + len(close)
-            return Taken(calls, consumed) if calls else self.as_text(region[:consumed])
-        return self._run(region, len(marker), final)
-
-    def _run(self, region: str, start: int, final: bool) -> Taken | None:
-        """JSON values one after another to the end of the output: taken all at once when it ends."""
-        if not final:
-            return None
-        calls: list[ToolCall] = []
-        i = start
-        while True:
-            while i < len(region) and region[i] in " \t\r\n;":
-                i += 1
-            if i == len(region):
-                break
-            if region[i] not in "{[":
-                return self.as_text(region) if not calls else Taken(calls, i)
-            end = bracket_end(region, i)
-            found = json_calls(loads(region[i:end] if end else close_json(region[i:])))
-            if found is None:
-                return self.as_text(region) if not calls else Taken(calls, i)
-            calls.extend(found)
-            if end is None:
-                break
-            i = end
-        return Taken(calls, len(region)) if calls else self.as_text(region)
-
-    def _recover(self, region: str, start: int) -> Taken:
-        calls = json_calls(loads(close_json(region[start:].strip())))
-        return Taken(calls, len(region)) if calls else self.as_text(region)
+        return JsonCalls(len(marker), close=close, seps="" if close else ";")
 
 
 class MistralCalls(CallSyntax):
@@ -121,37 +328,52 @@ class MistralCalls(CallSyntax):
 
     markers = ("[TOOL_CALLS]",)
 
-    def take(self, region: str, final: bool) -> Taken | None:
-        start = len(self.markers[0])
-        rest = region[start:].lstrip()
-        at = len(region) - len(rest)
-        if not rest:
-            return self.as_text(region) if final else None
-        if rest[0] in "[{":
-            end = bracket_end(region, at)
-            if end is None:
-                if not final:
-                    return None
-                calls = json_calls(loads(close_json(region[at:])))
-                return Taken(calls, len(region)) if calls else self.as_text(region)
-            calls = json_calls(loads(region[at:end]))
-            return Taken(calls, end) if calls else self.as_text(region[:end])
-        args = region.find("[ARGS]", at)
-        if args < 0:
-            return self.as_text(region) if final else None
-        name = region[at:args].split("[CALL_ID]")[0].strip()
-        body = region.find("{", args)
-        end = bracket_end(region, body) if body >= 0 else None
-        if body < 0 or end is None:
-            if not final:
-                return None
-            value = loads(close_json(region[body:])) if body >= 0 else None
-            end = len(region)
+    def cursor(self, region: str) -> Cursor:
+        return MistralCursor(len(self.markers[0]))
+
+
+class MistralCursor(Cursor):
+    __slots__ = ("start", "inner", "scan", "sent")
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+        self.inner: JsonCalls | None = None  # the list form
+        self.scan: BracketScanner | None = None  # the name[ARGS] form, once its arguments began
+        self.sent = 0
+
+    def advance(self, region: str, final: bool) -> Advance:
+        if self.inner is not None:
+            return self.inner.advance(region, final)
+        n = len(region)
+        if self.scan is None:
+            at = skip_ws(region, self.start)
+            if at == n:
+                return Advance([], n, region) if final else Advance([])
+            if region[at] in "[{":
+                self.inner = JsonCalls(at, close=None)
+                return self.inner.advance(region, final)
+            k = region.find("[ARGS]", at)
+            j = skip_ws(region, k + len("[ARGS]")) if k >= 0 else n
+            if j == n:
+                return Advance([], n, region) if final else Advance([])
+            name = region[at:k].split("[CALL_ID]")[0].strip()
+            if not name or region[j] != "{":
+                return Advance([], j, region[:j])
+            self.scan, self.sent = BracketScanner(j), j
+            opened = [CallPiece("", name)]
         else:
-            value = loads(region[body:end])
-        if not name or not isinstance(value, dict):
-            return self.as_text(region[:end])
-        return Taken([ToolCall(name, dumps(value))], end)
+            opened = []
+        end = self.scan.advance(region)
+        stop = n if end is None else end
+        if stop > self.sent:
+            opened.append(CallPiece(region[self.sent:stop]))
+            self.sent = stop
+        if end is not None:
+            return Advance(opened, end)
+        if final:
+            opened.append(CallPiece(self.scan.closing()))
+            return Advance(opened, n)
+        return Advance(opened)
 
 
 class PythonicCalls(CallSyntax):
@@ -166,15 +388,15 @@ class PythonicCalls(CallSyntax):
         rest = region[start:].lstrip()
         at = len(region) - len(rest)
         if not rest:
-            return self.as_text(region) if final else None
+            return as_text(region) if final else None
         if rest[0] != "[":
-            return self.as_text(region[:at])
+            return as_text(region[:at])
         end = bracket_end(region, at, quotes="\"'")
         if end is None:
-            return self.as_text(region) if final else None
+            return as_text(region) if final else None
         calls = _python_calls(region[at:end])
         if calls is None:
-            return self.as_text(region[:end])
+            return as_text(region[:end])
         consumed = end
         if start:
             tail = region[end:].lstrip()
@@ -232,7 +454,7 @@ class XmlCalls(CallSyntax):
             return None
         consumed = end + len(close) if end >= 0 else len(region)
         calls = self._calls(region[:consumed])
-        return Taken(calls, consumed) if calls else self.as_text(region[:consumed])
+        return Taken(calls, consumed) if calls else as_text(region[:consumed])
 
     def _calls(self, text: str) -> list[ToolCall]:
         calls = []
@@ -279,62 +501,59 @@ def _typed(value: str, schema: Any) -> Any:
 
 
 class ToolCallStream:
-    """One request's stream through a `CallSyntax`: `feed(text)` -> (content, complete calls).
+    """One request's stream through a `CallSyntax`: `feed(text)` -> (content, call pieces).
 
     Whitespace (the syntax's filler) at the end of the content is held until more content follows:
     around calls it is dropped, so an answer that is only calls has no content."""
 
-    __slots__ = ("syntax", "_buf", "_in_call", "_lead", "_filler", "_any_call", "_markers", "_starts")
+    __slots__ = ("syntax", "_buf", "_cursor", "_lead", "_filler", "_any_call", "_markers", "_starts")
 
     def __init__(self, syntax: CallSyntax) -> None:
         self.syntax = syntax
         self._markers = syntax.markers
         self._starts = frozenset(m[0] for m in syntax.markers)  # text without these cannot hold a marker
         self._buf = ""
-        self._in_call = False
+        self._cursor: Cursor | None = None  # inside a call text
         self._lead = True  # only filler since the output began or the last call ended
         self._filler = ""
         self._any_call = False
 
-    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
-        if self._in_call:
-            self._buf += text
-            if not any(c in text for c in self.syntax.closers):
-                return "", []
-        elif not self._buf and not (self._lead and self.syntax.leading) and self._starts.isdisjoint(text):
+    def feed(self, text: str) -> tuple[str, list[CallPiece]]:
+        if self._cursor is None and not self._buf and not (self._lead and self.syntax.leading) \
+                and self._starts.isdisjoint(text):
             return self._content(text), []  # the common case: plain text, nothing held
-        else:
-            self._buf += text
+        self._buf += text
         return self._run(final=False)
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        content, calls = self._run(final=True)
+    def finish(self) -> tuple[str, list[CallPiece]]:
+        content, pieces = self._run(final=True)
         if self._buf:
             content += self._content(self._buf)
             self._buf = ""
         if self._filler and not self._any_call:
             content += self._filler
         self._filler = ""
-        return content, calls
+        return content, pieces
 
-    def _run(self, final: bool) -> tuple[str, list[ToolCall]]:
+    def _run(self, final: bool) -> tuple[str, list[CallPiece]]:
         content = ""
-        calls: list[ToolCall] = []
+        pieces: list[CallPiece] = []
         syntax = self.syntax
         while self._buf:
-            if self._in_call:
-                taken = syntax.take(self._buf, final)
-                if taken is None:
-                    break
-                self._buf = self._buf[taken.consumed:]
-                self._in_call = False
-                if taken.calls:
-                    calls.extend(taken.calls)
+            if self._cursor is not None:
+                advance = self._cursor.advance(self._buf, final)
+                if advance.pieces:
+                    pieces.extend(advance.pieces)
                     self._any_call = True
                     self._filler = ""
-                    self._lead = True
+                if advance.consumed is None:
+                    break
+                self._buf = self._buf[advance.consumed:]
+                self._cursor = None
+                if advance.text:
+                    content += self._content(advance.text)
                 else:
-                    content += self._content(taken.text)
+                    self._lead = True
                 continue
             buf = self._buf
             if self._lead and syntax.leading:
@@ -346,14 +565,14 @@ class ToolCallStream:
                 if body.startswith(syntax.leading):
                     self._filler = "" if self._any_call else self._filler + buf[: len(buf) - len(body)]
                     self._buf = body
-                    self._in_call = True
+                    self._cursor = syntax.cursor(body)
                     continue
             at, _ = first_marker(buf, self._markers)
             if at >= 0:
                 content += self._content(buf[:at])
                 self._filler = ""
                 self._buf = buf[at:]
-                self._in_call = True
+                self._cursor = syntax.cursor(self._buf)
                 continue
             if final:
                 break
@@ -361,7 +580,7 @@ class ToolCallStream:
             content += self._content(buf[: len(buf) - hold])
             self._buf = buf[len(buf) - hold:] if hold else ""
             break
-        return content, calls
+        return content, pieces
 
     def _content(self, text: str) -> str:
         if not text:
