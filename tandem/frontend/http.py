@@ -367,7 +367,17 @@ class FrontendServer:
         reasoning_field = self.config.reasoning_field
         try:
             async for delta, parsed in self._deltas(exchange):
-                if isinstance(chunks, openai.ChatStream):
+                if isinstance(chunks, openai.CompletionStream):
+                    if delta.text or delta.logprobs:
+                        logprobs = (openai.completion_logprobs(delta.logprobs, text_offset) if delta.logprobs
+                                    else None)
+                        pending.append(openai.sse(chunks.text(delta.text, logprobs)))
+                        text_offset += len(delta.text)
+                elif parsed is None:  # no parser: the text is content
+                    if delta.text or delta.logprobs:
+                        logprobs = openai.chat_logprobs(delta.logprobs) if delta.logprobs else None
+                        pending.append(openai.sse(chunks.content(delta.text, logprobs)))
+                else:
                     logprobs = openai.chat_logprobs(delta.logprobs) if delta.logprobs else None
                     if parsed.reasoning:
                         pending.append(openai.sse(chunks.reasoning(parsed.reasoning, reasoning_field, logprobs)))
@@ -376,10 +386,6 @@ class FrontendServer:
                         pending.append(openai.sse(chunks.content(parsed.content, logprobs)))
                     if parsed.tool_calls:
                         pending.append(openai.sse(chunks.tool_calls([d.openai() for d in parsed.tool_calls])))
-                elif delta.text or delta.logprobs:
-                    logprobs = (openai.completion_logprobs(delta.logprobs, text_offset) if delta.logprobs else None)
-                    pending.append(openai.sse(chunks.text(delta.text, logprobs)))
-                    text_offset += len(delta.text)
                 if pending and (not flushed or not exchange.attempt.output_ready or len(pending) >= SSE_BATCH):
                     await response.write(b"".join(pending))
                     pending.clear()
@@ -454,42 +460,46 @@ class FrontendServer:
             outcome.completion_tokens = delta.completion_tokens
             if delta.error:
                 raise RemoteError(delta.error, 500)
-            parsed = self._parse(exchange, delta)
-            if delta.logprobs:
-                outcome.logprobs.extend(delta.logprobs)
+            parsed = None
+            if parser is None:  # the common case, inline: the text is content
+                if delta.text:
+                    outcome.text.append(delta.text)
+                if delta.logprobs:
+                    outcome.logprobs.extend(delta.logprobs)
+            else:
+                parsed = self._parse(exchange, delta)
+                self._collect(outcome, delta, parsed)
             if delta.finish_reason:
                 outcome.finish_reason = delta.finish_reason
                 if parser is not None:
-                    self._collect(outcome, parsed)
                     yield delta, parsed
                     delta, parsed = ProcessedDelta(completion_tokens=delta.completion_tokens), parser.finish()
-                self._collect(outcome, parsed)
+                    self._collect(outcome, delta, parsed)
                 yield delta, parsed  # even an empty one: the caller may have events to flush before the next wait
                 if output.get("finish_reason") is None:
                     context.stop_generating()  # stopped here (stop string, max tokens): the worker can stop
                 return
-            self._collect(outcome, parsed)
             yield delta, parsed
             output = await anext(outputs, None)
         self._raise_if_cut_off(context)
         tail = processor.finish()
-        parsed = self._parse(exchange, tail)
+        parsed = None
         if parser is not None:
-            more = parser.finish()
-            parsed.content += more.content
-            parsed.reasoning += more.reasoning
-            parsed.tool_calls.extend(more.tool_calls)
-        if parsed:
-            self._collect(outcome, parsed)
+            parsed = self._parse(exchange, tail)
+            end = parser.finish()
+            parsed.content += end.content
+            parsed.reasoning += end.reasoning
+            parsed.tool_calls.extend(end.tool_calls)
+        self._collect(outcome, tail, parsed)
+        if tail.text or parsed:
             yield tail, parsed
 
     @staticmethod
     def _parse(exchange: Exchange, delta: ProcessedDelta) -> ParsedDelta:
-        """The delta's text as content, reasoning and tool calls; its tokens counted as reasoning while the
-        output thinks."""
+        """The delta's text as content, reasoning and tool calls (the request has a parser); its tokens
+        counted as reasoning while the output thinks."""
         parser = exchange.parser
-        if parser is None:
-            return ParsedDelta(content=delta.text)
+        assert parser is not None
         was_thinking = parser.thinking
         parsed = parser.feed(delta.text) if delta.text else ParsedDelta()
         if exchange.outcome.reasoning_tokens is not None and (was_thinking or parser.thinking):
@@ -497,7 +507,14 @@ class FrontendServer:
         return parsed
 
     @staticmethod
-    def _collect(outcome: Outcome, parsed: ParsedDelta) -> None:
+    def _collect(outcome: Outcome, delta: ProcessedDelta, parsed: ParsedDelta | None) -> None:
+        """The delta into the answer so far; without a parser its text is content."""
+        if delta.logprobs:
+            outcome.logprobs.extend(delta.logprobs)
+        if parsed is None:
+            if delta.text:
+                outcome.text.append(delta.text)
+            return
         if parsed.content:
             outcome.text.append(parsed.content)
         if parsed.reasoning:

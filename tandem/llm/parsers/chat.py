@@ -68,41 +68,44 @@ class ChatParser:
         return self.calls > 0 and self.named is None
 
     def feed(self, text: str) -> ParsedDelta:
+        pieces: list[CallPiece] = []
         if self.harmony is not None:
             reasoning, content, pieces = self.harmony.feed(text)
             self.thinking = self.harmony.thinking
         elif self.thinking_tags is not None:
-            reasoning, content = self.thinking_tags.feed(text)
-            self.thinking = self.thinking_tags.thinking
-            pieces = []
+            tags = self.thinking_tags
+            reasoning, content = tags.feed(text)
+            self.thinking = tags.thinking
+            if tags.over:
+                self.thinking_tags = None  # no tag left to find: the rest is answer
         else:
-            reasoning, content, pieces = "", text, []
-        if not content and not pieces:
-            return ParsedDelta(reasoning=reasoning)
-        return self._parsed(reasoning, content, pieces, final=False)
+            reasoning, content = "", text
+        return self._answer(reasoning, content, pieces, final=False)
 
     def finish(self) -> ParsedDelta:
+        pieces: list[CallPiece] = []
         if self.harmony is not None:
             reasoning, content, pieces = self.harmony.finish()
         else:
             reasoning, content = self.thinking_tags.finish() if self.thinking_tags else ("", "")
-            pieces = []
-        return self._parsed(reasoning, content, pieces, final=True)
+        return self._answer(reasoning, content, pieces, final=True)
 
-    def _parsed(self, reasoning: str, content: str, pieces: list[CallPiece], final: bool) -> ParsedDelta:
-        out = ParsedDelta(reasoning=reasoning)
+    def _answer(self, reasoning: str, content: str, pieces: list[CallPiece], final: bool) -> ParsedDelta:
+        """The answer part of a delta: tool calls found in its text (or the forced call), the rest content."""
         if self.named is not None:
-            pieces = pieces + self.named.feed(content)
+            pieces = [*pieces, *self.named.feed(content)]
             content = ""
             if final:
                 pieces += self.named.finish()
         elif self.tools is not None:
-            content, found = self.tools.feed(content) if content else ("", [])
-            pieces = pieces + found
+            if content:
+                content, found = self.tools.feed(content)
+                if found:
+                    pieces = [*pieces, *found]
             if final:
                 tail, more = self.tools.finish()
-                content, pieces = content + tail, pieces + more
-        out.content = content
+                content, pieces = content + tail, [*pieces, *more]
+        out = ParsedDelta(content, reasoning)
         for piece in pieces:
             self._add(piece, out)
         return out

@@ -65,6 +65,11 @@ class ThinkTags:
         self._buf = buf[len(buf) - hold:] if hold else ""
         return buf[: len(buf) - hold], ""
 
+    @property
+    def over(self) -> bool:
+        """The answer has begun and nothing is held: the rest of the output is answer as it is."""
+        return self.phase is Phase.ANSWER and not self._trim
+
     def _answer(self, text: str) -> str:
         if self._trim:
             text = text.lstrip()

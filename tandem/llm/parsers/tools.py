@@ -506,12 +506,13 @@ class ToolCallStream:
     Whitespace (the syntax's filler) at the end of the content is held until more content follows:
     around calls it is dropped, so an answer that is only calls has no content."""
 
-    __slots__ = ("syntax", "_buf", "_cursor", "_lead", "_filler", "_any_call", "_markers", "_starts")
+    __slots__ = ("syntax", "_buf", "_cursor", "_lead", "_filler", "_any_call", "_markers", "_starts", "_leading")
 
     def __init__(self, syntax: CallSyntax) -> None:
         self.syntax = syntax
         self._markers = syntax.markers
         self._starts = frozenset(m[0] for m in syntax.markers)  # text without these cannot hold a marker
+        self._leading = bool(syntax.leading)
         self._buf = ""
         self._cursor: Cursor | None = None  # inside a call text
         self._lead = True  # only filler since the output began or the last call ended
@@ -519,7 +520,7 @@ class ToolCallStream:
         self._any_call = False
 
     def feed(self, text: str) -> tuple[str, list[CallPiece]]:
-        if self._cursor is None and not self._buf and not (self._lead and self.syntax.leading) \
+        if self._cursor is None and not self._buf and not (self._lead and self._leading) \
                 and self._starts.isdisjoint(text):
             return self._content(text), []  # the common case: plain text, nothing held
         self._buf += text
