@@ -36,10 +36,10 @@ FAMILIES: dict[str, tuple[list[str], str, str | None, str | None, list[tuple[str
     "llama": (["--dyn-tool-call-parser", "llama3_json"],
               '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}',
               None, None, [PARIS]),
-    "mistral": (["--dyn-tool-call-parser", "mistral"],
-                '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 2}'
+    "mistral": (["--dyn-tool-call-parser", "mistral", "--dyn-reasoning-parser", "mistral"],
+                '[THINK]Two lookups.[/THINK][TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 2}'
                 '[TOOL_CALLS]search[ARGS]{"query": "café ☕ \\"best\\""}',
-                None, None, [PARIS, CAFE]),
+                None, "Two lookups.", [PARIS, CAFE]),
     "pythonic": (["--dyn-tool-call-parser", "pythonic"],
                  # (a space before the test engine's closing `]]`)
                  "[get_weather(city='Paris', days=2), search(query='café ☕ \"best\"')] ", None, None, [PARIS, CAFE]),
@@ -51,6 +51,48 @@ FAMILIES: dict[str, tuple[list[str], str, str | None, str | None, list[tuple[str
                "<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary "
                'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", "days": 2}',
                None, "Need weather.", [PARIS]),
+    # -- part 2 families (each with one of the part 2 reasoning parsers)
+    "nemotron-deci": (["--dyn-tool-call-parser", "nemotron_deci", "--dyn-reasoning-parser", "nemotron_deci"],
+                      '<think>Plan.</think>Checking. <TOOLCALL>[{"name": "get_weather", "arguments": '
+                      '{"city": "Paris", "days": 2}}]</TOOLCALL>', "Checking.", "Plan.", [PARIS]),
+    "phi4": (["--dyn-tool-call-parser", "phi4"],
+             'functools[{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}] ', None, None, [PARIS]),
+    "jamba": (["--dyn-tool-call-parser", "jamba"],
+              '<tool_calls>[{"name": "search", "arguments": {"query": "café ☕ \\"best\\""}}]</tool_calls>',
+              None, None, [CAFE]),
+    "nemotron-nano": (["--dyn-tool-call-parser", "nemotron_nano", "--dyn-reasoning-parser", "nemotron_nano"],
+                      "Plan.</think><tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                      "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>", None, "Plan.", [PARIS]),
+    "minimax": (["--dyn-tool-call-parser", "minimax_m2", "--dyn-reasoning-parser", "minimax_append_think"],
+                'Plan.</think><minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris'
+                '</parameter>\n<parameter name="days">2</parameter>\n</invoke>\n</minimax:tool_call>',
+                None, "Plan.", [PARIS]),
+    "deepseek-v3": (["--dyn-tool-call-parser", "deepseek_v3", "--dyn-reasoning-parser", "step3"],
+                    "Plan.</think><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+                    '{"city": "Paris", "days": 2}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>', None, "Plan.", [PARIS]),
+    "deepseek-v31": (["--dyn-tool-call-parser", "deepseek_v3_1", "--dyn-reasoning-parser", "nemotron3"],
+                     "Plan.</think>Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>search<｜tool▁sep｜>"
+                     '{"query": "café ☕ \\"best\\""}<｜tool▁call▁end｜><｜tool▁calls▁end｜>', "Sure.", "Plan.", [CAFE]),
+    "deepseek-v32": (["--dyn-tool-call-parser", "deepseek_v3_2"],
+                     '<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" '
+                     'string="true">Paris</｜DSML｜parameter>\n<｜DSML｜parameter name="days" string="false">2'
+                     "</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>", None, None, [PARIS]),
+    "deepseek-v4": (["--dyn-tool-call-parser", "deepseek-v4", "--dyn-reasoning-parser", "kimi_k25"],
+                    'Plan.</think><｜DSML｜tool_calls>\n<｜DSML｜invoke name="search">\n<｜DSML｜parameter name="query" '
+                    'string="true">café ☕ "best"</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>',
+                    None, "Plan.", [CAFE]),
+    "kimi": (["--dyn-tool-call-parser", "kimi_k2", "--dyn-reasoning-parser", "kimi"],
+             "◁think▷Plan.◁/think▷<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+             '<|tool_call_argument_begin|>{"city": "Paris", "days": 2}<|tool_call_end|><|tool_calls_section_end|>',
+             None, "Plan.", [PARIS]),
+    "glm45": (["--dyn-tool-call-parser", "glm45", "--dyn-reasoning-parser", "glm45"],
+              "<think>Plan.</think>\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+              "<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n</tool_call>", None, "Plan.", [PARIS]),
+    "glm47": (["--dyn-tool-call-parser", "glm47", "--dyn-reasoning-parser", "granite"],
+              "Here is my thought process: Plan. Here is my response: <tool_call>search<arg_key>query</arg_key>"
+              '<arg_value>café ☕ "best"</arg_value></tool_call>', None, " Plan. ", [CAFE]),
+    "gemma4": (["--dyn-tool-call-parser", "gemma4"],
+               '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:2}<tool_call|>', None, None, [PARIS]),
     "r1": (["--dyn-reasoning-parser", "deepseek_r1"],
            'Thinking hard.</think>Sure. <TOOLCALL>[{"name": "search", "arguments": {"query": "café ☕ \\"best\\""}}]'
            "</TOOLCALL>",
@@ -219,10 +261,10 @@ def test_unknown_parser_name_is_refused_by_the_worker(deployment, smollm2):
     import sys
 
     done = subprocess.run([sys.executable, "-m", "tandem.testing.engine", "--model", smollm2,
-                           "--dyn-tool-call-parser", "kimi_k2"], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and "not built yet" in done.stderr and "hermes" in done.stderr
+                           "--dyn-tool-call-parser", "kimi_k3"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "unknown tool-call parser 'kimi_k3'" in done.stderr and "hermes" in done.stderr
     with pytest.raises(openai.NotFoundError):
-        deployment.client().chat.completions.create(model="kimi", messages=ask("x"))
+        deployment.client().chat.completions.create(model="kimi_k3", messages=ask("x"))
 
 
 def test_reasoning_field_name(deployment):

@@ -36,7 +36,12 @@ TOOLS = [WEATHER, SEARCH]
 # real models.
 SPECIAL = ["<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]",
            "<|python_start|>", "<|python_end|>", "<think>", "</think>", "<|channel|>", "<|message|>",
-           "<|end|>", "<|start|>", "<|constrain|>", "<TOOLCALL>", "</TOOLCALL>"]  # fmt: skip
+           "<|end|>", "<|start|>", "<|constrain|>", "<TOOLCALL>", "</TOOLCALL>", "<tool_calls>", "</tool_calls>",
+           "functools", "<minimax:tool_call>", "</minimax:tool_call>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>",
+           "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<|tool_calls_section_begin|>",
+           "<|tool_calls_section_end|>", "<|tool_call_begin|>", "<|tool_call_end|>", "<|tool_call_argument_begin|>",
+           "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "<|tool_call>", "<tool_call|>", '<|"|>',
+           "◁think▷", "◁/think▷", "[THINK]", "[/THINK]"]  # fmt: skip
 
 NESTED = {"query": "naïve café ☕ \"quoted\" \\ back", "filters": {"tags": ["a", {"b": [1, 2.5, None]}], "ok": True}}
 
@@ -111,6 +116,72 @@ CASES: dict[str, tuple[str | None, str | None, str, str | None, str, list[tuple[
                                  "Still thinking about <it>", []),
     "qwen3_tags": (None, "qwen3", "<think>\nShort.\n</think>\n\nHi!", "Hi!", "\nShort.\n", []),
     "qwen3_no_thinking": (None, "qwen3", "Hi, no tags <think> here.", "Hi, no tags <think> here.", "", []),
+    # -- part 2 families
+    "nemotron_deci_list": ("nemotron_deci", None,
+                           'Checking. <TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</TOOLCALL>',
+                           "Checking.", "", [call("get_weather", {"city": "Paris"})]),
+    "phi4_functools": ("phi4", None, 'functools[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                       + json.dumps({"name": "search", "arguments": NESTED}) + "]",
+                       None, "", [call("get_weather", {"city": "Paris"}), call("search", NESTED)]),
+    "jamba_tags": ("jamba", None, '<tool_calls>[' + json.dumps({"name": "search", "arguments": NESTED})
+                   + "]</tool_calls>", None, "", [call("search", NESTED)]),
+    "nemotron_nano_xml": ("nemotron_nano", None, "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n"
+                          "</parameter>\n</function>\n</tool_call>", None, "", [call("get_weather", {"city": "Oslo"})]),
+    "minimax_m2_invokes": ("minimax_m2", None,
+                           '<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">São Paulo'
+                           '</parameter>\n<parameter name="days">3</parameter>\n</invoke>\n<invoke name="search">\n'
+                           '<parameter name="query">best café</parameter>\n<parameter name="filters">{"k": [1, 2]}'
+                           "</parameter>\n</invoke>\n</minimax:tool_call>",
+                           None, "", [call("get_weather", {"city": "São Paulo", "days": 3}),
+                                      call("search", {"query": "best café", "filters": {"k": [1, 2]}})]),
+    "deepseek_v3_sections": ("deepseek_v3", None,
+                             "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+                             '{"city": "Paris"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>search'
+                             "\n```json\n" + json.dumps(NESTED) + "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+                             None, "", [call("get_weather", {"city": "Paris"}), call("search", NESTED)]),
+    "deepseek_v3_1_sections": ("deepseek_v3_1", None,
+                               "Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+                               '{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+                               "Sure.", "", [call("get_weather", {"city": "Paris"})]),
+    "deepseek_v3_2_dsml": ("deepseek_v3_2", None,
+                           '<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" '
+                           'string="true">Paris</｜DSML｜parameter>\n<｜DSML｜parameter name="days" string="false">3'
+                           "</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>",
+                           None, "", [call("get_weather", {"city": "Paris", "days": 3})]),
+    "deepseek_v4_dsml": ("deepseek_v4", None,
+                         '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="search">\n<｜DSML｜parameter name="filters" '
+                         'string="false">{"tags": ["a"]}</｜DSML｜parameter>\n<｜DSML｜parameter name="query" '
+                         'string="true">12</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>',
+                         None, "", [call("search", {"filters": {"tags": ["a"]}, "query": "12"})]),
+    "kimi_k2_sections": ("kimi_k2", None,
+                         "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+                         '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>'
+                         "functions.search:1<|tool_call_argument_begin|>" + json.dumps(NESTED)
+                         + "<|tool_call_end|><|tool_calls_section_end|>",
+                         None, "", [call("get_weather", {"city": "Paris"}), call("search", NESTED)]),
+    "glm45_args": ("glm45", "glm45",
+                   "<think>Need weather.</think>\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris"
+                   "</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>",
+                   None, "Need weather.", [call("get_weather", {"city": "Paris", "days": 3})]),
+    "glm47_compact": ("glm47", None, "<tool_call>search<arg_key>query</arg_key><arg_value>café</arg_value></tool_call>",
+                      None, "", [call("search", {"query": "café"})]),
+    "gemma4_calls": ("gemma4", None,
+                     '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:3}<tool_call|>'
+                     '<|tool_call>call:search{query:<|"|>café, "best" {x}<|"|>,filters:{tags:[<|"|>a<|"|>],ok:true}}'
+                     "<tool_call|>",
+                     None, "", [call("get_weather", {"city": "Paris", "days": 3}),
+                                call("search", {"query": 'café, "best" {x}', "filters": {"tags": ["a"], "ok": True}})]),
+    "kimi_reasoning": (None, "kimi", "◁think▷Plan it.◁/think▷Done.", "Done.", "Plan it.", []),
+    "kimi_k25_forced": (None, "kimi_k25", "Plan it.</think>Done.", "Done.", "Plan it.", []),
+    "mistral_think": ("mistral", "mistral", "[THINK]Plan it.[/THINK][TOOL_CALLS]search[ARGS]{\"query\": \"q\"}",
+                      None, "Plan it.", [call("search", {"query": "q"})]),
+    "granite_phrases": (None, "granite", "Here's my thought process: plan it. Here's my response: Done.", "Done.",
+                        " plan it. ", []),
+    "nemotron_nano_forced": (None, "nemotron_nano", "plan</think>Done.", "Done.", "plan", []),
+    "step3_forced": (None, "step3", "<think>plan</think>Done.", "Done.", "plan", []),
+    "minimax_append_think": ("minimax_m2", "minimax_append_think",
+                             'plan</think><minimax:tool_call><invoke name="search"><parameter name="query">q'
+                             "</parameter></invoke></minimax:tool_call>", None, "plan", [call("search", {"query": "q"})]),
     "basic_then_tool": ("hermes", "basic",
                         '<think>call it</think><tool_call>{"name": "search", "arguments": {"query": "q"}}</tool_call>',
                         None, "call it", [call("search", {"query": "q"})]),
@@ -254,8 +325,8 @@ def test_names_are_checked() -> None:
         assert check_tool_parser(name) == name
     for name in REASONING_PARSERS:
         assert check_reasoning_parser(name) == name
-    with pytest.raises(UnknownParserError, match="not built yet.*hermes"):
-        check_tool_parser("kimi_k2")
+    with pytest.raises(UnknownParserError, match="unknown tool-call parser 'kimi_k3'; known: hermes"):
+        check_tool_parser("kimi_k3")
     with pytest.raises(UnknownParserError, match="unknown tool-call parser 'nope'; known: hermes"):
         check_tool_parser("nope")
     with pytest.raises(UnknownParserError, match="unknown reasoning parser"):
@@ -273,6 +344,11 @@ def pieces_of(delta) -> list[dict[str, Any]]:  # type: ignore[no-untyped-def]
     ("default", None, '<TOOLCALL>[{"name": "search", ', '"arguments": {"query": "caf', 'é ☕"}}]</TOOLCALL>'),
     ("harmony", "gpt_oss", "<|channel|>commentary to=functions.search <|constrain|>json<|mess",
      'age|>{"query": "caf', 'é ☕"}'),
+    ("deepseek_v3_1", None, "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>sea", 'rch<｜tool▁sep｜>{"query": "caf',
+     'é ☕"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
+    ("kimi_k2", None, "<|tool_calls_section_begin|><|tool_call_begin|>functions.search:0",
+     '<|tool_call_argument_begin|>{"query": "caf', 'é ☕"}<|tool_call_end|><|tool_calls_section_end|>'),
+    ("phi4", None, 'functools[{"name": "search", ', '"arguments": {"query": "caf', 'é ☕"}}]'),
 ])
 def test_arguments_stream_as_they_are_written(tool: str, reasoning: str | None, head: str, body: str,
                                               tail: str) -> None:

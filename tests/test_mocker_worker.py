@@ -296,7 +296,7 @@ def test_parsers_go_through_the_card(tmp_path: Path, smollm2: str) -> None:
     from tandem.mocker.args import parse_args
 
     with pytest.raises(SystemExit) as refused:
-        parse_args(["--model-path", smollm2, "--dyn-tool-call-parser", "phi4"])
+        parse_args(["--model-path", smollm2, "--dyn-tool-call-parser", "phi5"])
     assert refused.value.code == 2
     deployment = Deployment(tmp_path, smollm2, engine_module="tandem.mocker",
                             engines=[[*MOCKER, "--dyn-reasoning-parser", "deepseek_r1"]])

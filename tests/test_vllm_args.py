@@ -217,8 +217,8 @@ def test_parsers_go_to_the_card_and_the_thinking_budget(monkeypatch: pytest.Monk
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--dyn-tool-call-parser", "kimi_k2"], "--dyn-tool-call-parser (DYN_TOOL_CALL_PARSER): tool-call parser "
-     "'kimi_k2' is not built yet in tandem; built: hermes"),
+    (["--dyn-tool-call-parser", "kimi_k3"], "--dyn-tool-call-parser (DYN_TOOL_CALL_PARSER): unknown tool-call "
+     "parser 'kimi_k3'; known: hermes"),
     (["--dyn-reasoning-parser", "nope"], "--dyn-reasoning-parser (DYN_REASONING_PARSER): unknown reasoning parser "
      "'nope'; known: deepseek_r1"),
     (["--use-vllm-tokenizer", "--dyn-reasoning-parser", "qwen3"], "--dyn-tool-call-parser and "

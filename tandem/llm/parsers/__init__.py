@@ -14,14 +14,22 @@ from typing import Any
 from tandem.llm.parsers.base import CallPiece, ParsedDelta, ToolCallDelta, UnknownParserError
 from tandem.llm.parsers.chat import ChatParser, NamedCall, required_calls
 from tandem.llm.parsers.harmony import HarmonyStream
+from tandem.llm.parsers.markup import (
+    DsmlCalls,
+    DsmlV4Calls,
+    Gemma4Calls,
+    GlmCalls,
+    MinimaxCalls,
+    Qwen3CoderCalls,
+)
 from tandem.llm.parsers.reasoning import ThinkTags
 from tandem.llm.parsers.tools import (
     CallSyntax,
     MistralCalls,
     PythonicCalls,
+    SectionCalls,
     TaggedJson,
     ToolCallStream,
-    XmlCalls,
 )
 
 __all__ = ["CallPiece", "ChatParser", "ParsedDelta", "ToolCallDelta", "UnknownParserError", "chat_parser",
@@ -32,61 +40,94 @@ HARMONY = "harmony"
 _Syntax = Callable[[Sequence[Mapping[str, Any]]], CallSyntax]
 
 
-def _hermes(tools: Sequence[Mapping[str, Any]]) -> CallSyntax:
-    return TaggedJson(tools, tags=(("<tool_call>", "</tool_call>"),))
+def _tagged(*tags: tuple[str, str | None], leading: tuple[str, ...] = ()) -> _Syntax:
+    """JSON calls between tags (a close tag of None: to the end of the JSON)."""
+    return lambda tools: TaggedJson(tools, tags=tags, leading=leading)
 
 
-def _llama3_json(tools: Sequence[Mapping[str, Any]]) -> CallSyntax:
-    return TaggedJson(tools, tags=(("<|python_tag|>", None),), leading=("{",))
+def _sections(section: tuple[str, str], call: tuple[str, str], args_start: str, name_of: Callable[[str], str | None],
+              args_end: str = "") -> _Syntax:
+    return lambda tools: SectionCalls(tools, section=section, call=call, args_start=args_start, name_of=name_of,
+                                      args_end=args_end)
 
 
-def _default(tools: Sequence[Mapping[str, Any]]) -> CallSyntax:
-    return TaggedJson(tools, tags=(("<TOOLCALL>", "</TOOLCALL>"), ("<|python_tag|>", None)))
+_DEEPSEEK_SECTION = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
+_DEEPSEEK_CALL = ("<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>")
 
 
+def _kimi_name(head: str) -> str | None:
+    """Kimi K2 names a call `functions.NAME:INDEX`."""
+    name = head.strip().removeprefix("functions.").rsplit(":", 1)[0]
+    return name or None
+
+
+_hermes = _tagged(("<tool_call>", "</tool_call>"))
 # name -> the family's syntax (harmony is its own stream: it also carries the thinking).
 TOOL_PARSERS: dict[str, _Syntax | None] = {
     "hermes": _hermes,
     "qwen25": _hermes,
-    "llama3_json": _llama3_json,
+    "llama3_json": _tagged(("<|python_tag|>", None), leading=("{",)),
     "mistral": MistralCalls,
     "pythonic": PythonicCalls,
-    "qwen3_coder": XmlCalls,
-    "default": _default,
+    "qwen3_coder": Qwen3CoderCalls,
+    "default": _tagged(("<TOOLCALL>", "</TOOLCALL>"), ("<|python_tag|>", None)),
     HARMONY: None,
+    "nemotron_deci": _tagged(("<TOOLCALL>", "</TOOLCALL>")),
+    "phi4": _tagged(("functools", None)),
+    "jamba": _tagged(("<tool_calls>", "</tool_calls>")),
+    "nemotron_nano": Qwen3CoderCalls,
+    "minimax_m2": MinimaxCalls,
+    "deepseek_v3": _sections(_DEEPSEEK_SECTION, _DEEPSEEK_CALL, "```json",
+                             lambda head: head.split("<｜tool▁sep｜>")[-1].strip() or None, args_end="```"),
+    "deepseek_v3_1": _sections(_DEEPSEEK_SECTION, _DEEPSEEK_CALL, "<｜tool▁sep｜>", lambda head: head.strip() or None),
+    "deepseek_v3_2": DsmlCalls,
+    "deepseek_v4": DsmlV4Calls,
+    "deepseek-v4": DsmlV4Calls,
+    "kimi_k2": _sections(("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"),
+                         ("<|tool_call_begin|>", "<|tool_call_end|>"), "<|tool_call_argument_begin|>", _kimi_name),
+    "glm45": GlmCalls,
+    "glm47": GlmCalls,
+    "gemma4": Gemma4Calls,
+    "gemma-4": Gemma4Calls,
 }
-# name -> (start tag, end tag, thinking forced); gpt_oss is harmony's analysis channel.
-REASONING_PARSERS: dict[str, tuple[str, str, bool] | None] = {
-    "deepseek_r1": ("<think>", "</think>", True),
-    "qwen3": ("<think>", "</think>", False),
-    "basic": ("<think>", "</think>", False),
+_THINK, _END_THINK = ("<think>",), ("</think>",)
+# name -> (start tags, end tags, thinking forced); gpt_oss is harmony's analysis channel.
+REASONING_PARSERS: dict[str, tuple[tuple[str, ...], tuple[str, ...], bool] | None] = {
+    "deepseek_r1": (_THINK, _END_THINK, True),
+    "qwen3": (_THINK, _END_THINK, False),
+    "basic": (_THINK, _END_THINK, False),
     "gpt_oss": None,
+    "nemotron_deci": (_THINK, _END_THINK, False),
+    "glm45": (_THINK, _END_THINK, False),
+    "nemotron_nano": (_THINK, _END_THINK, True),  # its template opens the block
+    "nemotron3": (_THINK, _END_THINK, True),
+    "step3": (_THINK, _END_THINK, True),
+    "kimi_k25": (_THINK, _END_THINK, True),
+    # MiniMax-M2 thinks without writing the opening tag.
+    "minimax_append_think": (_THINK, _END_THINK, True),
+    "kimi": (("◁think▷",), ("◁/think▷",), False),
+    "mistral": (("[THINK]",), ("[/THINK]",), True),
+    "granite": (("Here's my thought process:", "Here is my thought process:"),
+                ("Here's my response:", "Here is my response:"), False),
 }
-# Names Dynamo knows that tandem does not build yet.
-_TOOL_PARSERS_LATER = ("nemotron_deci", "phi4", "jamba", "nemotron_nano", "minimax_m2", "deepseek_v3",
-                       "deepseek_v3_1", "deepseek_v3_2", "deepseek_v4", "deepseek-v4", "kimi_k2", "glm45",
-                       "glm47", "gemma4", "gemma-4")  # fmt: skip
-_REASONING_PARSERS_LATER = ("nemotron_deci", "kimi", "kimi_k25", "step3", "mistral", "granite", "nemotron_nano",
-                            "nemotron3", "glm45", "minimax_append_think")  # fmt: skip
 # Families whose markers are special tokens: the output must be detokenized with them kept.
-_SPECIAL_MARKERS = frozenset(("llama3_json", "mistral", "pythonic", "default", HARMONY, "gpt_oss"))
+_SPECIAL_MARKERS = frozenset(("llama3_json", "mistral", "pythonic", "default", HARMONY, "gpt_oss", "phi4", "jamba",
+                              "minimax_m2", "deepseek_v3", "deepseek_v3_1", "deepseek_v3_2", "deepseek_v4",
+                              "deepseek-v4", "kimi_k2", "glm45", "glm47", "gemma4", "gemma-4"))  # fmt: skip
 
 
-def _check(kind: str, name: str, known: Mapping[str, Any], later: Sequence[str]) -> str:
+def _check(kind: str, name: str, known: Mapping[str, Any]) -> str:
     if name in known:
         return name
-    built = ", ".join(known)
-    if name in later:
-        raise UnknownParserError(f"{kind} parser {name!r} is not built yet in tandem; built: {built}")
-    raise UnknownParserError(f"unknown {kind} parser {name!r}; known: {built}")
+    raise UnknownParserError(f"unknown {kind} parser {name!r}; known: {', '.join(known)}")
 
 
 def check_tool_parser(name: str) -> str:
-    return _check("tool-call", name, TOOL_PARSERS, _TOOL_PARSERS_LATER)
+    return _check("tool-call", name, TOOL_PARSERS)
 
 
 def check_reasoning_parser(name: str) -> str:
-    return _check("reasoning", name, REASONING_PARSERS, _REASONING_PARSERS_LATER)
+    return _check("reasoning", name, REASONING_PARSERS)
 
 
 def thinking_markers(reasoning_parser: str) -> tuple[str, str]:
@@ -95,7 +136,7 @@ def thinking_markers(reasoning_parser: str) -> tuple[str, str]:
     tags = REASONING_PARSERS[check_reasoning_parser(reasoning_parser)]
     if tags is None:  # gpt_oss
         return "<|channel|>analysis<|message|>", "<|end|><|start|>assistant<|channel|>final<|message|>"
-    return tags[0], tags[1]
+    return tags[0][0], tags[1][0]
 
 
 def needs_special_tokens(tool_parser: str | None, reasoning_parser: str | None) -> bool:
@@ -129,8 +170,8 @@ def chat_parser(*, tool_parser: str | None, reasoning_parser: str | None,
         return ChatParser(harmony=harmony, tools=required_calls(tools or ()), max_calls=max_calls)
     thinking_tags = None
     if reasoning is not None:
-        start, end, forced = REASONING_PARSERS[reasoning]  # type: ignore[misc]
-        thinking_tags = ThinkTags(start, end, forced=forced, prompt=prompt)
+        starts, ends, forced = REASONING_PARSERS[reasoning]  # type: ignore[misc]
+        thinking_tags = ThinkTags(starts, ends, forced=forced, prompt=prompt)
     if tool_mode == "forced":
         if forced_function is not None:
             return ChatParser(thinking=thinking_tags, named=NamedCall(forced_function), max_calls=max_calls)

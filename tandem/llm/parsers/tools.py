@@ -14,7 +14,7 @@ is returned as text, never dropped.
 from __future__ import annotations
 
 import ast
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -376,6 +376,103 @@ class MistralCursor(Cursor):
         return Advance(opened)
 
 
+class SectionCalls(CallSyntax):
+    """Calls as special-token sections: `section[0]` (may be missing), then per call `call[0]` HEAD
+    `args_start` {JSON arguments} [`args_end`] `call[1]`, then `section[1]`. `name_of` reads the
+    function's name from HEAD. DeepSeek V3 / V3.1 and Kimi K2 write their calls this way."""
+
+    def __init__(self, tools: Sequence[Mapping[str, Any]] = (), *, section: tuple[str, str], call: tuple[str, str],
+                 args_start: str, name_of: Callable[[str], str | None], args_end: str = "") -> None:
+        super().__init__(tools)
+        self.section, self.call, self.args_start, self.args_end = section, call, args_start, args_end
+        self.name_of = name_of
+        self.markers = (section[0], call[0])
+
+    def cursor(self, region: str) -> Cursor:
+        start = len(self.section[0]) if region.startswith(self.section[0]) else 0
+        return SectionCursor(self, start)
+
+
+# SectionCursor states
+_BETWEEN, _NAME, _TAIL = 10, 11, 12
+
+
+class SectionCursor(Cursor):
+    __slots__ = ("syntax", "state", "pos", "call_at", "scan", "sent", "made")
+
+    def __init__(self, syntax: SectionCalls, start: int) -> None:
+        self.syntax = syntax
+        self.state = _BETWEEN
+        self.pos = start
+        self.call_at = start  # where the current call's start marker is
+        self.scan: BracketScanner | None = None
+        self.sent = 0
+        self.made = False
+
+    def advance(self, region: str, final: bool) -> Advance:
+        syntax = self.syntax
+        (call_start, call_end), section_end = syntax.call, syntax.section[1]
+        pieces: list[CallPiece] = []
+        n = len(region)
+        while True:
+            if self.state == _BETWEEN:
+                i = skip_ws(region, self.pos)
+                if region.startswith(call_start, i):
+                    self.call_at, self.pos, self.state = i, i + len(call_start), _NAME
+                elif region.startswith(section_end, i):
+                    return Advance(pieces, i + len(section_end))
+                elif i == n or call_start.startswith(region[i:]) or section_end.startswith(region[i:]):
+                    break
+                else:
+                    return self._end(region, i, pieces)
+            elif self.state == _NAME:
+                k = region.find(syntax.args_start, self.pos)
+                j = skip_ws(region, k + len(syntax.args_start)) if k >= 0 else n
+                if j == n:
+                    break
+                name = syntax.name_of(region[self.pos:k])
+                if not name or region[j] != "{":  # not a call: from its start marker on, content
+                    return self._end(region, self.call_at if self.made else j, pieces)
+                pieces.append(CallPiece("", name))
+                self.made = True
+                self.scan, self.sent, self.state = BracketScanner(j), j, _ARGS
+            elif self.state == _ARGS:
+                assert self.scan is not None
+                end = self.scan.advance(region)
+                stop = n if end is None else end
+                if stop > self.sent:
+                    pieces.append(CallPiece(region[self.sent:stop]))
+                    self.sent = stop
+                if end is None:
+                    break
+                self.pos, self.state = end, _TAIL
+            else:  # _TAIL: the optional end of the arguments, then the call's end
+                i = skip_ws(region, self.pos)
+                if syntax.args_end and region.startswith(syntax.args_end, i):
+                    i = skip_ws(region, i + len(syntax.args_end))
+                if region.startswith(call_end, i):
+                    self.pos, self.state = i + len(call_end), _BETWEEN
+                elif i == n or (n - i < len(call_end) + len(syntax.args_end)
+                                and (call_end.startswith(region[i:]) or syntax.args_end.startswith(region[i:]))):
+                    break
+                else:
+                    self.pos, self.state = i, _BETWEEN  # no end marker: take the call as it is
+        if not final:
+            return Advance(pieces)
+        if self.state == _ARGS:
+            assert self.scan is not None
+            pieces.append(CallPiece(self.scan.closing()))
+        elif not self.made:
+            return Advance([], n, region)
+        elif self.state == _NAME:
+            return Advance(pieces, self.call_at)  # a call cut off before its arguments: content
+        return Advance(pieces, n)
+
+    def _end(self, region: str, at: int, pieces: list[CallPiece]) -> Advance:
+        """Not a call from `at` on: the rest is content (and, if no call was made, all of it)."""
+        return Advance(pieces, at) if self.made else Advance([], at, region[:at])
+
+
 class PythonicCalls(CallSyntax):
     """A Python list of calls with literal keyword arguments: `[get_weather(city="Paris"), now()]`, at
     the start of the output, or between `<|python_start|>` and `<|python_end|>` (Llama 4)."""
@@ -438,66 +535,6 @@ def _dotted(node: ast.expr) -> str | None:
         base = _dotted(node.value)
         return f"{base}.{node.attr}" if base else None
     return None
-
-
-class XmlCalls(CallSyntax):
-    """`<tool_call><function=NAME><parameter=P>value</parameter>...</function></tool_call>` (Qwen3-Coder;
-    the `<tool_call>` wrapper may be missing). Values are text, converted to the type the tool's JSON
-    schema gives the parameter."""
-
-    markers = ("<tool_call>", "<function=")
-
-    def take(self, region: str, final: bool) -> Taken | None:
-        close = "</tool_call>" if region.startswith("<tool_call>") else "</function>"
-        end = region.find(close)
-        if end < 0 and not final:
-            return None
-        consumed = end + len(close) if end >= 0 else len(region)
-        calls = self._calls(region[:consumed])
-        return Taken(calls, consumed) if calls else as_text(region[:consumed])
-
-    def _calls(self, text: str) -> list[ToolCall]:
-        calls = []
-        for block in text.split("<function=")[1:]:
-            head, sep, body = block.partition(">")
-            name = head.strip()
-            if not sep or not name:
-                return []
-            body = body.split("</function>")[0]
-            schema = self._schema(name)
-            arguments: dict[str, Any] = {}
-            for part in body.split("<parameter=")[1:]:
-                key, sep, value = part.partition(">")
-                if not sep:
-                    return []
-                value = value.split("</parameter>")[0]
-                if value.startswith("\n"):
-                    value = value[1:]
-                if value.endswith("\n"):
-                    value = value[:-1]
-                arguments[key.strip()] = _typed(value, schema.get(key.strip()))
-            calls.append(ToolCall(name, dumps(arguments)))
-        return calls
-
-    def _schema(self, name: str) -> dict[str, Any]:
-        for tool in self.tools:
-            function = tool.get("function") or {}
-            if function.get("name") == name:
-                properties = (function.get("parameters") or {}).get("properties")
-                return properties if isinstance(properties, dict) else {}
-        return {}
-
-
-def _typed(value: str, schema: Any) -> Any:
-    kind = schema.get("type") if isinstance(schema, dict) else None
-    if kind in (None, "string") or (isinstance(kind, list) and "string" in kind):
-        return value
-    parsed = loads(value.strip())
-    if parsed is None and value.strip() != "null":
-        if kind == "boolean" and value.strip().lower() in ("true", "false"):
-            return value.strip().lower() == "true"
-        return value
-    return parsed
 
 
 class ToolCallStream:
