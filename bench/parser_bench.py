@@ -42,7 +42,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench._common import Proc, cpu_seconds, free_port, model_path, pct, write_json  # noqa: E402
 from tandem.llm.parsers import chat_parser  # noqa: E402
 
-SPECIAL = ["<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]", "<think>", "</think>"]
+SPECIAL = ["<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]", "<think>", "</think>",
+           "<TOOLCALL>", "</TOOLCALL>", "<tool_calls>", "</tool_calls>", "functools", "<minimax:tool_call>",
+           "</minimax:tool_call>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+           "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
+           "<|tool_call_begin|>", "<|tool_call_end|>", "<|tool_call_argument_begin|>", "<arg_key>", "</arg_key>",
+           "<arg_value>", "</arg_value>", "<|tool_call>", "<tool_call|>", '<|"|>', "◁think▷", "◁/think▷",
+           "[THINK]", "[/THINK]"]  # fmt: skip
 ARGS_1 = {"city": "São Paulo", "days": 3, "units": {"temp": "C", "wind": ["km/h", "m/s"]}}
 ARGS_2 = {"query": "cafés near Zürich ☕ open late", "filters": {"rating": 4.5, "tags": ["wifi", "quiet"]}}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
@@ -55,6 +61,42 @@ PROSE = ("The user asks about the weather and about places to sit with a laptop,
 
 def _json(name: str, key: str, args: dict[str, Any]) -> str:
     return json.dumps({"name": name, key: args}, ensure_ascii=False)
+
+
+def _args(args: dict[str, Any]) -> str:
+    return json.dumps(args, ensure_ascii=False)
+
+
+def _json_list(key: str = "arguments") -> str:
+    return "[" + _json("get_weather", key, ARGS_1) + ", " + _json("search", key, ARGS_2) + "]"
+
+
+def _invokes(prefix: str = "", typed: bool = False) -> str:
+    """Two calls as `<invoke name=...><parameter name=...>` markup (MiniMax; DSML with its prefix)."""
+    def param(key: str, value: Any) -> str:
+        text = value if isinstance(value, str) else _args(value)
+        attr = f' string="{str(isinstance(value, str)).lower()}"' if typed else ""
+        return f'<{prefix}parameter name="{key}"{attr}>{text}</{prefix}parameter>\n'
+    return "".join(f'<{prefix}invoke name="{name}">\n' + "".join(param(k, v) for k, v in args.items())
+                   + f"</{prefix}invoke>\n" for name, args in (("get_weather", ARGS_1), ("search", ARGS_2)))
+
+
+def _deepseek(v3: bool) -> str:
+    calls = "".join(
+        "<｜tool▁call▁begin｜>" + ("function<｜tool▁sep｜>" + name + "\n```json\n" + _args(args) + "\n```" if v3
+                                  else name + "<｜tool▁sep｜>" + _args(args)) + "<｜tool▁call▁end｜>"
+        for name, args in (("get_weather", ARGS_1), ("search", ARGS_2)))
+    return PROSE + "<｜tool▁calls▁begin｜>" + calls + "<｜tool▁calls▁end｜>"
+
+
+def _gemma(value: Any) -> str:
+    if isinstance(value, str):
+        return '<|"|>' + value + '<|"|>'
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{_gemma(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(_gemma(v) for v in value) + "]"
+    return json.dumps(value)
 
 
 # family -> (tandem tool parser, tandem reasoning parser, vLLM tool parser, vLLM reasoning parser, output)
@@ -79,8 +121,43 @@ FAMILIES: dict[str, tuple[str | None, str | None, str | None, str | None, str]] 
                     + "\n</parameter>\n</function>\n</tool_call>"),
     "deepseek_r1": (None, "deepseek_r1", None, "deepseek_r1", PROSE + "</think>\n\n" + PROSE),
     "qwen3": (None, "qwen3", None, "qwen3", "<think>\n" + PROSE + "</think>\n\n" + PROSE),
+    # part 2 (issue 17); None: vLLM has no parser of that format
+    "nemotron_deci": ("nemotron_deci", None, None, None, PROSE + "<TOOLCALL>" + _json_list() + "</TOOLCALL>"),
+    "phi4": ("phi4", None, "phi4_mini_json", None, "functools" + _json_list()),
+    "jamba": ("jamba", None, "jamba", None, PROSE + "<tool_calls>" + _json_list() + "</tool_calls>"),
+    "minimax_m2": ("minimax_m2", None, "minimax_m2", None,
+                   PROSE + "<minimax:tool_call>\n" + _invokes() + "</minimax:tool_call>"),
+    "deepseek_v3": ("deepseek_v3", None, "deepseek_v3", None, _deepseek(v3=True)),
+    "deepseek_v3_1": ("deepseek_v3_1", None, "deepseek_v31", None, _deepseek(v3=False)),
+    "deepseek_v3_2": ("deepseek_v3_2", None, "deepseek_v32", None,
+                      PROSE + "<｜DSML｜function_calls>\n" + _invokes("｜DSML｜", typed=True) + "</｜DSML｜function_calls>"),
+    "deepseek_v4": ("deepseek_v4", None, "deepseek_v4", None,
+                    PROSE + "<｜DSML｜tool_calls>\n" + _invokes("｜DSML｜", typed=True) + "</｜DSML｜tool_calls>"),
+    "kimi_k2": ("kimi_k2", None, "kimi_k2", None,
+                PROSE + "<|tool_calls_section_begin|>" + "".join(
+                    f"<|tool_call_begin|>functions.{name}:{i}<|tool_call_argument_begin|>{_args(args)}<|tool_call_end|>"
+                    for i, (name, args) in enumerate((("get_weather", ARGS_1), ("search", ARGS_2))))
+                + "<|tool_calls_section_end|>"),
+    "glm47": ("glm47", None, "glm47", None, PROSE + "".join(
+        f"<tool_call>{name}" + "".join(f"<arg_key>{k}</arg_key><arg_value>{v if isinstance(v, str) else _args(v)}"
+                                       "</arg_value>" for k, v in args.items()) + "</tool_call>"
+        for name, args in (("get_weather", ARGS_1), ("search", ARGS_2)))),
+    "gemma4": ("gemma4", None, "gemma4", None, PROSE + "".join(
+        f"<|tool_call>call:{name}{_gemma(args)}<tool_call|>" for name, args in (("get_weather", ARGS_1),
+                                                                                ("search", ARGS_2)))),
+    "kimi": (None, "kimi", None, None, "◁think▷" + PROSE + "◁/think▷" + PROSE),
+    "mistral (reasoning)": (None, "mistral", None, None, "[THINK]" + PROSE + "[/THINK]" + PROSE),
+    "granite": (None, "granite", None, "granite",
+                "Here's my thought process: " + PROSE + "Here's my response: " + PROSE),
+    "step3": (None, "step3", None, "step3", PROSE + "</think>" + PROSE),
+    "glm45 (reasoning)": (None, "glm45", None, "glm45", "<think>" + PROSE + "</think>" + PROSE),
+    "minimax_append_think": (None, "minimax_append_think", None, "minimax_m2_append_think",
+                             PROSE + "</think>" + PROSE),
 }
-EXPECTED_CALLS = {"hermes": 2, "llama3_json": 2, "mistral": 2, "pythonic": 2, "qwen3_coder": 2}
+EXPECTED_CALLS = {name: 2 for name, (tool, *_) in FAMILIES.items() if tool is not None}
+# Why a family has no vLLM row.
+NO_VLLM = {"nemotron_deci": "vLLM has no parser of this format", "kimi": "vLLM's kimi parsers read <think>",
+           "mistral (reasoning)": "vLLM's needs a Mistral tokenizer"}
 
 
 def extended_tokenizer(workdir: str) -> str:
@@ -180,19 +257,23 @@ def summary(times: list[float]) -> dict[str, float]:
 def part1(rounds: int, workdir: str) -> dict[str, Any]:
     folder = extended_tokenizer(workdir)
     results: dict[str, Any] = {}
-    print(f"{'family':<13} {'tokens':>6} | {'tandem µs/token mean p50 p99':>30} | {'vLLM µs/token mean p50 p99':>28} "
+    print(f"{'family':<20} {'tokens':>6} | {'tandem µs/token mean p50 p99':>30} | {'vLLM µs/token mean p50 p99':>28} "
           f"| {'vLLM/tandem':>11} | calls t/v")
     for family, (_, _, _, _, text) in FAMILIES.items():
         ids, pieces = pieces_of(folder, text)
         t_times, t_calls = tandem_run(family, pieces, rounds)
-        v_times, v_calls = vllm_run(family, folder, ids, pieces, rounds)
-        t, v = summary(t_times), summary(v_times)
+        t = summary(t_times)
         expected = EXPECTED_CALLS.get(family, 0)
-        results[family] = {"tokens": len(ids), "tandem": t, "vllm": v, "tandem_calls": t_calls, "vllm_calls": v_calls,
-                           "expected_calls": expected, "ratio_mean": v["mean_us"] / t["mean_us"]}
-        print(f"{family:<13} {len(ids):>6} | {t['mean_us']:>10.2f} {t['p50_us']:>8.2f} {t['p99_us']:>9.2f} | "
-              f"{v['mean_us']:>9.2f} {v['p50_us']:>8.2f} {v['p99_us']:>8.2f} | {v['mean_us'] / t['mean_us']:>10.1f}x | "
-              f"{t_calls}/{v_calls} (of {expected})")
+        results[family] = {"tokens": len(ids), "tandem": t, "tandem_calls": t_calls, "expected_calls": expected}
+        line = f"{family:<20} {len(ids):>6} | {t['mean_us']:>10.2f} {t['p50_us']:>8.2f} {t['p99_us']:>9.2f} | "
+        if FAMILIES[family][2] is None and FAMILIES[family][3] is None:
+            print(line + f"({NO_VLLM[family]}) | {t_calls}/- (of {expected})")
+            continue
+        v_times, v_calls = vllm_run(family, folder, ids, pieces, rounds)
+        v = summary(v_times)
+        results[family].update(vllm=v, vllm_calls=v_calls, ratio_mean=v["mean_us"] / t["mean_us"])
+        print(line + f"{v['mean_us']:>9.2f} {v['p50_us']:>8.2f} {v['p99_us']:>8.2f} | "
+              f"{v['mean_us'] / t['mean_us']:>10.1f}x | {t_calls}/{v_calls} (of {expected})")
     return results
 
 
