@@ -51,6 +51,29 @@ class Cursor:
         raise NotImplementedError
 
 
+class Arguments:
+    """A call's arguments object as it is written: what of it is new since last time, and where it ends."""
+
+    __slots__ = ("scan", "sent")
+
+    def __init__(self, start: int) -> None:
+        self.scan = BracketScanner(start)
+        self.sent = start
+
+    def advance(self, region: str, pieces: list[CallPiece]) -> int | None:
+        """Adds the text written since the last call to `pieces`; the index past the object once it closed."""
+        end = self.scan.advance(region)
+        stop = len(region) if end is None else end
+        if stop > self.sent:
+            pieces.append(CallPiece(region[self.sent:stop]))
+            self.sent = stop
+        return end
+
+    def cut_off(self, pieces: list[CallPiece]) -> None:
+        """The output ended inside the object: what closes it (its open string and brackets)."""
+        pieces.append(CallPiece(self.scan.closing()))
+
+
 class CallSyntax:
     """A family's call syntax. `markers` open a call anywhere in the text; `leading` ones only where
     the output (or the text after a call) has shown nothing but `filler` characters."""
@@ -119,7 +142,7 @@ class JsonCalls(Cursor):
     stream as written. An object of another shape (other keys first, arguments as a string) is taken
     whole when it closes; one that is not a call ends the call text (it is content)."""
 
-    __slots__ = ("close", "seps", "state", "pos", "in_list", "obj", "scan", "sent", "made")
+    __slots__ = ("close", "seps", "state", "pos", "in_list", "obj", "args", "made")
 
     def __init__(self, start: int, *, close: str | None, seps: str = "") -> None:
         self.close = close
@@ -128,8 +151,7 @@ class JsonCalls(Cursor):
         self.pos = start
         self.in_list = False
         self.obj = start  # where the current call object starts
-        self.scan: BracketScanner | None = None
-        self.sent = 0  # how much of the current arguments has been returned
+        self.args: Arguments | None = None
         self.made = False  # a call has begun in this call text
 
     def advance(self, region: str, final: bool) -> Advance:
@@ -166,14 +188,10 @@ class JsonCalls(Cursor):
                     continue
                 pieces.append(CallPiece("", name))
                 self.made = True
-                self.scan, self.sent, self.state = BracketScanner(j), j, _ARGS
+                self.args, self.state = Arguments(j), _ARGS
             elif state == _ARGS:
-                assert self.scan is not None
-                end = self.scan.advance(region)
-                stop = n if end is None else end
-                if stop > self.sent:
-                    pieces.append(CallPiece(region[self.sent:stop]))
-                    self.sent = stop
+                assert self.args is not None
+                end = self.args.advance(region, pieces)
                 if end is None:
                     break
                 self.pos, self.state = end, _REST
@@ -229,8 +247,8 @@ class JsonCalls(Cursor):
         its arguments began is a call only if it was cut outside a string (a name is never guessed)."""
         n = len(region)
         if self.state == _ARGS:
-            assert self.scan is not None
-            pieces.append(CallPiece(self.scan.closing()))
+            assert self.args is not None
+            self.args.cut_off(pieces)
         elif self.state in (_HEAD, _WHOLE):
             scan = BracketScanner(self.obj)
             scan.advance(region)
@@ -333,19 +351,18 @@ class MistralCalls(CallSyntax):
 
 
 class MistralCursor(Cursor):
-    __slots__ = ("start", "inner", "scan", "sent")
+    __slots__ = ("start", "inner", "args")
 
     def __init__(self, start: int) -> None:
         self.start = start
         self.inner: JsonCalls | None = None  # the list form
-        self.scan: BracketScanner | None = None  # the name[ARGS] form, once its arguments began
-        self.sent = 0
+        self.args: Arguments | None = None  # the name[ARGS] form, once its arguments began
 
     def advance(self, region: str, final: bool) -> Advance:
         if self.inner is not None:
             return self.inner.advance(region, final)
         n = len(region)
-        if self.scan is None:
+        if self.args is None:
             at = skip_ws(region, self.start)
             if at == n:
                 return Advance([], n, region) if final else Advance([])
@@ -359,19 +376,15 @@ class MistralCursor(Cursor):
             name = region[at:k].split("[CALL_ID]")[0].strip()
             if not name or region[j] != "{":
                 return Advance([], j, region[:j])
-            self.scan, self.sent = BracketScanner(j), j
+            self.args = Arguments(j)
             opened = [CallPiece("", name)]
         else:
             opened = []
-        end = self.scan.advance(region)
-        stop = n if end is None else end
-        if stop > self.sent:
-            opened.append(CallPiece(region[self.sent:stop]))
-            self.sent = stop
+        end = self.args.advance(region, opened)
         if end is not None:
             return Advance(opened, end)
         if final:
-            opened.append(CallPiece(self.scan.closing()))
+            self.args.cut_off(opened)
             return Advance(opened, n)
         return Advance(opened)
 
@@ -398,15 +411,14 @@ _BETWEEN, _NAME, _TAIL = 10, 11, 12
 
 
 class SectionCursor(Cursor):
-    __slots__ = ("syntax", "state", "pos", "call_at", "scan", "sent", "made")
+    __slots__ = ("syntax", "state", "pos", "call_at", "args", "made")
 
     def __init__(self, syntax: SectionCalls, start: int) -> None:
         self.syntax = syntax
         self.state = _BETWEEN
         self.pos = start
         self.call_at = start  # where the current call's start marker is
-        self.scan: BracketScanner | None = None
-        self.sent = 0
+        self.args: Arguments | None = None
         self.made = False
 
     def advance(self, region: str, final: bool) -> Advance:
@@ -435,14 +447,10 @@ class SectionCursor(Cursor):
                     return self._end(region, self.call_at if self.made else j, pieces)
                 pieces.append(CallPiece("", name))
                 self.made = True
-                self.scan, self.sent, self.state = BracketScanner(j), j, _ARGS
+                self.args, self.state = Arguments(j), _ARGS
             elif self.state == _ARGS:
-                assert self.scan is not None
-                end = self.scan.advance(region)
-                stop = n if end is None else end
-                if stop > self.sent:
-                    pieces.append(CallPiece(region[self.sent:stop]))
-                    self.sent = stop
+                assert self.args is not None
+                end = self.args.advance(region, pieces)
                 if end is None:
                     break
                 self.pos, self.state = end, _TAIL
@@ -460,8 +468,8 @@ class SectionCursor(Cursor):
         if not final:
             return Advance(pieces)
         if self.state == _ARGS:
-            assert self.scan is not None
-            pieces.append(CallPiece(self.scan.closing()))
+            assert self.args is not None
+            self.args.cut_off(pieces)
         elif not self.made:
             return Advance([], n, region)
         elif self.state == _NAME:
