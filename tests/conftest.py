@@ -9,10 +9,12 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tandem.runtime import DistributedRuntime, RuntimeConfig
@@ -222,3 +224,78 @@ def engine_pool(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     yield pool
     order.pool = None
     pool.stop()
+
+
+class EtcdServer:
+    """A real etcd (the Debian `etcd-server` package, installed by scripts/install.sh) on loopback, with its
+    data in `root`; it can be stopped and started again on the same ports and data."""
+
+    def __init__(self, root: Path) -> None:
+        import shutil
+
+        binary = os.path.join(sys.prefix, "bin", "etcd")
+        if not os.access(binary, os.X_OK):
+            binary = shutil.which("etcd") or ""
+        if not binary:
+            raise RuntimeError("no etcd binary: scripts/install.sh puts Debian's etcd-server binary in the venv")
+        self.binary = binary
+        self.root = root
+        client = free_port_range(2)
+        self.client_port, self.peer_port = client, client + 1
+        self.url = f"http://127.0.0.1:{self.client_port}"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        self.log = open(self.root / "etcd.log", "ab")
+        self.process = subprocess.Popen(
+            [self.binary, "--name", "tandem-test", "--data-dir", str(self.root / "data"),
+             "--listen-client-urls", self.url, "--advertise-client-urls", self.url, "--listen-peer-urls", peer,
+             "--initial-advertise-peer-urls", peer, "--initial-cluster", f"tandem-test={peer}"],
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"etcd exited: {(self.root / 'etcd.log').read_text()[-2000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).json().get("health") == "true":
+                    return
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.05)
+        raise RuntimeError("etcd did not become healthy within 30 s")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(15)
+        self.process = None
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def call(self, path: str, body: dict[str, object]) -> dict[str, object]:
+        return httpx.post(f"{self.url}{path}", json=body, timeout=5).json()
+
+    def wipe(self) -> None:
+        """Delete every key (tests share one server)."""
+        self.call("/v3/kv/deleterange", {"key": "AA==", "range_end": "AA=="})
+
+
+@pytest.fixture(scope="session")
+def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    server = EtcdServer(tmp_path_factory.mktemp("etcd"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def etcd(etcd_server: EtcdServer, monkeypatch: pytest.MonkeyPatch) -> EtcdServer:
+    """The session's etcd, running and empty; ETCD_ENDPOINTS points at it."""
+    if not etcd_server.running:
+        etcd_server.start()
+    etcd_server.wipe()
+    monkeypatch.setenv("ETCD_ENDPOINTS", etcd_server.url)
+    return etcd_server

@@ -71,8 +71,10 @@ class Deployment:
                  frontend_args: list[str] | None = None, env: dict[str, str] | None = None,
                  engine_module: str = "tandem.testing.engine", verify: bool = True,
                  engine_timeout: float = 120, engine_env: dict[str, str] | None = None,
-                 instances: int | None = None) -> None:
-        """`instances`: how many worker instances /health must list before use (default: one per engine)."""
+                 instances: int | None = None, discovery: str = "file") -> None:
+        """`instances`: how many worker instances /health must list before use (default: one per engine);
+        `discovery`: the backend every process uses (`etcd`: the one ETCD_ENDPOINTS names)."""
+        self.discovery = discovery
         kv = root / f"kv-{uuid.uuid4().hex[:6]}"
         kv.mkdir(parents=True)
         self.namespace = f"test-{uuid.uuid4().hex[:8]}"
@@ -90,7 +92,7 @@ class Deployment:
             for extra in engines if engines is not None else [[]]:
                 self.add_engine(*extra)
             self.frontend = TandemProcess("tandem.frontend", "--http-host", "127.0.0.1", "--http-port", "0",
-                                          "--discovery-backend", "file", *(frontend_args or []), env=self.env)
+                                          "--discovery-backend", discovery, *(frontend_args or []), env=self.env)
             self.url = self.frontend.ready[0]
             self.wait_for_instances(len(self.engines) if instances is None else instances)
         except BaseException:
@@ -100,7 +102,7 @@ class Deployment:
     def add_engine(self, *extra: str, env: dict[str, str] | None = None) -> TandemProcess:
         """Start one more engine; `env` adds to (and overrides) `engine_env` for this engine only."""
         defaults = VLLM_TEST_ARGS if self.engine_module == "tandem.vllm" else ()
-        engine = TandemProcess(self.engine_module, "--model", self.model_path, "--discovery-backend", "file",
+        engine = TandemProcess(self.engine_module, "--model", self.model_path, "--discovery-backend", self.discovery,
                                *defaults, *extra, env={**self.env, **self.engine_env, **(env or {})},
                                timeout=self.engine_timeout)
         self.engines.append(engine)

@@ -69,8 +69,8 @@ def test_bad_values_are_clear_errors(monkeypatch):
 
 
 @pytest.mark.parametrize(("argv", "env", "message"), [
-    (["--discovery-backend", "etcd"], {}, "--discovery-backend etcd (DYN_DISCOVERY_BACKEND): the etcd discovery "
-     "backend is not built yet in tandem; use file or mem"),
+    (["--discovery-backend", "kubernetes"], {}, "--discovery-backend kubernetes (DYN_DISCOVERY_BACKEND): the "
+     "kubernetes discovery backend is not built yet in tandem; use file or mem or etcd"),
     ([], {"DYN_REQUEST_PLANE": "nats"}, "--request-plane nats (DYN_REQUEST_PLANE): the nats request plane is not "
      "built yet in tandem; use tcp"),
     (["--event-plane", "nats"], {}, "--event-plane nats (DYN_EVENT_PLANE): the nats event plane is not built yet "

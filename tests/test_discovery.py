@@ -1,4 +1,5 @@
-"""Discovery backends: the same contract for mem and file, plus file-specific lease emulation."""
+"""Discovery backends: the same contract for mem, file and etcd (a real server), plus what is particular to
+each: file lease emulation, etcd lease loss, watch resumption and an unreachable server."""
 
 from __future__ import annotations
 
@@ -11,18 +12,22 @@ from pathlib import Path
 
 import pytest
 
-from tandem.runtime.discovery import FileStore, MemoryStore, WatchEvent
+from tandem.runtime.discovery import EtcdStore, FileStore, MemoryStore, WatchEvent
+from tandem.runtime.discovery.etcd import EtcdConfig, EtcdUnavailable
 from tandem.runtime.discovery.mem import _Table
 
 
-@pytest.fixture(params=["mem", "file"])
+@pytest.fixture(params=["mem", "file", "etcd"])
 async def make_store(request, tmp_path):
     stores = []
     table = _Table()
+    etcd = request.getfixturevalue("etcd") if request.param == "etcd" else None
 
     async def make(**options):
         if request.param == "mem":
             store = MemoryStore(table)
+        elif etcd is not None:
+            store = EtcdStore(EtcdConfig([etcd.url]), **options)
         else:
             store = FileStore(str(tmp_path / "kv"), poll_interval=0.02, **options)
         await store.start()
@@ -178,8 +183,73 @@ def test_unknown_backend_is_a_clear_error():
 
     with pytest.raises(ValueError, match="unknown discovery backend 'zookeeper'"):
         make_store("zookeeper")
-    with pytest.raises(ValueError, match="unknown discovery backend 'etcd'"):
-        make_store("etcd")  # the configuration refuses it first, saying it is not built yet (test_config.py)
+
+
+# -- etcd ------------------------------------------------------------------------------------------
+
+
+async def test_etcd_lost_lease_registers_again(etcd):
+    """A lease that etcd no longer has (it expired while the process could not reach etcd) is granted again
+    and the process's keys are written again: peers see it leave and come back."""
+    owner, other = EtcdStore(EtcdConfig([etcd.url]), ttl=1), EtcdStore(EtcdConfig([etcd.url]), ttl=1)
+    await owner.start()
+    await other.start()
+    try:
+        await owner.put("v1/instances/ns/c/e/1", b"worker")
+        watch = await other.watch_prefix("v1/instances/")
+        assert (await next_event(watch)).kind == "put"
+        etcd.call("/v3/lease/revoke", {"ID": owner.lease_id})  # as if it had expired
+        assert await next_event(watch) == WatchEvent("delete", "v1/instances/ns/c/e/1")
+        assert await next_event(watch) == WatchEvent("put", "v1/instances/ns/c/e/1", b"worker")
+    finally:
+        await owner.close()
+        await other.close()
+
+
+async def test_etcd_watch_resumes_after_a_restart_without_gaps_or_repeats(etcd):
+    writer, watcher = EtcdStore(EtcdConfig([etcd.url]), ttl=30), EtcdStore(EtcdConfig([etcd.url]), ttl=30)
+    await writer.start()
+    await watcher.start()
+    try:
+        await writer.put("v1/instances/ns/c/e/1", b"before")
+        watch = await watcher.watch_prefix("v1/instances/")
+        assert await next_event(watch) == WatchEvent("put", "v1/instances/ns/c/e/1", b"before")
+        etcd.stop()
+        etcd.start()
+        # Written as soon as etcd is back, likely before the watch has reconnected: the watch resumes
+        # from the revision after the last one it saw, so these come once each, in order.
+        for n in range(2, 5):
+            await writer.put(f"v1/instances/ns/c/e/{n}", b"after")
+        await writer.delete("v1/instances/ns/c/e/1")
+        got = [await next_event(watch, timeout=15) for _ in range(4)]
+        assert got == [WatchEvent("put", f"v1/instances/ns/c/e/{n}", b"after") for n in range(2, 5)] + \
+            [WatchEvent("delete", "v1/instances/ns/c/e/1")]
+        with pytest.raises(TimeoutError):
+            await next_event(watch, timeout=1.5)  # nothing repeated
+        assert set(await watcher.get_prefix("v1/instances/")) == {f"v1/instances/ns/c/e/{n}" for n in range(2, 5)}
+    finally:
+        await writer.close()
+        await watcher.close()
+
+
+async def test_etcd_unreachable_is_a_clear_error_within_the_timeout():
+    from tests.conftest import free_port
+
+    store = EtcdStore(EtcdConfig([f"http://127.0.0.1:{free_port()}"], connect_timeout=1.0))
+    started = time.monotonic()
+    with pytest.raises(EtcdUnavailable, match=r"cannot reach etcd at http://127\.0\.0\.1:\d+ \(ETCD_ENDPOINTS\)"):
+        await store.start()
+    assert time.monotonic() - started < 5
+
+
+def test_etcd_unreachable_worker_exits_nonzero(smollm2):
+    from tests.conftest import free_port
+
+    done = subprocess.run([sys.executable, "-m", "tandem.mocker", "--model-path", smollm2, "--discovery-backend",
+                           "etcd"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "ETCD_ENDPOINTS": f"127.0.0.1:{free_port()}", "ETCD_CONNECT_TIMEOUT": "1"})
+    assert done.returncode != 0
+    assert "cannot reach etcd" in done.stderr and "Traceback" not in done.stderr
 
 
 async def test_file_expiry_follows_the_owners_ttl_not_the_readers(tmp_path):

@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--router-mode", choices=ROUTER_MODES, metavar="MODE", help=f"the frontend's routing: {', '.join(ROUTER_MODES)} [round-robin]")
     what.add_argument("--http-port", type=int, metavar="PORT", help="frontend port; 0 = any free one [default 8000]")
     what.add_argument("--namespace", metavar="NS", help="discovery namespace [env DYN_NAMESPACE, default dynamo]")
+    what.add_argument("--discovery-backend", choices=("file", "etcd"), metavar="B",
+                      help="file (a private directory) or etcd (the server at ETCD_ENDPOINTS) [default file]")
     what.add_argument("--frontend-args", metavar="FLAGS",
                       help='extra frontend flags as one string: --frontend-args="--migration-limit 2"')
     place = parser.add_argument_group("Cores and ports")
@@ -169,7 +171,9 @@ async def run_deployment(spec: DeploymentSpec, model_path: str, mux: LogMux | No
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
     say(f"{plan.served_name} from {model_path}: frontend + {_describe(spec)}")
-    say(f"discovery: {discovery_dir} (namespace {spec.namespace}); cores available: {format_cores(plan.cores)}")
+    where = discovery_dir if spec.discovery_backend == "file" else \
+        f"etcd at {env_str('ETCD_ENDPOINTS') or 'localhost:2379'} (ETCD_ENDPOINTS)"
+    say(f"discovery: {where} (namespace {spec.namespace}); cores available: {format_cores(plan.cores)}")
     try:
         deployment.start()
         return await _serve(deployment, plan, stop, mux)

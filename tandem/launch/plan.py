@@ -97,8 +97,8 @@ class Plan:
         self._kv_event_ports: dict[int, int] = {}
         self.common_env = {name: value for name, value in environ.items() if name not in _PER_PROCESS_ENV}
         self.common_env.update({
-            # The embedded defaults: no external service.
-            "DYN_DISCOVERY_BACKEND": "file", "DYN_REQUEST_PLANE": "tcp", "DYN_EVENT_PLANE": "zmq",
+            # No external service by default; with etcd, the server ETCD_ENDPOINTS names.
+            "DYN_DISCOVERY_BACKEND": spec.discovery_backend, "DYN_REQUEST_PLANE": "tcp", "DYN_EVENT_PLANE": "zmq",
             "DYN_FILE_KV": discovery_dir, "DYN_NAMESPACE": spec.namespace,
             "PYTHONUNBUFFERED": "1",  # logs reach the launcher as they are written
         })

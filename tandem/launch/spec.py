@@ -55,6 +55,7 @@ class DeploymentSpec:
     model_name: str | None = None  # served name; None = derived from the model (see plan.served_name)
     engine: str = "vllm"
     namespace: str = field(default_factory=lambda: env_str("DYN_NAMESPACE", "dynamo") or "dynamo")
+    discovery_backend: str = "file"  # file: a private directory; etcd: the server ETCD_ENDPOINTS names
     http_port: int = 8000
     router_mode: str | None = None  # None = the frontend's own default
     restart: bool = False
@@ -146,6 +147,7 @@ _SETTINGS: dict[str, Check] = {
     "model_name": _text,
     "engine": _one_of(ENGINES),
     "namespace": _namespace,
+    "discovery_backend": _one_of(("file", "etcd")),
     "http_port": _integer(0, 65535),
     "router_mode": _one_of(ROUTER_MODES),
     "restart": _boolean,

@@ -22,7 +22,8 @@ from typing import TextIO
 from tandem.launch.cores import format_cores
 from tandem.launch.plan import Plan, ProcessSpec, worker_label
 from tandem.runtime import keys
-from tandem.runtime.discovery import FileStore
+from tandem.runtime.discovery import EtcdStore, FileStore, KeyValueStore
+from tandem.runtime.discovery.etcd import EtcdConfig
 
 RESTART_BACKOFF = (1.0, 30.0)  # first and longest wait before restarting a dead worker, seconds
 RESTART_RESET_AFTER = 60.0  # a worker up this long counts as healthy: the next restart waits the shortest time
@@ -284,7 +285,7 @@ class Deployment:
         frontend route to it until their lease runs out."""
         if ready:
             with contextlib.suppress(OSError):  # at worst the entries expire with their lease
-                await forget_instance(self.plan.common_env["DYN_FILE_KV"], self.plan.spec.namespace, ready[0])
+                await forget_instance(self.plan.common_env, self.plan.spec.namespace, ready[0])
 
     async def stop(self, grace: float) -> None:
         """The frontend first: it stops taking requests and finishes its streams (within `grace`), and only
@@ -297,11 +298,19 @@ class Deployment:
             child.kill()
 
 
-async def forget_instance(root: str, namespace: str, instance_hex: str) -> None:
-    """Delete the instance and model-card keys of one instance (keys: `v1/<bucket>/ns/component/endpoint/<id>...`)."""
-    store = FileStore(root)
-    for bucket in (keys.INSTANCES, keys.MODELS):
-        for key in await store.get_prefix(f"{bucket}/{namespace}/"):
-            parts = key.split("/")
-            if len(parts) > 5 and parts[5] == instance_hex:
-                await store.delete(key)
+async def forget_instance(env: dict[str, str], namespace: str, instance_hex: str) -> None:
+    """Delete the instance and model-card keys of one instance (keys: `v1/<bucket>/ns/component/endpoint/<id>...`)
+    from the deployment's discovery (`env`: its DYN_DISCOVERY_BACKEND, DYN_FILE_KV / ETCD_ENDPOINTS)."""
+    if env.get("DYN_DISCOVERY_BACKEND") == "etcd":
+        store: KeyValueStore = EtcdStore(EtcdConfig.from_env(env))
+    else:
+        store = FileStore(env["DYN_FILE_KV"])
+    await store.start()
+    try:
+        for bucket in (keys.INSTANCES, keys.MODELS):
+            for key in await store.get_prefix(f"{bucket}/{namespace}/"):
+                parts = key.split("/")
+                if len(parts) > 5 and parts[5] == instance_hex:
+                    await store.delete(key)
+    finally:
+        await store.close()

@@ -141,7 +141,7 @@ class RuntimeConfig:
 
         for setting, flag, env, value, built, later in (
             ("discovery backend", "--discovery-backend", "DYN_DISCOVERY_BACKEND", self.discovery_backend, BACKENDS,
-             "etcd"),
+             "kubernetes"),
             ("request plane", "--request-plane", "DYN_REQUEST_PLANE", self.request_plane, ("tcp",), "nats"),
             ("event plane", "--event-plane", "DYN_EVENT_PLANE", self.event_plane, ("zmq",), "nats"),
         ):
@@ -178,7 +178,7 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup
     group.add_argument("--namespace", default=None, help="namespace to serve in [env DYN_NAMESPACE, default dynamo]")
     group.add_argument(
         "--discovery-backend", "--store-kv", dest="discovery_backend", default=None,
-        choices=["file", "mem", "etcd"], type=str.lower,  # etcd: refused with a clear message until built
+        choices=["file", "mem", "etcd", "kubernetes"], type=str.lower,  # kubernetes: refused until built
         help="how processes find each other [env DYN_DISCOVERY_BACKEND or DYN_STORE_KV, default file; "
         "file root: DYN_FILE_KV]",
     )

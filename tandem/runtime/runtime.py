@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 from tandem.runtime.component import Component, Endpoint, Namespace, ServedEndpoint
 from tandem.runtime.config import ConfigError, RuntimeConfig, detect_host, env_number
 from tandem.runtime.discovery import KeyValueStore, make_store
+from tandem.runtime.discovery.etcd import EtcdUnavailable
 from tandem.runtime.event_plane import EventPublisher, EventSubscriber
 from tandem.runtime.keys import parse_endpoint_path
 from tandem.runtime.metrics import RuntimeCollector
@@ -61,7 +62,10 @@ class DistributedRuntime:
         return runtime
 
     async def start(self) -> None:
-        await self.store.start()
+        try:
+            await self.store.start()
+        except EtcdUnavailable as e:  # the discovery server the user named: their setting, not a crash
+            raise ConfigError(str(e)) from None
         try:
             await self.request_server.start()
             if self.config.system_port is not None:

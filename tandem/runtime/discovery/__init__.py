@@ -6,10 +6,11 @@ import os
 import tempfile
 
 from tandem.runtime.discovery.base import KeyValueStore, Watch, WatchEvent
+from tandem.runtime.discovery.etcd import EtcdConfig, EtcdStore
 from tandem.runtime.discovery.file import FileStore
 from tandem.runtime.discovery.mem import MemoryStore
 
-BACKENDS = ("file", "mem")
+BACKENDS = ("file", "mem", "etcd")
 
 
 def default_file_root() -> str:
@@ -23,7 +24,10 @@ def make_store(backend: str, *, file_root: str | None = None, ttl: float = 10.0)
         return FileStore(file_root or default_file_root(), ttl=ttl)
     if backend == "mem":
         return MemoryStore()
+    if backend == "etcd":
+        return EtcdStore(EtcdConfig.from_env(), ttl=ttl)
     raise ValueError(f"unknown discovery backend {backend!r}; choose one of {', '.join(BACKENDS)}")
 
 
-__all__ = ["KeyValueStore", "Watch", "WatchEvent", "FileStore", "MemoryStore", "make_store", "default_file_root"]
+__all__ = ["KeyValueStore", "Watch", "WatchEvent", "EtcdStore", "FileStore", "MemoryStore", "make_store",
+           "default_file_root"]

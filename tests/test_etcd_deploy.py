@@ -1,0 +1,93 @@
+"""A deployment on etcd discovery (a real etcd on loopback): the OpenAI client through a frontend to mocker
+workers, and what a restart of etcd under load changes (nothing a client sees)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+
+from tests.deployment import MODEL, Deployment
+
+MOCKER = ["--block-size", "16", "--speedup-ratio", "20", "--num-gpu-blocks-override", "2048"]
+
+
+def test_mocker_deployment_on_etcd_serves_the_openai_client(tmp_path, smollm2, etcd):
+    deployment = Deployment(tmp_path, smollm2, engine_module="tandem.mocker", engines=[MOCKER, MOCKER],
+                            discovery="etcd")
+    try:
+        client = deployment.client()
+        assert [m.id for m in client.models.list().data] == [MODEL]
+        replies = [client.chat.completions.create(model=MODEL, max_tokens=4, messages=[
+            {"role": "user", "content": f"hello {i}"}]) for i in range(4)]
+        assert all(r.usage.completion_tokens == 4 for r in replies)
+        keys = etcd.call("/v3/kv/range", {"key": "djEv", "range_end": "djEw", "keys_only": True})
+        assert int(keys.get("count", 0)) >= 4  # instances and model cards live in etcd
+    finally:
+        deployment.stop()
+
+
+def test_etcd_restart_under_load_fails_no_request_and_registrations_survive(tmp_path, smollm2, etcd):
+    deployment = Deployment(tmp_path, smollm2, engine_module="tandem.mocker", engines=[MOCKER], discovery="etcd")
+    try:
+        client = deployment.client()
+        failures: list[BaseException] = []
+        done = threading.Event()
+        served = [0]
+
+        def load() -> None:
+            while not done.is_set():
+                try:
+                    client.chat.completions.create(model=MODEL, max_tokens=8,
+                                                   messages=[{"role": "user", "content": "under load"}])
+                    served[0] += 1
+                except Exception as e:  # noqa: BLE001 - every failure is what the test reports
+                    failures.append(e)
+
+        thread = threading.Thread(target=load)
+        thread.start()
+        try:
+            deadline = time.monotonic() + 30
+            while served[0] < 3 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            etcd.stop()
+            stopped_at = served[0]
+            while served[0] < stopped_at + 3 and time.monotonic() < deadline:
+                time.sleep(0.05)  # served while etcd is down: routing needs no discovery round trip
+            etcd.start()
+            # A worker that registers after the restart is found: the frontend's watch resumed.
+            deployment.add_engine(*MOCKER)
+            deployment.wait_for_instances(2, timeout=30)
+            resumed = served[0]
+            while served[0] < resumed + 3 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            done.set()
+            thread.join(30)
+        assert not failures, failures[:3]
+        assert served[0] >= stopped_at + 3 and served[0] >= resumed + 3
+        health = httpx.get(f"{deployment.url}/health").json()
+        assert health["status"] == "healthy" and len(health["instances"]) == 2
+    finally:
+        deployment.stop()
+
+
+def test_tandem_run_on_etcd_forgets_a_dead_worker(launch, etcd):
+    """`tandem run --discovery-backend etcd`: the deployment registers in the etcd server ETCD_ENDPOINTS names,
+    and the launcher removes a killed worker's keys there (its five-minute lease would keep them)."""
+    import os
+    import signal
+
+    from tests.test_launch import LONG_LEASES, _health, _wait_instances
+
+    run = launch("--workers", "2", "--discovery-backend", "etcd", env={"ETCD_ENDPOINTS": etcd.url, **LONG_LEASES})
+    url = run.serving()
+    assert len(_health(url)["instances"]) == 2
+    assert run.wait_for(r"discovery: etcd at (\S+)").group(1) == etcd.url
+    os.killpg(run.children_running("tandem.mocker")[0], signal.SIGKILL)
+    _wait_instances(url, 1)
+    assert run.client(url).chat.completions.create(model=MODEL, max_tokens=2, messages=[
+        {"role": "user", "content": "still served"}]).usage.completion_tokens == 2
+    assert run.stop(signal.SIGINT) == 0
+    assert run.leftovers() == []
