@@ -263,3 +263,30 @@ async def test_file_expiry_follows_the_owners_ttl_not_the_readers(tmp_path):
     assert await eager.get("v1/instances/ns/c/e/slow") == b"mine"
     await slow.close()
     await eager.close()
+
+
+async def test_etcd_user_password(tmp_path):
+    """An etcd with authentication on (a server of its own: the shared one stays open): the store logs in
+    with ETCD_AUTH_USERNAME / ETCD_AUTH_PASSWORD; without them it is refused."""
+    from tandem.runtime.discovery.etcd import EtcdError
+    from tests.conftest import EtcdServer
+
+    server = EtcdServer(tmp_path)
+    server.start()
+    try:
+        server.call("/v3/auth/user/add", {"name": "root", "password": "s3cret"})
+        server.call("/v3/auth/user/grant", {"user": "root", "role": "root"})
+        assert "header" in server.call("/v3/auth/enable", {})
+        store = EtcdStore(EtcdConfig([server.url], username="root", password="s3cret"))
+        await store.start()
+        await store.put("v1/instances/ns/c/e/1", b"with a token")
+        watch = await store.watch_prefix("v1/instances/")
+        assert await next_event(watch) == WatchEvent("put", "v1/instances/ns/c/e/1", b"with a token")
+        await store.close()
+        anonymous = EtcdStore(EtcdConfig([server.url], connect_timeout=2))
+        await anonymous.start()  # etcd grants leases without a login
+        with pytest.raises(EtcdError, match="user name"):
+            await anonymous.put("v1/instances/ns/c/e/2", b"anonymous")
+        await anonymous.close()
+    finally:
+        server.stop()
