@@ -290,3 +290,30 @@ async def test_etcd_user_password(tmp_path):
         await anonymous.close()
     finally:
         server.stop()
+
+
+async def test_etcd_watch_resyncs_after_a_compaction(etcd):
+    """A watch whose resume revision etcd compacted away reads the prefix again and reports the difference."""
+    from tandem.runtime.discovery.base import Watch
+    from tandem.runtime.discovery.etcd import _Seen
+
+    store = EtcdStore(EtcdConfig([etcd.url]))
+    await store.start()
+    try:
+        await store.put("v1/instances/ns/c/e/kept", b"same")
+        await store.put("v1/instances/ns/c/e/changed", b"new")
+        revision = int(etcd.call("/v3/kv/range", {"key": "AA=="})["header"]["revision"])
+        etcd.call("/v3/kv/compaction", {"revision": revision, "physical": True})
+        watch = Watch("v1/instances/")
+        # What a watch had seen before it lost its stream, at a revision that no longer exists.
+        seen = _Seen({"v1/instances/ns/c/e/kept": b"same", "v1/instances/ns/c/e/changed": b"old",
+                      "v1/instances/ns/c/e/gone": b"x"}, 1)
+        follower = asyncio.create_task(store._follow(watch, seen))
+        got = {await next_event(watch) for _ in range(2)}
+        assert got == {WatchEvent("delete", "v1/instances/ns/c/e/gone"),
+                       WatchEvent("put", "v1/instances/ns/c/e/changed", b"new")}
+        await store.put("v1/instances/ns/c/e/later", b"streamed")
+        assert await next_event(watch) == WatchEvent("put", "v1/instances/ns/c/e/later", b"streamed")
+        follower.cancel()
+    finally:
+        await store.close()

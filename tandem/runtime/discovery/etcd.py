@@ -176,6 +176,12 @@ class EtcdStore(KeyValueStore):
                 log.warning("etcd unreachable for the lease keep-alive: %s", e)
                 interval = _RETRY
                 continue
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the lease must not be left to expire because of one bad answer
+                log.exception("etcd lease keep-alive failed; trying again")
+                interval = _RETRY
+                continue
             interval = max(self.ttl / 3, 0.2)
 
     async def _restore(self, what: Any) -> None:
@@ -279,6 +285,11 @@ class EtcdStore(KeyValueStore):
                 except (EtcdUnavailable, EtcdError) as e:
                     log.warning("etcd watch on %r: %s", watch.prefix, e)
                     await asyncio.sleep(_RETRY)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a defect or an answer it cannot read: the watch must not stop for good
+                log.exception("etcd watch on %r failed; resuming after revision %d", watch.prefix, seen.revision)
+                await asyncio.sleep(_RETRY)
 
     async def _stream(self, watch: Watch, seen: _Seen) -> None:
         assert self._session is not None
