@@ -230,7 +230,8 @@ class EtcdServer:
     """A real etcd (the Debian `etcd-server` package, installed by scripts/install.sh) on loopback, with its
     data in `root`; it can be stopped and started again on the same ports and data."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, tls: tuple[Path, Path] | None = None) -> None:
+        """`tls`: (certificate, key) to serve clients over https."""
         import shutil
 
         binary = os.path.join(sys.prefix, "bin", "etcd")
@@ -242,7 +243,8 @@ class EtcdServer:
         self.root = root
         client = free_port_range(2)
         self.client_port, self.peer_port = client, client + 1
-        self.url = f"http://127.0.0.1:{self.client_port}"
+        self.tls = tls
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.client_port}"
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -251,14 +253,15 @@ class EtcdServer:
         self.process = subprocess.Popen(
             [self.binary, "--name", "tandem-test", "--data-dir", str(self.root / "data"),
              "--listen-client-urls", self.url, "--advertise-client-urls", self.url, "--listen-peer-urls", peer,
-             "--initial-advertise-peer-urls", peer, "--initial-cluster", f"tandem-test={peer}"],
+             "--initial-advertise-peer-urls", peer, "--initial-cluster", f"tandem-test={peer}",
+             *(["--cert-file", str(self.tls[0]), "--key-file", str(self.tls[1])] if self.tls else [])],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"etcd exited: {(self.root / 'etcd.log').read_text()[-2000:]}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=1).json().get("health") == "true":
+                if httpx.get(f"{self.url}/health", timeout=1, verify=False).json().get("health") == "true":
                     return
             except (httpx.HTTPError, ValueError):
                 pass
@@ -276,7 +279,7 @@ class EtcdServer:
         return self.process is not None and self.process.poll() is None
 
     def call(self, path: str, body: dict[str, object]) -> dict[str, object]:
-        return httpx.post(f"{self.url}{path}", json=body, timeout=5).json()
+        return httpx.post(f"{self.url}{path}", json=body, timeout=5, verify=False).json()
 
     def wipe(self) -> None:
         """Delete every key (tests share one server)."""

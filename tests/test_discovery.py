@@ -317,3 +317,26 @@ async def test_etcd_watch_resyncs_after_a_compaction(etcd):
         follower.cancel()
     finally:
         await store.close()
+
+
+async def test_etcd_over_tls(tmp_path):
+    """An https endpoint is verified: with ETCD_AUTH_CA naming the server's authority the store works;
+    without it, a self-signed server is refused."""
+    from tests.conftest import EtcdServer
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    server = EtcdServer(tmp_path, tls=(cert, key))
+    server.start()
+    try:
+        store = EtcdStore(EtcdConfig([server.url], ca_file=str(cert)))
+        await store.start()
+        await store.put("v1/instances/ns/c/e/1", b"over tls")
+        assert await store.get("v1/instances/ns/c/e/1") == b"over tls"
+        await store.close()
+        with pytest.raises(EtcdUnavailable, match="certificate"):
+            await EtcdStore(EtcdConfig([server.url], connect_timeout=2)).start()
+    finally:
+        server.stop()

@@ -144,7 +144,8 @@ class EtcdStore(KeyValueStore):
     async def start(self) -> None:
         timeout = aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout,
                                         sock_connect=self.config.connect_timeout)
-        connector = aiohttp.TCPConnector(ssl=self.config.ssl_context() or False)
+        # https endpoints are verified: against ETCD_AUTH_CA when given, else the system's authorities.
+        connector = aiohttp.TCPConnector(ssl=self.config.ssl_context() or True)
         self._session = aiohttp.ClientSession(timeout=timeout, connector=connector)
         try:
             async with asyncio.timeout(self.config.connect_timeout + 1):
