@@ -46,9 +46,9 @@ def _tagged(*tags: tuple[str, str | None], leading: tuple[str, ...] = ()) -> _Sy
 
 
 def _sections(section: tuple[str, str], call: tuple[str, str], args_start: str, name_of: Callable[[str], str | None],
-              args_end: str = "") -> _Syntax:
+              args_end: str = "", id_of: Callable[[str], str | None] | None = None) -> _Syntax:
     return lambda tools: SectionCalls(tools, section=section, call=call, args_start=args_start, name_of=name_of,
-                                      args_end=args_end)
+                                      args_end=args_end, id_of=id_of)
 
 
 _DEEPSEEK_SECTION = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
@@ -83,8 +83,10 @@ TOOL_PARSERS: dict[str, _Syntax | None] = {
     "deepseek_v3_2": DsmlCalls,
     "deepseek_v4": DsmlV4Calls,
     "deepseek-v4": DsmlV4Calls,
+    # Kimi's templates give the call's own id (`functions.NAME:0`) back in the tool message: keep it.
     "kimi_k2": _sections(("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"),
-                         ("<|tool_call_begin|>", "<|tool_call_end|>"), "<|tool_call_argument_begin|>", _kimi_name),
+                         ("<|tool_call_begin|>", "<|tool_call_end|>"), "<|tool_call_argument_begin|>", _kimi_name,
+                         id_of=lambda head: head.strip() or None),
     "glm45": GlmCalls,
     "glm47": GlmCalls,
     "gemma4": Gemma4Calls,

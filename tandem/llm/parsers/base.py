@@ -27,6 +27,7 @@ class CallPiece(msgspec.Struct):
 
     arguments: str
     name: str | None = None
+    id: str | None = None  # the model's own id for the call (Kimi K2 writes one); else tandem makes one
 
     @classmethod
     def whole(cls, call: ToolCall) -> CallPiece:

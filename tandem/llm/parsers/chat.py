@@ -117,7 +117,7 @@ class ChatParser:
             if self._skipping:
                 return
             self.calls += 1
-            out.tool_calls.append(ToolCallDelta(self.calls - 1, "", call_id(), piece.name))
+            out.tool_calls.append(ToolCallDelta(self.calls - 1, "", piece.id or call_id(), piece.name))
         if piece.arguments and not self._skipping:
             out.tool_calls.append(ToolCallDelta(self.calls - 1, piece.arguments))
 

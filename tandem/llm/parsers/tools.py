@@ -395,10 +395,12 @@ class SectionCalls(CallSyntax):
     function's name from HEAD. DeepSeek V3 / V3.1 and Kimi K2 write their calls this way."""
 
     def __init__(self, tools: Sequence[Mapping[str, Any]] = (), *, section: tuple[str, str], call: tuple[str, str],
-                 args_start: str, name_of: Callable[[str], str | None], args_end: str = "") -> None:
+                 args_start: str, name_of: Callable[[str], str | None], args_end: str = "",
+                 id_of: Callable[[str], str | None] | None = None) -> None:
         super().__init__(tools)
         self.section, self.call, self.args_start, self.args_end = section, call, args_start, args_end
         self.name_of = name_of
+        self.id_of = id_of  # the call's id, when the model writes one in HEAD
         self.markers = (section[0], call[0])
 
     def cursor(self, region: str) -> Cursor:
@@ -442,10 +444,11 @@ class SectionCursor(Cursor):
                 j = skip_ws(region, k + len(syntax.args_start)) if k >= 0 else n
                 if j == n:
                     break
-                name = syntax.name_of(region[self.pos:k])
+                head = region[self.pos:k]
+                name = syntax.name_of(head)
                 if not name or region[j] != "{":  # not a call: from its start marker on, content
                     return self._end(region, self.call_at if self.made else j, pieces)
-                pieces.append(CallPiece("", name))
+                pieces.append(CallPiece("", name, syntax.id_of(head) if syntax.id_of else None))
                 self.made = True
                 self.args, self.state = Arguments(j), _ARGS
             elif self.state == _ARGS:
