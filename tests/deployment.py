@@ -29,13 +29,16 @@ def metric_sum(text: str, name: str, **labels: str) -> float:
 KV_EVENTS_APPLIED = "dynamo_component_kv_cache_events_applied_total"
 
 
-def kv_events_emitted(file_kv: str, namespace: str, component: str = "backend", instances: int = 1) -> int:
+def kv_events_emitted(file_kv: str, namespace: str, component: str = "backend", instances: int = 1,
+                      **settings: object) -> int:
     """How many KV events the `instances` workers of `component` have emitted, every dp rank of each:
-    what their `worker_kv_indexer_query` endpoints report as the id of their newest event."""
+    what their `worker_kv_indexer_query` endpoints report as the id of their newest event. `settings`:
+    RuntimeConfig settings of the deployment besides file discovery (another backend, its planes)."""
+    config = RuntimeConfig(discovery_backend="file", file_kv_root=file_kv, tcp_host="127.0.0.1",
+                           graceful_shutdown_grace_period=0).replace(**settings)
 
     async def go() -> int:
-        runtime = await DistributedRuntime.create(RuntimeConfig(
-            discovery_backend="file", file_kv_root=file_kv, tcp_host="127.0.0.1", graceful_shutdown_grace_period=0))
+        runtime = await DistributedRuntime.create(config)
         try:
             client = await runtime.endpoint(f"{namespace}.{component}.worker_kv_indexer_query").client()
             await client.wait_for_instances(instances, timeout=30)
@@ -124,11 +127,18 @@ class Deployment:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=options.pop("api_key", "none"), max_retries=0,
                              **options)  # type: ignore[arg-type]
 
+    @property
+    def planes(self) -> dict[str, str]:
+        """The request and event planes (and NATS server) the deployment's processes use, as RuntimeConfig
+        settings."""
+        names = {"DYN_REQUEST_PLANE": "request_plane", "DYN_EVENT_PLANE": "event_plane", "NATS_SERVER": "nats_server"}
+        return {field: self.env[env] for env, field in names.items() if env in self.env}
+
     async def runtime(self) -> DistributedRuntime:
-        """A runtime of this process on the deployment's discovery (shut it down when done)."""
+        """A runtime of this process on the deployment's discovery and planes (shut it down when done)."""
         return await DistributedRuntime.create(RuntimeConfig(
-            discovery_backend="file", file_kv_root=self.env["DYN_FILE_KV"], tcp_host="127.0.0.1",
-            graceful_shutdown_grace_period=0))
+            discovery_backend=self.discovery, file_kv_root=self.env["DYN_FILE_KV"], tcp_host="127.0.0.1",
+            graceful_shutdown_grace_period=0, **self.planes))  # type: ignore[arg-type]
 
     def call(self, path: str, request: object, instance: int | None = None) -> list:
         """Call a worker endpoint (`ns.component.endpoint` without the namespace) through the runtime: on
@@ -149,7 +159,8 @@ class Deployment:
     def kv_events_emitted(self, component: str = "backend", instances: int | None = None) -> int:
         """KV events the workers of `component` (`instances` of them, default one per engine) emitted."""
         return kv_events_emitted(self.env["DYN_FILE_KV"], self.namespace, component,
-                                 len(self.engines) if instances is None else instances)
+                                 len(self.engines) if instances is None else instances, discovery_backend=self.discovery,
+                                 **self.planes)
 
     def wait_for_kv_events(self, component: str = "backend", instances: int | None = None,
                            url: str | None = None) -> int:

@@ -71,19 +71,33 @@ def test_bad_values_are_clear_errors(monkeypatch):
 @pytest.mark.parametrize(("argv", "env", "message"), [
     (["--discovery-backend", "kubernetes"], {}, "--discovery-backend kubernetes (DYN_DISCOVERY_BACKEND): the "
      "kubernetes discovery backend is not built yet in tandem; use file or mem or etcd"),
-    ([], {"DYN_REQUEST_PLANE": "nats"}, "--request-plane nats (DYN_REQUEST_PLANE): the nats request plane is not "
-     "built yet in tandem; use tcp"),
-    (["--event-plane", "nats"], {}, "--event-plane nats (DYN_EVENT_PLANE): the nats event plane is not built yet "
-     "in tandem; use zmq"),
 ])
 def test_settings_not_built_yet_exit_2_naming_them(monkeypatch, capsys, argv, env, message):
-    """Dynamo's etcd and NATS settings are understood, and refused plainly: no traceback, exit 2."""
+    """Dynamo's Kubernetes discovery is understood, and refused plainly: no traceback, exit 2."""
     from tandem.frontend.main import main
 
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert main(["--http-host", "127.0.0.1", "--http-port", "0", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("module", "argv", "env"), [
+    ("tandem.frontend.main", ["--router-mode", "kv", "--router-durable-kv-events"], {}),
+    ("tandem.frontend.main", ["--router-durable-kv-events", "--event-plane", "zmq"], {"DYN_EVENT_PLANE": "nats"}),
+    ("tandem.router.main", ["--block-size", "16"], {"DYN_ROUTER_DURABLE_KV_EVENTS": "1"}),
+    ("tandem.mocker.main", ["--durable-kv-events"], {}),
+    ("tandem.mocker.main", [], {"DYN_DURABLE_KV_EVENTS": "true", "DYN_EVENT_PLANE": "zmq"}),
+])
+def test_durable_kv_events_without_nats_exit_2_saying_what_they_need(monkeypatch, capsys, module, argv, env):
+    import importlib
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exit_:
+        importlib.import_module(module).main(argv)
+    assert exit_.value.code == 2
+    assert "durable KV events are kept in NATS JetStream; they need --event-plane nats" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("module", "argv", "env", "message"), [

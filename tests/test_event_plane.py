@@ -1,4 +1,5 @@
-"""ZMQ event plane: discovery-registered publishers, late joiners, topic scoping, lossy publish."""
+"""The event planes (ZMQ and NATS, the same suite): late joiners, topic scoping, lossy publish; then
+ZMQ's discovery entries and NATS's durable (JetStream) topics."""
 
 from __future__ import annotations
 
@@ -6,7 +7,18 @@ import asyncio
 
 import pytest
 
-from tests.conftest import publish_until_received
+from tests.conftest import publish_until_received, runtimes_on
+
+
+@pytest.fixture(params=["zmq", "nats"])
+def plane(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def runtimes(runtimes, plane, request):
+    """The conftest factory, on the plane under test."""
+    return runtimes_on(runtimes, request, event_plane=plane)
 
 
 async def receive(subscriber, count, timeout=5.0):
@@ -56,6 +68,7 @@ async def test_publisher_never_blocks_without_subscribers_or_when_flooded(runtim
     assert sent + publisher.dropped == 300_000  # every call returned at once, dropped or queued
 
 
+@pytest.mark.parametrize("plane", ["zmq"], indirect=True)
 async def test_closed_publisher_leaves_discovery(runtimes, namespace):
     sub_rt, pub_rt = await runtimes(), await runtimes()
     subscriber = await sub_rt.namespace(namespace).component("backend").subscribe("t")
@@ -67,3 +80,49 @@ async def test_closed_publisher_leaves_discovery(runtimes, namespace):
     async with asyncio.timeout(5):
         while subscriber.publishers:
             await asyncio.sleep(0.01)
+
+
+nats_only = pytest.mark.parametrize("plane", ["nats"], indirect=True)
+
+
+@nats_only
+async def test_durable_topic_replays_what_came_before_a_late_subscriber(runtimes, namespace):
+    pub_rt = await runtimes()
+    publisher = await pub_rt.namespace(namespace).component("backend").event_publisher("kv-events", durable=True)
+    live = await pub_rt.namespace(namespace).component("backend").subscribe("kv-events")  # a plain one too
+    for i in range(200):
+        publisher.publish({"i": i})
+    assert [e["i"] for e in await receive(live, 200)] == list(range(200))
+    late = await (await runtimes()).namespace(namespace).component("backend").subscribe("kv-events", durable=True)
+    assert [e["i"] for e in await receive(late, 200)] == list(range(200))
+    publisher.publish({"i": 200})
+    assert await receive(late, 1) == [{"i": 200}]
+
+
+@nats_only
+async def test_durable_subscriber_resumes_after_a_nats_restart_without_gaps_or_repeats(runtimes, namespace, nats):
+    pub_rt, sub_rt = await runtimes(), await runtimes()
+    publisher = await pub_rt.namespace(namespace).component("backend").event_publisher("kv-events", durable=True)
+    subscriber = await sub_rt.namespace(namespace).component("backend").subscribe("kv-events", durable=True)
+    for i in range(100):
+        publisher.publish({"i": i})
+    assert [e["i"] for e in await receive(subscriber, 100)] == list(range(100))
+    nats.stop(kill=True)
+    nats.start()
+    async with asyncio.timeout(15):
+        while not (pub_rt.nats.connected and sub_rt.nats.connected):
+            await asyncio.sleep(0.05)
+    for i in range(100, 200):
+        publisher.publish({"i": i})
+    assert [e["i"] for e in await receive(subscriber, 100, timeout=20)] == list(range(100, 200))
+    with pytest.raises(TimeoutError):  # and nothing twice
+        await receive(subscriber, 1, timeout=0.5)
+
+
+@pytest.mark.parametrize("plane", ["zmq"], indirect=True)
+async def test_durable_topic_on_zmq_is_refused_with_what_it_needs(runtimes, namespace):
+    from tandem.runtime.config import ConfigError
+
+    rt = await runtimes()
+    with pytest.raises(ConfigError, match="--event-plane nats"):
+        await rt.namespace(namespace).component("backend").event_publisher("kv-events", durable=True)

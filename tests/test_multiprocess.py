@@ -113,7 +113,7 @@ async def test_second_signal_exits_at_once(workers, caller, namespace):
 
 
 async def test_bad_peers_are_rejected_and_the_worker_keeps_serving(workers, caller, namespace):
-    from tandem.runtime.request_plane import tcp
+    from tandem.runtime.request_plane import framed, tcp
 
     worker = workers()
     client = await echo_client(caller, namespace)
@@ -134,9 +134,9 @@ async def test_bad_peers_are_rejected_and_the_worker_keeps_serving(workers, call
     assert await send_raw(tcp.MAGIC + tcp.HEADER.pack(0, 77, 1)) == b""  # unknown frame kind
     # an oversized request is refused on its stream (413) without buffering it
     reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(tcp.MAGIC + tcp.HEADER.pack(64 * 1024 * 1024, tcp.REQUEST, 5))
+    writer.write(tcp.MAGIC + tcp.HEADER.pack(64 * 1024 * 1024, framed.REQUEST, 5))
     length, kind, stream_id = tcp.HEADER.unpack(await reader.readexactly(tcp.HEADER_SIZE))
-    assert (kind, stream_id, tcp._decode(await reader.readexactly(length))["code"]) == (tcp.ERROR, 5, 413)
+    assert (kind, stream_id, framed.decode(await reader.readexactly(length))["code"]) == (framed.ERROR, 5, 413)
     writer.close()
 
     rest = [item["i"] async for item in stream]

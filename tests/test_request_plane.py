@@ -1,14 +1,20 @@
-"""The TCP request plane, in one process: streaming, stop/kill, errors, limits, bad peers."""
+"""The request planes (TCP and NATS, the same suite), in one process: streaming, stop/kill, errors, limits,
+bad peers; then what only one of them has."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
+import subprocess
+import sys
+import time
 
 import pytest
 
 from tandem.runtime import (
     Context,
+    DistributedRuntime,
     EngineShutdown,
     InstanceUnreachableError,
     MessageTooLargeError,
@@ -16,7 +22,33 @@ from tandem.runtime import (
     RemoteError,
     StreamIncompleteError,
 )
-from tandem.runtime.request_plane import tcp
+from tandem.runtime.config import ConfigError
+from tandem.runtime.request_plane import framed, tcp
+from tandem.runtime.request_plane import nats as natsplane
+from tests.conftest import runtime_config, runtimes_on
+
+
+@pytest.fixture(params=["tcp", "nats"])
+def plane(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def runtimes(runtimes, plane, request):
+    """The conftest factory, on the plane under test."""
+    return runtimes_on(runtimes, request, request_plane=plane)
+
+
+tcp_only = pytest.mark.parametrize("plane", ["tcp"], indirect=True)
+nats_only = pytest.mark.parametrize("plane", ["nats"], indirect=True)
+
+
+def open_streams(runtime) -> int:
+    """Streams the runtime's request-plane server still holds."""
+    server = runtime.request_server
+    if isinstance(server, tcp.TcpServer):
+        return sum(len(conn.streams) for conn in server.connections)
+    return len(server.streams)
 
 
 async def serve(runtime, namespace, handler, name="generate", **options):
@@ -76,7 +108,7 @@ async def test_handler_without_context_parameter(runtimes, namespace):
     assert [x async for x in stream] == [{"hello": [1, 2, 3]}]
 
 
-async def test_concurrent_streams_share_one_connection(runtimes, namespace):
+async def test_concurrent_streams_share_one_connection(runtimes, namespace, plane):
     _, caller, client = await connect(runtimes, namespace)
 
     async def one(n):
@@ -85,7 +117,8 @@ async def test_concurrent_streams_share_one_connection(runtimes, namespace):
 
     results = await asyncio.gather(*(one(n) for n in range(1, 40)))
     assert results == [list(range(n)) for n in range(1, 40)]
-    assert len(caller.request_client._conns) == 1
+    if plane == "tcp":
+        assert len(caller.request_client._conns) == 1
 
 
 async def test_stop_reaches_handler_and_stream_ends_cleanly(runtimes, namespace):
@@ -216,7 +249,7 @@ async def test_engine_shutdown_marks_stream_incomplete(runtimes, namespace):
 
 async def test_unserved_endpoint_is_unreachable_not_hung(runtimes, namespace):
     server, caller, client = await connect(runtimes, namespace)
-    server.request_server.remove_endpoint(f"{namespace}.backend.generate")
+    await server.request_server.remove_endpoint(f"{namespace}.backend.generate")
     with pytest.raises(InstanceUnreachableError):
         await client.generate({"n": 1})
 
@@ -227,6 +260,7 @@ async def test_direct_to_unknown_instance(runtimes, namespace):
         await client.direct({"n": 1}, 12345)
 
 
+@tcp_only
 async def test_connect_refused_is_unreachable(runtimes):
     caller = await runtimes()
     with socket.socket() as s:
@@ -260,6 +294,7 @@ async def _raw_connection(server):
     return await asyncio.open_connection(host, int(port))
 
 
+@tcp_only
 async def test_garbage_bytes_are_rejected_and_others_keep_being_served(runtimes, namespace, caplog):
     server, _, client = await connect(runtimes, namespace)
     reader, writer = await _raw_connection(server)
@@ -272,6 +307,7 @@ async def test_garbage_bytes_are_rejected_and_others_keep_being_served(runtimes,
     assert [x["i"] async for x in stream] == [0, 1, 2]
 
 
+@tcp_only
 async def test_malformed_frame_closes_only_that_connection(runtimes, namespace, caplog):
     server, _, client = await connect(runtimes, namespace)
     reader, writer = await _raw_connection(server)
@@ -282,32 +318,34 @@ async def test_malformed_frame_closes_only_that_connection(runtimes, namespace, 
     assert [x["i"] async for x in stream] == [0, 1]
 
 
+@tcp_only
 async def test_undecodable_request_gets_400_and_connection_survives(runtimes, namespace):
     server, _, _ = await connect(runtimes, namespace)
     reader, writer = await _raw_connection(server)
-    writer.write(tcp.MAGIC + tcp.HEADER.pack(2, tcp.REQUEST, 7) + b"\xc1\xc1")
+    writer.write(tcp.MAGIC + tcp.HEADER.pack(2, framed.REQUEST, 7) + b"\xc1\xc1")
     length, kind, stream_id = tcp.HEADER.unpack(await reader.readexactly(tcp.HEADER_SIZE))
-    body = tcp._decode(await reader.readexactly(length))
-    assert (kind, stream_id, body["code"]) == (tcp.ERROR, 7, 400)
+    body = framed.decode(await reader.readexactly(length))
+    assert (kind, stream_id, body["code"]) == (framed.ERROR, 7, 400)
     # the same connection still serves a valid request
-    payload = tcp._encode({"e": f"{namespace}.backend.generate", "id": "r1", "b": {"n": 1}})
-    writer.write(tcp.HEADER.pack(len(payload), tcp.REQUEST, 8) + payload)
+    payload = framed.encode({"e": f"{namespace}.backend.generate", "id": "r1", "b": {"n": 1}})
+    writer.write(tcp.HEADER.pack(len(payload), framed.REQUEST, 8) + payload)
     kinds = []
-    while not kinds or kinds[-1] != tcp.END:
+    while not kinds or kinds[-1] != framed.END:
         length, kind, _ = tcp.HEADER.unpack(await reader.readexactly(tcp.HEADER_SIZE))
         await reader.readexactly(length)
         kinds.append(kind)
-    assert kinds == [tcp.PROLOGUE, tcp.DATA, tcp.END]
+    assert kinds == [framed.PROLOGUE, framed.DATA, framed.END]
     writer.close()
 
 
+@tcp_only
 async def test_oversized_frame_from_a_raw_peer_is_skipped_with_413(runtimes, namespace):
     server, _, client = await connect(runtimes, namespace, tcp_max_message_size=2048)
     reader, writer = await _raw_connection(server)
-    writer.write(tcp.MAGIC + tcp.HEADER.pack(5000, tcp.REQUEST, 1) + b"\x00" * 5000)
+    writer.write(tcp.MAGIC + tcp.HEADER.pack(5000, framed.REQUEST, 1) + b"\x00" * 5000)
     length, kind, stream_id = tcp.HEADER.unpack(await reader.readexactly(tcp.HEADER_SIZE))
-    body = tcp._decode(await reader.readexactly(length))
-    assert (kind, stream_id, body["code"]) == (tcp.ERROR, 1, 413)
+    body = framed.decode(await reader.readexactly(length))
+    assert (kind, stream_id, body["code"]) == (framed.ERROR, 1, 413)
     writer.close()
     stream = await client.generate({"n": 2})
     assert [x["i"] async for x in stream] == [0, 1]
@@ -323,12 +361,12 @@ async def test_client_disconnect_kills_the_handler(runtimes, namespace):
 
 
 async def test_frame_reader_handles_byte_by_byte_input():
-    reader = tcp._FrameReader(1024, tcp._SERVER_KINDS)
-    data = tcp._frame(tcp.DATA, 5, b"hello") + tcp._frame(tcp.END, 5)
+    reader = tcp._FrameReader(1024, framed.SERVER_KINDS)
+    data = tcp._frame(framed.DATA, 5, b"hello") + tcp._frame(framed.END, 5)
     frames = []
     for i in range(len(data)):
         frames += reader.feed(data[i : i + 1])
-    assert frames == [(tcp.DATA, 5, b"hello"), (tcp.END, 5, b"")]
+    assert frames == [(framed.DATA, 5, b"hello"), (framed.END, 5, b"")]
 
 
 async def test_context_killed_before_the_request_kills_it_on_arrival(runtimes, namespace):
@@ -344,9 +382,7 @@ async def test_context_killed_before_the_request_kills_it_on_arrival(runtimes, n
     assert [x async for x in stream] == []
     path = f"{namespace}.backend.generate"
     async with asyncio.timeout(5):  # the handler is cancelled before, or right after, it starts
-        while server.request_server.inflight(path) or any(
-            conn.streams for conn in server.request_server.connections
-        ):
+        while server.request_server.inflight(path) or open_streams(server):
             await asyncio.sleep(0.01)
 
 
@@ -370,7 +406,129 @@ async def test_caller_cancelled_before_the_request_is_accepted_kills_it(runtimes
     path = f"{namespace}.backend.generate"
     await asyncio.sleep(0.2)
     async with asyncio.timeout(5):
-        while server.request_server.inflight(path) or any(
-            conn.streams for conn in server.request_server.connections
-        ):
+        while server.request_server.inflight(path) or open_streams(server):
             await asyncio.sleep(0.01)
+
+
+# ------------------------------------------------------------------------------------------------
+# NATS only: what a broker in the middle changes
+# ------------------------------------------------------------------------------------------------
+
+
+@nats_only
+async def test_nats_instance_not_serving_is_unreachable_at_once(runtimes, namespace):
+    """Nobody subscribed to the subject: NATS answers "no responders", not a wait for the timeout."""
+    caller = await runtimes(nats_request_timeout=30)
+    started = time.monotonic()
+    with pytest.raises(InstanceUnreachableError, match="no responders"):
+        await caller.request_client.open_stream({"nats": "123abc"}, f"{namespace}.backend.generate", {}, Context())
+    assert time.monotonic() - started < 5
+
+
+@nats_only
+async def test_nats_uses_dynamos_subject_for_each_instance(runtimes, namespace):
+    server, _, client = await connect(runtimes, namespace)
+    instance = f"{server.instance_id:x}"
+    assert client.transport_of(server.instance_id) == {"nats": instance}
+    subject = natsplane.endpoint_subject(f"{namespace}.backend.generate", instance)
+    assert subject == f"{namespace}_backend.generate-{instance}"
+    assert natsplane.endpoint_subject("My.Comp-1.gen", "ff") == "my_comp-1.gen-ff"
+
+
+@nats_only
+async def test_nats_lost_frame_cuts_the_stream_instead_of_shortening_it(runtimes, namespace):
+    server, _, client = await connect(runtimes, namespace)
+    outbox = server.request_server._outbox
+    put = outbox.put
+    seen = 0
+
+    def lossy(subject: str, data: bytes) -> None:
+        nonlocal seen
+        seen += 1
+        if seen != 4:  # PROLOGUE, DATA 0, DATA 1, then DATA 2 vanishes
+            put(subject, data)
+
+    outbox.put = lossy
+    stream = await client.generate({"n": 10})
+    got = []
+    with pytest.raises(StreamIncompleteError, match="lost"):
+        async for item in stream:
+            got.append(item["i"])
+    assert got == [0, 1] and not stream.completed
+
+
+@nats_only
+async def test_nats_worker_gone_cuts_its_streams_within_seconds(runtimes, namespace):
+    killed, forever = endless_until_killed()
+    server, _, client = await connect(runtimes, namespace, forever)
+    stream = await client.generate({})
+    await stream.__anext__()
+    server.request_server._pinger.cancel()
+    await server.nats.nc.close()  # as if the worker's process died: its subscriptions are gone
+    with pytest.raises(StreamIncompleteError):
+        async with asyncio.timeout(10):
+            async for _ in stream:
+                pass
+
+
+@nats_only
+async def test_nats_request_over_the_servers_max_payload_is_a_clear_error(runtimes, namespace, tmp_path):
+    from tests.conftest import NatsServer
+
+    small = NatsServer(tmp_path, max_payload=8192)
+    small.start()
+    try:
+        server = await runtimes(nats_server=small.url)
+        endpoint = await serve(server, namespace, counter)
+        client = await (await runtimes(nats_server=small.url)).endpoint(endpoint.path).client()
+        await client.wait_for_instances(1, timeout=5)
+        with pytest.raises(MessageTooLargeError, match="max_payload in the NATS server"):
+            await client.generate({"n": 1, "blob": "x" * 20_000})
+        stream = await client.generate({"n": 2})
+        assert [x["i"] async for x in stream] == [0, 1]
+    finally:
+        small.stop()
+
+
+@nats_only
+async def test_nats_restart_cuts_running_streams_and_new_ones_succeed(runtimes, namespace, nats):
+    _, _, client = await connect(runtimes, namespace)
+    streams = [await client.generate({"n": 100_000, "delay": 0.01}) for _ in range(4)]
+    for stream in streams:
+        await stream.__anext__()
+    nats.stop(kill=True)
+    nats.start()
+    for stream in streams:  # each one ends: cut off (so the frontend migrates it), never hung
+        with pytest.raises(StreamIncompleteError):
+            async with asyncio.timeout(15):
+                async for _ in stream:
+                    pass
+    async with asyncio.timeout(15):
+        while True:
+            try:
+                stream = await client.generate({"n": 3})
+                assert [x["i"] async for x in stream] == [0, 1, 2]
+                break
+            except InstanceUnreachableError:
+                await asyncio.sleep(0.2)
+
+
+async def test_nats_unreachable_is_a_clear_error_within_the_timeout():
+    from tests.conftest import free_port
+
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=r"cannot reach NATS at nats://127\.0\.0\.1:\d+ \(NATS_SERVER\)"):
+        await DistributedRuntime.create(runtime_config(
+            request_plane="nats", nats_server=f"nats://127.0.0.1:{free_port()}", nats_connect_timeout=1.0))
+    assert time.monotonic() - started < 5
+
+
+def test_nats_unreachable_worker_exits_nonzero(smollm2):
+    from tests.conftest import free_port
+
+    done = subprocess.run([sys.executable, "-m", "tandem.mocker", "--model-path", smollm2, "--request-plane",
+                           "nats"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "NATS_SERVER": f"nats://127.0.0.1:{free_port()}",
+                               "DYN_NATS_CONNECT_TIMEOUT_SECS": "1"})
+    assert done.returncode == 2
+    assert "cannot reach NATS" in done.stderr and "Traceback" not in done.stderr

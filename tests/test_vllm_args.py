@@ -229,17 +229,14 @@ def test_parser_names_not_built_are_refused(argv: list[str], message: str) -> No
         build(*argv)
 
 
-@pytest.mark.parametrize(("argv", "env", "message"), [
-    (["--durable-kv-events"], {}, "--durable-kv-events (DYN_DURABLE_KV_EVENTS): durable KV events need the NATS "
-     "event plane"),
-])
-def test_settings_not_acted_on_yet_are_refused(monkeypatch: pytest.MonkeyPatch, argv: list[str],
-                                                env: dict[str, str], message: str) -> None:
-    """Accepted and ignored, these would silently change nothing: they are refused by name until built."""
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    with pytest.raises(ValueError, match=re.escape(message)):
-        build(*argv)
+def test_durable_kv_events_need_the_nats_event_plane(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match=re.escape("--durable-kv-events (DYN_DURABLE_KV_EVENTS): durable KV events "
+                                                   "are kept in NATS JetStream; they need --event-plane nats")):
+        build("--durable-kv-events")
+    assert build("--durable-kv-events", "--event-plane", "nats").durable_kv_events is True
+    monkeypatch.setenv("DYN_DURABLE_KV_EVENTS", "1")
+    monkeypatch.setenv("DYN_EVENT_PLANE", "nats")
+    assert build().durable_kv_events is True
 
 
 def test_bad_env_values(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--namespace", metavar="NS", help="discovery namespace [env DYN_NAMESPACE, default dynamo]")
     what.add_argument("--discovery-backend", choices=("file", "etcd"), metavar="B",
                       help="file (a private directory) or etcd (the server at ETCD_ENDPOINTS) [default file]")
+    what.add_argument("--request-plane", choices=("tcp", "nats"), metavar="P",
+                      help="tcp (direct connections) or nats (the server at NATS_SERVER) [default tcp]")
+    what.add_argument("--event-plane", choices=("zmq", "nats"), metavar="P",
+                      help="zmq (direct connections) or nats (the server at NATS_SERVER) [default zmq]")
     what.add_argument("--frontend-args", metavar="FLAGS",
                       help='extra frontend flags as one string: --frontend-args="--migration-limit 2"')
     place = parser.add_argument_group("Cores and ports")
@@ -174,6 +178,9 @@ async def run_deployment(spec: DeploymentSpec, model_path: str, mux: LogMux | No
     where = discovery_dir if spec.discovery_backend == "file" else \
         f"etcd at {env_str('ETCD_ENDPOINTS') or 'localhost:2379'} (ETCD_ENDPOINTS)"
     say(f"discovery: {where} (namespace {spec.namespace}); cores available: {format_cores(plan.cores)}")
+    if "nats" in (spec.request_plane, spec.event_plane):
+        say(f"request plane {spec.request_plane}, event plane {spec.event_plane}: NATS at "
+            f"{env_str('NATS_SERVER') or 'nats://localhost:4222'} (NATS_SERVER)")
     try:
         deployment.start()
         return await _serve(deployment, plan, stop, mux)

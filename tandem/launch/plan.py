@@ -97,8 +97,9 @@ class Plan:
         self._kv_event_ports: dict[int, int] = {}
         self.common_env = {name: value for name, value in environ.items() if name not in _PER_PROCESS_ENV}
         self.common_env.update({
-            # No external service by default; with etcd, the server ETCD_ENDPOINTS names.
-            "DYN_DISCOVERY_BACKEND": spec.discovery_backend, "DYN_REQUEST_PLANE": "tcp", "DYN_EVENT_PLANE": "zmq",
+            # No external service by default; etcd and NATS: the servers ETCD_ENDPOINTS and NATS_SERVER name.
+            "DYN_DISCOVERY_BACKEND": spec.discovery_backend, "DYN_REQUEST_PLANE": spec.request_plane,
+            "DYN_EVENT_PLANE": spec.event_plane,
             "DYN_FILE_KV": discovery_dir, "DYN_NAMESPACE": spec.namespace,
             "PYTHONUNBUFFERED": "1",  # logs reach the launcher as they are written
         })

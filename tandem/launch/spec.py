@@ -56,6 +56,8 @@ class DeploymentSpec:
     engine: str = "vllm"
     namespace: str = field(default_factory=lambda: env_str("DYN_NAMESPACE", "dynamo") or "dynamo")
     discovery_backend: str = "file"  # file: a private directory; etcd: the server ETCD_ENDPOINTS names
+    request_plane: str = "tcp"  # nats: the server NATS_SERVER names
+    event_plane: str = "zmq"
     http_port: int = 8000
     router_mode: str | None = None  # None = the frontend's own default
     restart: bool = False
@@ -148,6 +150,8 @@ _SETTINGS: dict[str, Check] = {
     "engine": _one_of(ENGINES),
     "namespace": _namespace,
     "discovery_backend": _one_of(("file", "etcd")),
+    "request_plane": _one_of(("tcp", "nats")),
+    "event_plane": _one_of(("zmq", "nats")),
     "http_port": _integer(0, 65535),
     "router_mode": _one_of(ROUTER_MODES),
     "restart": _boolean,

@@ -16,7 +16,13 @@ from tandem.models import resolve_model
 from tandem.runtime import RuntimeConfig, add_runtime_args
 from tandem.runtime.keys import parse_endpoint_path
 from tandem.runtime.options import MIGRATION_LIMIT, Option
-from tandem.worker.config import PARSER_OPTIONS, DisaggregationMode, parser_options
+from tandem.worker.config import (
+    DURABLE_KV_EVENTS,
+    PARSER_OPTIONS,
+    DisaggregationMode,
+    check_durable_kv_events,
+    parser_options,
+)
 
 DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1,
                "fp8_e5m2": 1, "int8": 1}
@@ -45,6 +51,7 @@ class MockerConfig:
     migration_limit: int = 0
     # Test hook (env DYN_MOCKER_DROP_KV_EVENTS, 0 = off): every Nth KV event is not published, as if lost.
     drop_kv_events: int = 0
+    durable_kv_events: bool = False
     dyn_tool_call_parser: str | None = None  # put in the card: the frontend parses the (synthetic) output with them
     dyn_reasoning_parser: str | None = None
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
@@ -93,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     MIGRATION_LIMIT.add_to(model, 0)
     for option in PARSER_OPTIONS:
         option.add_to(model, None)
+    DURABLE_KV_EVENTS.add_to(model, None)
     model.add_argument("--context-length", "--max-model-len", dest="context_length", type=int, default=None,
                        help="maximum sequence length [default: the model's max_position_embeddings]")
     engine = parser.add_argument_group("Simulated engine")
@@ -202,6 +210,8 @@ def _config(args: argparse.Namespace) -> MockerConfig:
                              **{name: options.pop(name) for name in SCHEDULER_OPTIONS})  # type: ignore[arg-type]
 
     runtime = RuntimeConfig.from_args(args)
+    durable_kv_events = bool(DURABLE_KV_EVENTS.value(args, False))
+    check_durable_kv_events(durable_kv_events, runtime.event_plane)
     endpoint = _ENDPOINT.value(args) or f"dyn://{runtime.namespace}.{mode.default_component}.generate"
     namespace, component, endpoint_name = parse_endpoint_path(endpoint)
     return MockerConfig(
@@ -210,6 +220,7 @@ def _config(args: argparse.Namespace) -> MockerConfig:
         namespace=namespace, component=component, endpoint=endpoint_name,
         num_workers=args.num_workers, migration_limit=MIGRATION_LIMIT.value(args, 0), context_length=context_length,
         enable_conditional_disagg=args.enable_conditional_disagg, drop_kv_events=drop_kv_events,
+        durable_kv_events=durable_kv_events,
         kv_bytes_per_token=int(kv_bytes), runtime=runtime.replace(namespace=namespace), engine=engine,
         dyn_tool_call_parser=tool_call_parser, dyn_reasoning_parser=reasoning_parser,
         **options,  # type: ignore[arg-type]

@@ -53,7 +53,7 @@ async def start_worker(config: MockerConfig, runtime: DistributedRuntime, tokeni
     engine_config = config.engine
     event_plane: SupportsPublish | None = None
     if config.publishes_kv_events:
-        event_plane = await component.event_publisher(KV_EVENT_TOPIC)
+        event_plane = await component.event_publisher(KV_EVENT_TOPIC, config.durable_kv_events)
         if config.drop_kv_events:
             every = config.drop_kv_events
             log.warning("DYN_MOCKER_DROP_KV_EVENTS=%d (a test hook): KV events %d, %d, ... of each engine are not "

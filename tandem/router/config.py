@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.runtime.config import RuntimeConfig
 from tandem.runtime.options import Option, add_options, apply_options
 
 
@@ -32,6 +33,9 @@ class KvRouterConfig:
     predicted_ttl_secs: float = 5.0
     max_tree_size: int = 2**20  # approximate mode: prune the index above this many nodes
     replica_sync: bool = False
+    # Read the workers' KV events from their JetStream streams (workers run with --durable-kv-events):
+    # a router that starts late or reconnects replays them instead of asking each worker for a dump.
+    durable_kv_events: bool = False
     track_active_blocks: bool = True
     assume_kv_reuse: bool = True
     track_prefill_tokens: bool = True
@@ -108,6 +112,10 @@ _OPTIONS: tuple[Option, ...] = (
             "this long, until its events arrive (0 = off)", minimum=0.0),
     Option("replica_sync", ("--router-replica-sync",), ("DYN_ROUTER_REPLICA_SYNC",),
             "share active-request load with other router replicas", kind=bool),
+    Option("durable_kv_events", ("--router-durable-kv-events",), ("DYN_ROUTER_DURABLE_KV_EVENTS",),
+            "replay the workers' KV events from NATS JetStream (workers run with --durable-kv-events) when this "
+            "router starts or reconnects, instead of asking each worker for its recent events (needs "
+            "--event-plane nats)", kind=bool),
     Option("track_active_blocks", ("--router-track-active-blocks", "--track-active-blocks"),
             ("DYN_ROUTER_TRACK_ACTIVE_BLOCKS",), "count the KV blocks of requests in flight as decode load",
             kind=bool),
@@ -153,6 +161,11 @@ def parse_args_with_router_config(parser: argparse.ArgumentParser, argv: list[st
     args = parser.parse_args(argv)
     try:
         args.router_config = config_from_args(args)
+        if args.router_config.durable_kv_events:
+            plane = RuntimeConfig.from_args(args).event_plane
+            if plane != "nats":
+                raise ValueError("--router-durable-kv-events (DYN_ROUTER_DURABLE_KV_EVENTS): durable KV events are "
+                                 f"kept in NATS JetStream; they need --event-plane nats (DYN_EVENT_PLANE), not {plane}")
     except ValueError as e:
         parser.error(str(e))
     return args

@@ -32,6 +32,7 @@ from tandem.router.protocols import (
     WORKER_KV_INDEXER_QUERY_ENDPOINT,
     KvEventsAnswer,
     KvEventsQuery,
+    RouterEvent,
     router_event_from_builtins,
 )
 from tandem.router.selector import WorkerLoad, select_worker, worker_costs
@@ -41,6 +42,10 @@ from tandem.runtime.keys import parse_endpoint_path
 ACTIVE_SEQUENCES_TOPIC = "active_sequences_events"
 
 log = logging.getLogger(__name__)
+
+# Durable mode: replayed events kept per worker not yet in discovery, and for how long after its last one
+EARLY_LIMIT = 100_000
+EARLY_KEEP = 30.0
 
 _OVERLAP_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 _DECISION_BUCKETS = (25e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 50e-3)
@@ -185,6 +190,8 @@ class KvRouter:
         self._dp_sizes: dict[int, int] = {}  # instance id -> data-parallel ranks it serves (default 1)
         self._subscribed: set[str] = set()  # component scopes
         self._first_live: dict[WorkerKey, int] = {}  # first event id received live, per worker and dp rank
+        # Durable mode: replayed events of workers discovery has not shown yet (time of the last one, events)
+        self._early: dict[int, tuple[float, list[RouterEvent]]] = {}
         # --router-replica-sync: this router's id and its publisher of active-sequence events
         self.router_id = self.rng.getrandbits(63)
         self._sync: Any = None
@@ -204,6 +211,9 @@ class KvRouter:
             del self._workers[worker_id]
             for key in [k for k in self._first_live if k[0] == worker_id]:
                 del self._first_live[key]
+        now = time.monotonic()
+        for worker_id in [w for w, (last, _) in self._early.items() if w not in instances and now - last > EARLY_KEEP]:
+            del self._early[worker_id]  # gone, or a worker of another model
         for worker_id, path in instances.items():
             if worker_id in self._workers:
                 continue
@@ -214,8 +224,12 @@ class KvRouter:
                 if scope not in self._subscribed:
                     self._subscribed.add(scope)
                     self.runtime.spawn(self._follow_events(namespace, component))
-                for rank in range(self._dp_sizes.get(worker_id, 1)):
-                    self.runtime.spawn(self._recover(worker_id, None, rank))
+                if self.config.durable_kv_events:  # its history comes from the stream, not from a dump
+                    for event in self._early.pop(worker_id, (0.0, []))[1]:
+                        self._apply_live(event)
+                else:
+                    for rank in range(self._dp_sizes.get(worker_id, 1)):
+                        self.runtime.spawn(self._recover(worker_id, None, rank))
             if self.config.replica_sync:
                 namespace, component, _ = parse_endpoint_path(path)
                 if f"sync:{namespace}/{component}" not in self._subscribed:
@@ -223,22 +237,39 @@ class KvRouter:
                     self.runtime.spawn(self._follow_replicas(namespace, component))
 
     async def _follow_events(self, namespace: str, component: str) -> None:
-        subscriber = await self.runtime.namespace(namespace).component(component).subscribe(KV_EVENT_TOPIC)
-        applied = self.metrics.events_applied.labels(self.model)
+        durable = self.config.durable_kv_events
+        scope = self.runtime.namespace(namespace).component(component)
+        subscriber = await scope.subscribe(KV_EVENT_TOPIC, durable)
         async for raw in subscriber:
             try:
                 event = router_event_from_builtins(raw)
             except Exception as e:  # a malformed event must not stop the router
                 log.warning("ignoring malformed KV event from %s.%s: %s", namespace, component, e)
                 continue
-            if event.worker_id not in self._workers:
-                continue  # not (or no longer) a worker of this model
-            self._first_live.setdefault((event.worker_id, event.event.dp_rank), event.event.event_id)
-            before = self.indexer.events_applied
-            gap = self.indexer.apply_event(event)
-            applied.inc(self.indexer.events_applied - before)  # 0 for a duplicate
-            if gap is not None:
-                self.runtime.spawn(self._recover(event.worker_id, gap))
+            if event.worker_id in self._workers:
+                self._apply_live(event)
+            elif durable:  # replayed before discovery listed its worker: kept for when it does
+                _, early = self._early.get(event.worker_id, (0.0, []))
+                if len(early) < EARLY_LIMIT:
+                    early.append(event)
+                self._early[event.worker_id] = (time.monotonic(), early)
+            # else: not (or no longer) a worker of this model
+
+    def _apply_live(self, event: RouterEvent) -> None:
+        key = (event.worker_id, event.event.dp_rank)
+        if key not in self._first_live:
+            self._first_live[key] = event.event.event_id
+            if self.config.durable_kv_events and event.event.event_id > 0:
+                # The stream no longer holds this worker's first events (aged out, or published before the
+                # stream existed): take what the worker itself still has.
+                log.info("KV events of worker %x start at %d in the stream: asking the worker for the rest",
+                         event.worker_id, event.event.event_id)
+                self.runtime.spawn(self._recover(event.worker_id, None, event.event.dp_rank))
+        before = self.indexer.events_applied
+        gap = self.indexer.apply_event(event)
+        self.metrics.events_applied.labels(self.model).inc(self.indexer.events_applied - before)  # 0 for a duplicate
+        if gap is not None:
+            self.runtime.spawn(self._recover(event.worker_id, gap))
 
     async def _recover(self, worker_id: int, gap: EventGap | None, dp_rank: int = 0) -> None:
         """Fetch missing events from the worker's ring buffer: a gap, or everything dp rank `dp_rank`

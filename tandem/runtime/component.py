@@ -56,12 +56,14 @@ class Component:
     def endpoint(self, name: str) -> Endpoint:
         return Endpoint(self.runtime, self.namespace, self.name, name)
 
-    async def event_publisher(self, topic: str) -> EventPublisher:
-        """Publish on `topic` scoped to this component (e.g. `kv-events`, `kv_metrics`)."""
-        return await self.runtime.event_publisher(self.scope, topic)
+    async def event_publisher(self, topic: str, durable: bool = False) -> EventPublisher:
+        """Publish on `topic` scoped to this component (e.g. `kv-events`, `kv_metrics`); `durable` keeps
+        the events in a JetStream stream too (NATS event plane only)."""
+        return await self.runtime.event_publisher(self.scope, topic, durable)
 
-    async def subscribe(self, topic: str) -> EventSubscriber:
-        return await self.runtime.subscribe(self.scope, topic)
+    async def subscribe(self, topic: str, durable: bool = False) -> EventSubscriber:
+        """`durable`: replay the topic's JetStream stream first, then follow it live."""
+        return await self.runtime.subscribe(self.scope, topic, durable)
 
 
 class Endpoint:

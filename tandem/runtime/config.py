@@ -58,6 +58,15 @@ class RuntimeConfig:
     tcp_max_message_size: int = 32 * 1024 * 1024
     tcp_request_timeout: float = 10.0
     tcp_connect_timeout: float = 3.0
+    # NATS (request and event planes); auth options as Dynamo reads them
+    nats_server: str = "nats://localhost:4222"
+    nats_user: str | None = None
+    nats_password: str | None = None
+    nats_token: str | None = None
+    nats_nkey: str | None = None  # an NKEY seed file
+    nats_credentials_file: str | None = None
+    nats_request_timeout: float = 10.0
+    nats_connect_timeout: float = 3.0
     # Event plane
     event_host: str | None = None  # None = same as tcp_host
     # System status server
@@ -104,6 +113,14 @@ class RuntimeConfig:
             tcp_max_message_size=int(env_number("DYN_TCP_MAX_MESSAGE_SIZE", 32 * 1024 * 1024, int)),
             tcp_request_timeout=env_number("DYN_TCP_REQUEST_TIMEOUT", 10.0),
             tcp_connect_timeout=env_number("DYN_TCP_CONNECT_TIMEOUT", 3.0),
+            nats_server=env_str("NATS_SERVER", "nats://localhost:4222"),  # type: ignore[arg-type]
+            nats_user=env_str("NATS_AUTH_USERNAME"),
+            nats_password=env_str("NATS_AUTH_PASSWORD"),
+            nats_token=env_str("NATS_AUTH_TOKEN"),
+            nats_nkey=env_str("NATS_AUTH_NKEY"),
+            nats_credentials_file=env_str("NATS_AUTH_CREDENTIALS_FILE"),
+            nats_request_timeout=env_number("DYN_NATS_REQUEST_TIMEOUT_SECS", 10.0),
+            nats_connect_timeout=env_number("DYN_NATS_CONNECT_TIMEOUT_SECS", 3.0),
             event_host=env_str("DYN_EVENT_PLANE_HOST"),
             system_host=env_str("DYN_SYSTEM_HOST", "0.0.0.0"),  # type: ignore[arg-type]
             system_port=_port("DYN_SYSTEM_PORT", system_port) if system_port else None,
@@ -142,8 +159,8 @@ class RuntimeConfig:
         for setting, flag, env, value, built, later in (
             ("discovery backend", "--discovery-backend", "DYN_DISCOVERY_BACKEND", self.discovery_backend, BACKENDS,
              "kubernetes"),
-            ("request plane", "--request-plane", "DYN_REQUEST_PLANE", self.request_plane, ("tcp",), "nats"),
-            ("event plane", "--event-plane", "DYN_EVENT_PLANE", self.event_plane, ("zmq",), "nats"),
+            ("request plane", "--request-plane", "DYN_REQUEST_PLANE", self.request_plane, ("tcp", "nats"), None),
+            ("event plane", "--event-plane", "DYN_EVENT_PLANE", self.event_plane, ("zmq", "nats"), None),
         ):
             if value == later:
                 raise ConfigError(f"{flag} {value} ({env}): the {value} {setting} is not built yet in tandem; "
@@ -184,10 +201,10 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup
     )
     group.add_argument(
         "--request-plane", default=None, choices=["tcp", "nats"], type=str.lower,
-        help="transport for requests to workers [env DYN_REQUEST_PLANE, default tcp]",
+        help="transport for requests to workers [env DYN_REQUEST_PLANE, default tcp; nats: NATS_SERVER]",
     )
     group.add_argument(
         "--event-plane", default=None, choices=["zmq", "nats"], type=str.lower,
-        help="transport for KV events and metrics [env DYN_EVENT_PLANE, default zmq]",
+        help="transport for KV events and metrics [env DYN_EVENT_PLANE, default zmq; nats: NATS_SERVER]",
     )
     return group

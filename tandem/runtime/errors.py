@@ -38,12 +38,10 @@ class InvalidRequestError(TandemError):
 
 
 class MessageTooLargeError(TandemError):
-    """A message exceeds the request plane's maximum size (DYN_TCP_MAX_MESSAGE_SIZE)."""
+    """A message exceeds the request plane's maximum size; `hint` says which setting raises it."""
 
-    def __init__(self, size: int, limit: int) -> None:
-        super().__init__(
-            f"message of {size} bytes exceeds the maximum of {limit} bytes (raise DYN_TCP_MAX_MESSAGE_SIZE)"
-        )
+    def __init__(self, size: int, limit: int, hint: str = "raise DYN_TCP_MAX_MESSAGE_SIZE") -> None:
+        super().__init__(f"message of {size} bytes exceeds the maximum of {limit} bytes ({hint})")
         self.size = size
         self.limit = limit
 

@@ -20,6 +20,7 @@ from tandem.runtime.discovery.etcd import EtcdUnavailable
 from tandem.runtime.event_plane import EventPublisher, EventSubscriber
 from tandem.runtime.keys import parse_endpoint_path
 from tandem.runtime.metrics import RuntimeCollector
+from tandem.runtime.natsconn import NatsConnection
 from tandem.runtime.request_plane import make_request_plane
 from tandem.runtime.system_server import EngineRoute, JsonRoute, SystemHealth, SystemStatusServer
 
@@ -36,7 +37,10 @@ class DistributedRuntime:
         self.store: KeyValueStore = make_store(
             self.config.discovery_backend, file_root=self.config.file_kv_root, ttl=self.config.discovery_ttl
         )
-        self.request_server, self.request_client = make_request_plane(self.config.request_plane, self.config)
+        uses_nats = "nats" in (self.config.request_plane, self.config.event_plane)
+        self.nats = NatsConnection(self.config) if uses_nats else None
+        self.request_server, self.request_client = make_request_plane(
+            self.config.request_plane, self.config, self.nats, lambda: self.instance_id)
         self.registry = CollectorRegistry(auto_describe=True)
         self.collector = RuntimeCollector()
         self.registry.register(self.collector)
@@ -67,6 +71,8 @@ class DistributedRuntime:
         except EtcdUnavailable as e:  # the discovery server the user named: their setting, not a crash
             raise ConfigError(str(e)) from None
         try:
+            if self.nats is not None:
+                await self.nats.start()
             await self.request_server.start()
             if self.config.system_port is not None:
                 self.system_server = SystemStatusServer(self.config, self.health, self.registry)
@@ -74,6 +80,8 @@ class DistributedRuntime:
         except BaseException:
             # e.g. the system port is taken: release what started so the process can exit cleanly
             await self.request_server.close()
+            if self.nats is not None:
+                await self.nats.close()
             await self.store.close()
             raise
         log.info(
@@ -101,7 +109,7 @@ class DistributedRuntime:
             raise RuntimeError("the runtime is shutting down; cannot serve new endpoints")
         if served.path in self._served:
             raise ValueError(f"{served.path} is already served by this process")
-        self.request_server.add_endpoint(served.path, served)
+        await self.request_server.add_endpoint(served.path, served)
         self.collector.endpoints.append(served.stats)
         self._served[served.path] = served
         await self.register_key(served.key, served.record())
@@ -150,22 +158,46 @@ class DistributedRuntime:
         self.health.set_ready(ready)
 
     # -- events --------------------------------------------------------------------------------
-    async def event_publisher(self, scope: str, topic: str) -> EventPublisher:
-        from tandem.runtime.event_plane.zmq import ZmqPublisher
+    async def event_publisher(self, scope: str, topic: str, durable: bool = False) -> EventPublisher:
+        publisher: EventPublisher
+        if self.config.event_plane == "nats":
+            from tandem.runtime.event_plane.nats import DurablePublisher, NatsPublisher, ensure_stream
 
-        host = self.config.event_host or self.config.tcp_host or detect_host()
-        publisher = ZmqPublisher(self.store, scope, topic, host)
-        await publisher.register()
+            assert self.nats is not None
+            publisher = (DurablePublisher if durable else NatsPublisher)(self.nats, scope, topic)
+            if durable:
+                await ensure_stream(self.nats, publisher.subject)
+        else:
+            from tandem.runtime.event_plane.zmq import ZmqPublisher
+
+            self._refuse_durable(durable)
+            host = self.config.event_host or self.config.tcp_host or detect_host()
+            publisher = ZmqPublisher(self.store, scope, topic, host)
+            await publisher.register()
         self._publishers.append(publisher)
         return publisher
 
-    async def subscribe(self, scope: str, topic: str) -> EventSubscriber:
-        from tandem.runtime.event_plane.zmq import ZmqSubscriber
+    async def subscribe(self, scope: str, topic: str, durable: bool = False) -> EventSubscriber:
+        subscriber: EventSubscriber
+        if self.config.event_plane == "nats":
+            from tandem.runtime.event_plane.nats import DurableSubscriber, NatsSubscriber
 
-        subscriber = ZmqSubscriber(self.store, scope, topic)
-        await subscriber.start()
+            assert self.nats is not None
+            subscriber = (DurableSubscriber if durable else NatsSubscriber)(self.nats, scope, topic)
+            await subscriber.start()
+        else:
+            from tandem.runtime.event_plane.zmq import ZmqSubscriber
+
+            self._refuse_durable(durable)
+            subscriber = ZmqSubscriber(self.store, scope, topic)
+            await subscriber.start()
         self._subscribers.append(subscriber)
         return subscriber
+
+    def _refuse_durable(self, durable: bool) -> None:
+        if durable:
+            raise ConfigError("durable KV events (--durable-kv-events, --router-durable-kv-events) are kept in NATS "
+                              "JetStream: they need --event-plane nats (DYN_EVENT_PLANE=nats)")
 
     # -- lifecycle -----------------------------------------------------------------------------
     def spawn(self, coro: Any) -> asyncio.Task[Any]:
@@ -219,7 +251,7 @@ class DistributedRuntime:
                 await asyncio.sleep(config.graceful_shutdown_grace_period)
             # 3. Stop accepting.
             for path in self._served:
-                self.request_server.remove_endpoint(path)
+                await self.request_server.remove_endpoint(path)
             # 4. Drain in-flight streams of graceful endpoints, bounded.
             draining = [s for s in self._served.values() if s.graceful_shutdown]
             deadline = asyncio.get_running_loop().time() + config.graceful_shutdown_timeout
@@ -245,6 +277,8 @@ class DistributedRuntime:
                 await publisher.close()
             await self.request_server.close()
             await self.request_client.close()
+            if self.nats is not None:
+                await self.nats.close()
             if self.system_server is not None:
                 await self.system_server.close()
             await self.store.close()

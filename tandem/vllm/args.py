@@ -30,7 +30,13 @@ from tandem.models.prepare import MODEL_NAME, PrepareError, is_default_model
 from tandem.models.resolve import resolve_model
 from tandem.runtime.config import RuntimeConfig, add_runtime_args, detect_host, env_bool, env_str
 from tandem.runtime.options import MIGRATION_LIMIT, Option, add_options, apply_options
-from tandem.worker.config import PARSER_OPTIONS, DisaggregationMode, check_parser_options
+from tandem.worker.config import (
+    DURABLE_KV_EVENTS,
+    PARSER_OPTIONS,
+    DisaggregationMode,
+    check_durable_kv_events,
+    check_parser_options,
+)
 
 if TYPE_CHECKING:
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -121,6 +127,7 @@ class Config:
     connector: list[str] = field(default_factory=lambda: list(DEFAULT_CONNECTORS))  # [] = no connector
     migration_limit: int = 0
     enable_local_indexer: bool = True
+    durable_kv_events: bool = False
     custom_jinja_template: str | None = None  # absolute path, ~ and $VARS expanded
     endpoint_types: str = DEFAULT_ENDPOINT_TYPES
     dump_config_to: str | None = None
@@ -242,20 +249,12 @@ _DYNAMO_OPTIONS = (
     Option("sleep_mode_level", ("--sleep-mode-level",), ("DYN_VLLM_SLEEP_MODE_LEVEL",),
            "1: offload weights to CPU, 2: discard weights, 3: discard all", kind=int),
     *PARSER_OPTIONS,
+    DURABLE_KV_EVENTS,
 )
 _CPU_OPTIONS = (
     Option("cpu_cores", ("--cpu-cores",), ("TANDEM_CPU_CORES",),
            "cores this engine's threads bind to, e.g. 0 or 2-3; sets VLLM_CPU_OMP_THREADS_BIND unless it is "
            "already set. Give each engine on a host its own cores", kind=str),
-)
-
-
-# Dynamo settings that tandem does not act on yet: each is refused by name, with what it would need,
-# rather than accepted and ignored.
-_NOT_BUILT_OPTIONS = (
-    (Option("durable_kv_events", ("--durable-kv-events",), ("DYN_DURABLE_KV_EVENTS",),
-            "publish KV events durably (NATS JetStream)", kind=bool),
-     "durable KV events need the NATS event plane, which is not built yet in tandem"),
 )
 
 
@@ -297,10 +296,6 @@ def build_dynamo_parser() -> argparse.ArgumentParser:
         else:
             mm.add_argument(flag, action="store_true", default=env_bool(env), help=f"[env {env}]")
 
-    later = parser.add_argument_group("Dynamo vLLM Options not built yet",
-                                      "each is refused, naming it and why, with exit status 2")
-    for option, _ in _NOT_BUILT_OPTIONS:
-        option.add_to(later, None)
     add_options(parser.add_argument_group("tandem CPU Options"), _CPU_OPTIONS, Config)
     return parser
 
@@ -399,13 +394,11 @@ def build_config(argv: list[str] | None = None, *, is_cpu: bool | None = None, a
         connector=list(dyn.connector),
         is_cpu=is_cpu,
     )
-    for option, why in _NOT_BUILT_OPTIONS:
-        if option.value(dyn):
-            raise ValueError(f"{option.flags[0]} ({option.envs[0]}): {why}")
     apply_options(config, _DYNAMO_OPTIONS + _CPU_OPTIONS, dyn)
     config.namespace = config.runtime.namespace
     config.validate()
     check_parser_options(config.dyn_tool_call_parser, config.dyn_reasoning_parser)
+    check_durable_kv_events(config.durable_kv_events, config.runtime.event_plane)
     if config.use_vllm_tokenizer and (config.dyn_tool_call_parser or config.dyn_reasoning_parser):
         raise ValueError("--dyn-tool-call-parser and --dyn-reasoning-parser need token input: with "
                          "--use-vllm-tokenizer the engine's text is relayed to clients unparsed")

@@ -123,7 +123,8 @@ async def _serve(config: Config, runtime: DistributedRuntime, shutdown_event: as
         if config.use_kv_events and config.kv_events_endpoint:
             for rank in range(vllm_config.parallel_config.data_parallel_size):
                 relay = KvEventRelay(component, worker_id=worker_id, kv_block_size=block_size,
-                                     zmq_endpoint=_offset_port(config.kv_events_endpoint, rank), dp_rank=rank)
+                                     zmq_endpoint=_offset_port(config.kv_events_endpoint, rank), dp_rank=rank,
+                                     durable=config.durable_kv_events)
                 await relay.start()
                 relays.append(relay)
         runtime.register_engine_route("sleep", handler.sleep)

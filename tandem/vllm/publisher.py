@@ -134,8 +134,9 @@ def _mm_hashes(extra_keys: Any, n_blocks: int) -> list[list[int] | None] | None:
 class KvEventRelay(KvEventPublisher):
     """Relay one vLLM engine's (one dp rank's) KV events onto the event plane.
 
-    `component` is the worker's component (events go to its `kv-events` topic); `worker_id` is the
-    worker's instance id. A `publisher` may be given instead of letting `start()` create one.
+    `component` is the worker's component (events go to its `kv-events` topic, kept in JetStream too when
+    `durable`); `worker_id` is the worker's instance id. A `publisher` may be given instead of letting
+    `start()` create one.
     """
 
     def __init__(
@@ -149,6 +150,7 @@ class KvEventRelay(KvEventPublisher):
         buffer_size: int = WORKER_KV_INDEXER_BUFFER_SIZE,
         zmq_topic: str = "",
         publisher: SupportsPublish | None = None,
+        durable: bool = False,
     ) -> None:
         if kv_block_size <= 0:
             raise ValueError(f"kv_block_size must be positive, got {kv_block_size}")
@@ -157,6 +159,7 @@ class KvEventRelay(KvEventPublisher):
         self.kv_block_size = kv_block_size
         self.zmq_endpoint = zmq_endpoint.replace("*", "127.0.0.1")
         self.zmq_topic = zmq_topic
+        self.durable = durable
         self._owned_publisher: EventPublisher | None = None
         self._last_seq: int | None = None
         self._socket: zmq.asyncio.Socket | None = None
@@ -173,7 +176,7 @@ class KvEventRelay(KvEventPublisher):
         if self._task is not None:
             return self
         if self._publisher is None:
-            self._owned_publisher = await self.component.event_publisher(KV_EVENT_TOPIC)
+            self._owned_publisher = await self.component.event_publisher(KV_EVENT_TOPIC, self.durable)
             self._publisher = self._owned_publisher
         socket = zmq.asyncio.Context.instance().socket(zmq.SUB)
         socket.setsockopt(zmq.LINGER, 0)

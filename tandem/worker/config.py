@@ -46,6 +46,21 @@ PARSER_OPTIONS = (
 )
 
 
+# Every worker kind that publishes KV events takes it.
+DURABLE_KV_EVENTS = Option(
+    "durable_kv_events", ("--durable-kv-events",), ("DYN_DURABLE_KV_EVENTS",),
+    "also keep this worker's KV events in a NATS JetStream stream, so that a router started with "
+    "--router-durable-kv-events replays them when it starts late or reconnects (needs --event-plane nats)",
+    kind=bool)
+
+
+def check_durable_kv_events(durable: bool, event_plane: str) -> None:
+    """Raises ValueError when durable KV events are asked for without the NATS event plane."""
+    if durable and event_plane != "nats":
+        raise ValueError(f"--durable-kv-events (DYN_DURABLE_KV_EVENTS): durable KV events are kept in NATS "
+                         f"JetStream; they need --event-plane nats (DYN_EVENT_PLANE), not {event_plane}")
+
+
 def check_parser_options(tool_call_parser: str | None, reasoning_parser: str | None) -> None:
     """Raises ValueError naming the flag and the built parsers when a parser name is not built."""
     checks = (check_tool_parser, check_reasoning_parser)

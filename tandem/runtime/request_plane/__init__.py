@@ -1,13 +1,13 @@
 """Request plane: how a request reaches a worker's endpoint and how its response stream comes back.
 
 A transport provides a server (many endpoints per process) and a client (streams to any instance).
-`tcp` is built in; `nats` can slot in behind the same two interfaces.
+`tcp` (direct connections) and `nats` (through a NATS server) are built in.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from tandem.runtime.context import Context
@@ -35,11 +35,11 @@ class RequestPlaneServer(ABC):
     async def start(self) -> None: ...
 
     @abstractmethod
-    def add_endpoint(self, path: str, service: EndpointService) -> None:
+    async def add_endpoint(self, path: str, service: EndpointService) -> None:
         """Serve `namespace.component.endpoint` with `service`."""
 
     @abstractmethod
-    def remove_endpoint(self, path: str) -> None:
+    async def remove_endpoint(self, path: str) -> None:
         """Stop taking new requests for `path`; streams already running continue."""
 
     @abstractmethod
@@ -95,9 +95,17 @@ class RequestPlaneClient(ABC):
     async def close(self) -> None: ...
 
 
-def make_request_plane(kind: str, config: Any) -> tuple[RequestPlaneServer, RequestPlaneClient]:
+def make_request_plane(
+    kind: str, config: Any, connection: Any, instance_id: Callable[[], int]
+) -> tuple[RequestPlaneServer, RequestPlaneClient]:
+    """`connection`: the process's NatsConnection (None unless a plane uses NATS); `instance_id()`: this
+    process's instance id, known once discovery has started."""
     if kind == "tcp":
         from tandem.runtime.request_plane.tcp import TcpClient, TcpServer
 
         return TcpServer(config), TcpClient(config)
+    if kind == "nats":
+        from tandem.runtime.request_plane.nats import NatsClient, NatsServer
+
+        return NatsServer(config, connection, instance_id), NatsClient(config, connection)
     raise ValueError(f"unknown request plane {kind!r}")  # RuntimeConfig.validate refuses it first

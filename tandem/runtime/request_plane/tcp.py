@@ -4,9 +4,7 @@ One connection per (client process, server) carries many concurrent streams. Aft
 that identifies the protocol, every message is a frame: a 13-byte header (payload length u32,
 kind u8, stream id u64, big-endian) and a msgpack payload.
 
-client -> server: REQUEST {e: endpoint, id: request id, b: body}, STOP, KILL
-server -> client: PROLOGUE (accepted), DATA (one item), END (complete), ERROR {message, code},
-                  INCOMPLETE (handler gave up mid-stream: EngineShutdown)
+The frame kinds and their meaning are in `framed`.
 
 A stream that stops without END/ERROR/INCOMPLETE because the connection dropped is incomplete too;
 the server treats a dropped connection as KILL of all its streams. Server writes are coalesced per
@@ -16,29 +14,34 @@ event-loop tick, so a unary reply (PROLOGUE, DATA, END) leaves in one syscall.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import struct
-import time
 from typing import Any
 
 import msgspec
 
 from tandem.runtime.config import RuntimeConfig, detect_host
 from tandem.runtime.context import Context
-from tandem.runtime.errors import (
-    EngineShutdown,
-    InstanceUnreachableError,
-    InvalidRequestError,
-    MessageTooLargeError,
-    RemoteError,
-    StreamIncompleteError,
-)
+from tandem.runtime.errors import InstanceUnreachableError, MessageTooLargeError, RemoteError
 from tandem.runtime.request_plane import (
     EndpointService,
     RequestPlaneClient,
     RequestPlaneServer,
     ResponseStream,
+)
+from tandem.runtime.request_plane.framed import (
+    CLIENT_KINDS,
+    ERROR,
+    KILL,
+    PROLOGUE,
+    REQUEST,
+    SERVER_KINDS,
+    STOP,
+    FramedResponseStream,
+    decode,
+    encode,
+    error_payload,
+    serve_stream,
 )
 
 log = logging.getLogger(__name__)
@@ -46,17 +49,9 @@ log = logging.getLogger(__name__)
 MAGIC = b"TNDMRP01"
 HEADER = struct.Struct(">IBQ")
 HEADER_SIZE = HEADER.size
-
-REQUEST, STOP, KILL = 1, 2, 3
-PROLOGUE, DATA, END, ERROR, INCOMPLETE = 16, 17, 18, 19, 20
-_CLIENT_KINDS = frozenset((REQUEST, STOP, KILL))
-_SERVER_KINDS = frozenset((PROLOGUE, DATA, END, ERROR, INCOMPLETE))
+_LIMIT_HINT = "raise DYN_TCP_MAX_MESSAGE_SIZE"
 
 _FLUSH_AT = 256 * 1024  # write out the coalescing buffer early once it holds this much
-
-_encode = msgspec.msgpack.Encoder().encode
-_decode = msgspec.msgpack.Decoder().decode
-
 
 def _frame(kind: int, stream_id: int, payload: bytes = b"") -> bytes:
     return HEADER.pack(len(payload), kind, stream_id) + payload
@@ -114,7 +109,7 @@ class _FrameReader:
 class _ServerConnection(asyncio.Protocol):
     def __init__(self, server: TcpServer) -> None:
         self.server = server
-        self.reader = _FrameReader(server.max_size, _CLIENT_KINDS)
+        self.reader = _FrameReader(server.max_size, CLIENT_KINDS)
         self.greeted = False
         self.head = b""
         self.streams: dict[int, tuple[Context, asyncio.Task[None]]] = {}
@@ -201,7 +196,7 @@ class _ServerConnection(asyncio.Protocol):
             self.transport.write(data)
 
     def send_error(self, stream_id: int, message: str, code: int) -> None:
-        self.send(ERROR, stream_id, _encode({"message": message, "code": code}))
+        self.send(ERROR, stream_id, error_payload(message, code))
 
     def _on_request(self, stream_id: int, payload: bytes | int) -> None:
         if isinstance(payload, int):
@@ -210,7 +205,7 @@ class _ServerConnection(asyncio.Protocol):
             self.send_error(stream_id, str(MessageTooLargeError(payload, self.server.max_size)), 413)
             return
         try:
-            message = _decode(payload)
+            message = decode(payload)
             endpoint, request_id, body = message["e"], message.get("id"), message.get("b")
         except (msgspec.DecodeError, KeyError, TypeError) as e:
             log.warning("rejected malformed request from %s: %s", self.peer, e)
@@ -223,67 +218,12 @@ class _ServerConnection(asyncio.Protocol):
         context = Context(request_id if isinstance(request_id, str) else None)
         self.send(PROLOGUE, stream_id)
         task = asyncio.get_running_loop().create_task(
-            self._run(stream_id, endpoint, service, body, context, len(payload))
+            serve_stream(self, stream_id, endpoint, service, body, context, len(payload), self.server.max_size,
+                         self.server.inflight_counts, _LIMIT_HINT)
         )
         self.streams[stream_id] = (context, task)
         # on done, not in _run's finally: a task killed before it ever ran has no finally
         task.add_done_callback(lambda _: self.streams.pop(stream_id, None))
-
-    async def _run(
-        self, stream_id: int, endpoint: str, service: EndpointService, body: Any, context: Context, nbytes: int
-    ) -> None:
-        sent = 0
-        outcome = "error"
-        started = time.perf_counter()
-        counts = self.server.inflight_counts
-        counts[endpoint] = counts.get(endpoint, 0) + 1
-        items: Any = None
-        try:
-            items = service.stream(body, context)
-            async for item in items:
-                if context.is_killed() or self.closed:
-                    break
-                data = _encode(item)
-                if len(data) > self.server.max_size:
-                    log.error("%s: response item of %d bytes exceeds the %d-byte limit", endpoint, len(data),
-                              self.server.max_size)
-                    self.send_error(stream_id, str(MessageTooLargeError(len(data), self.server.max_size)), 413)
-                    return
-                self.send(DATA, stream_id, data)
-                sent += len(data)
-                if not self.writable.is_set():
-                    await self.writable.wait()
-            if context.is_killed() or self.closed:
-                outcome = "cancelled"
-            else:
-                self.send(END, stream_id)
-                outcome = "ok"
-        except InvalidRequestError as e:
-            log.warning("%s: rejected request %s: %s", endpoint, context.id(), e)
-            self.send_error(stream_id, str(e), 400)
-        except EngineShutdown:
-            self.send(INCOMPLETE, stream_id)
-            outcome = "incomplete"
-        except asyncio.CancelledError:
-            outcome = "cancelled"  # killed: nothing more goes to the client
-        except Exception as e:
-            log.exception("%s: handler failed on request %s", endpoint, context.id())
-            self.send_error(stream_id, f"{type(e).__name__}: {e}", 500)
-        finally:
-            if items is not None:
-                await _close_quietly(items)
-            counts[endpoint] -= 1
-            service.account(nbytes, sent, time.perf_counter() - started, outcome)
-
-
-async def _close_quietly(items: Any) -> None:
-    aclose = getattr(items, "aclose", None)
-    if aclose is not None:
-        try:
-            await aclose()
-        except (Exception, asyncio.CancelledError):
-            log.debug("error closing a handler's stream", exc_info=True)
-
 
 class TcpServer(RequestPlaneServer):
     def __init__(self, config: RuntimeConfig) -> None:
@@ -305,10 +245,10 @@ class TcpServer(RequestPlaneServer):
         self.port = self._server.sockets[0].getsockname()[1]
         log.debug("request plane listening on %s:%d", self.host, self.port)
 
-    def add_endpoint(self, path: str, service: EndpointService) -> None:
+    async def add_endpoint(self, path: str, service: EndpointService) -> None:
         self.endpoints[path] = service
 
-    def remove_endpoint(self, path: str) -> None:
+    async def remove_endpoint(self, path: str) -> None:
         self.endpoints.pop(path, None)
 
     def inflight(self, path: str) -> int:
@@ -330,115 +270,12 @@ class TcpServer(RequestPlaneServer):
 # Client
 # ------------------------------------------------------------------------------------------------
 
-_OPEN, _ENDED, _FAILED, _CUT, _KILLED = range(5)
-
-
-class TcpResponseStream(ResponseStream):
-    def __init__(self, conn: _ClientConnection, stream_id: int, context: Context, where: str) -> None:
-        self._conn = conn
-        self._id = stream_id
-        self._context = context
-        self._where = where
-        self._items: collections.deque[bytes] = collections.deque()
-        self._state = _OPEN
-        self._error: BaseException | None = None
-        self._waiter: asyncio.Future[None] | None = None
-        self.accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._unlink = context.on_signal(self._on_signal)
-
-    @property
-    def completed(self) -> bool:
-        return self._state == _ENDED
-
-    @property
-    def buffered(self) -> bool:
-        return bool(self._items)
-
-    def _on_signal(self, killed: bool) -> None:
-        if self._state != _OPEN:
-            return
-        if killed:
-            self._conn.send(KILL, self._id)
-            self._finish(_KILLED)
-        else:
-            self._conn.send(STOP, self._id)
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def _finish(self, state: int, error: BaseException | None = None) -> None:
-        if self._state != _OPEN:
-            return
-        self._state = state
-        self._error = error
-        self._conn.streams.pop(self._id, None)
-        self._unlink()
-        if not self.accepted.done():
-            if error is not None:
-                self.accepted.set_exception(error)
-            else:
-                self.accepted.set_result(None)
-        self._wake()
-
-    def _on_frame(self, kind: int, payload: bytes) -> None:
-        if kind == DATA:
-            self._items.append(payload)
-            self._wake()
-        elif kind == PROLOGUE:
-            if not self.accepted.done():
-                self.accepted.set_result(None)
-        elif kind == END:
-            self._finish(_ENDED)
-        elif kind == ERROR:
-            info = _decode(payload)
-            message, code = str(info.get("message")), int(info.get("code", 500))
-            if code == 503 and not self.accepted.done():
-                self._finish(_FAILED, InstanceUnreachableError(f"{self._where}: {message}"))
-            else:
-                self._finish(_FAILED, RemoteError(message, code))
-        elif kind == INCOMPLETE:
-            self._finish(_CUT, StreamIncompleteError(f"{self._where}: the worker ended the stream early"))
-
-    def _on_lost(self, reason: str) -> None:
-        if not self.accepted.done():
-            self._finish(_FAILED, InstanceUnreachableError(f"{self._where}: {reason}"))
-        else:
-            self._finish(_CUT, StreamIncompleteError(f"{self._where}: stream cut off ({reason})"))
-
-    def __aiter__(self) -> TcpResponseStream:
-        return self
-
-    async def __anext__(self) -> Any:
-        while True:
-            if self._items:
-                return _decode(self._items.popleft())
-            state = self._state
-            if state == _OPEN:
-                self._waiter = asyncio.get_running_loop().create_future()
-                try:
-                    await self._waiter
-                finally:
-                    self._waiter = None
-                continue
-            if state == _ENDED or state == _KILLED:
-                raise StopAsyncIteration
-            assert self._error is not None
-            raise self._error
-
-    async def aclose(self) -> None:
-        if self._state == _OPEN:
-            self._conn.send(KILL, self._id)
-            self._finish(_KILLED)
-
-
 class _ClientConnection(asyncio.Protocol):
     def __init__(self, client: TcpClient, address: str) -> None:
         self.client = client
         self.address = address
-        self.reader = _FrameReader(client.max_size, _SERVER_KINDS)
-        self.streams: dict[int, TcpResponseStream] = {}
+        self.reader = _FrameReader(client.max_size, SERVER_KINDS)
+        self.streams: dict[int, FramedResponseStream] = {}
         self.next_id = 1
         self.transport: asyncio.Transport | None = None
         self.closed = False
@@ -460,16 +297,16 @@ class _ClientConnection(asyncio.Protocol):
             if stream is None:
                 continue
             if isinstance(payload, int):
-                stream._finish(_FAILED, RemoteError(str(MessageTooLargeError(payload, self.reader.max_size)), 413))
+                stream.fail(RemoteError(str(MessageTooLargeError(payload, self.reader.max_size)), 413))
             else:
-                stream._on_frame(kind, payload)
+                stream.on_frame(kind, payload)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.client._forget(self)
         reason = f"connection lost: {exc}" if exc else "connection closed by the worker"
         for stream in list(self.streams.values()):
-            stream._on_lost(reason)
+            stream.on_lost(reason)
 
     def send(self, kind: int, stream_id: int, payload: bytes = b"") -> None:
         if not self.closed and self.transport is not None:
@@ -522,28 +359,16 @@ class TcpClient(RequestPlaneClient):
         address = transport.get("tcp")
         if address is None:
             raise InstanceUnreachableError(f"instance has no tcp address: {transport}")
-        payload = _encode({"e": endpoint, "id": context.id(), "b": request})
+        payload = encode({"e": endpoint, "id": context.id(), "b": request})
         if len(payload) > self.max_size:
             raise MessageTooLargeError(len(payload), self.max_size)
         conn = await self._connection(address)
         stream_id = conn.next_id
         conn.next_id += 1
-        stream = TcpResponseStream(conn, stream_id, context, f"{endpoint}@{address}")
+        stream = FramedResponseStream(conn, stream_id, context, f"{endpoint}@{address}")
         conn.streams[stream_id] = stream
         conn.send(REQUEST, stream_id, payload)
-        if context.is_stopped():  # signalled before the stream existed: forward it now
-            stream._on_signal(context.is_killed())
-        if not stream.accepted.done():
-            try:
-                await asyncio.wait_for(asyncio.shield(stream.accepted), self.request_timeout)
-            except TimeoutError:
-                conn.send(KILL, stream_id)
-                stream._finish(_FAILED, InstanceUnreachableError(f"{endpoint}@{address}: not accepted in time"))
-            except asyncio.CancelledError:  # the caller went away: the request must not run on unseen
-                stream._on_signal(True)
-                raise
-        # surface a refusal (unknown endpoint, too large, unreachable) here rather than on iteration
-        stream.accepted.result()
+        await stream.wait_accepted(self.request_timeout)
         return stream
 
     async def close(self) -> None:

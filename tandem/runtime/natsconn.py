@@ -1,0 +1,136 @@
+"""One NATS connection per process, shared by the NATS request plane and the NATS event plane.
+
+The connection reconnects by itself for as long as the process lives; the planes listen for its
+disconnects (what was in flight may be lost) and reconnects (subscriptions are restored by the client).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from urllib.parse import urlsplit
+
+import nats
+import nats.errors
+from nats.aio.client import Client
+
+from tandem.runtime.config import ConfigError, RuntimeConfig
+
+log = logging.getLogger(__name__)
+
+RECONNECT_WAIT = 0.25  # seconds between attempts to reach a server
+
+
+class NatsConnection:
+    def __init__(self, config: RuntimeConfig) -> None:
+        self.config = config
+        self.servers = [s.strip() for s in config.nats_server.split(",") if s.strip()]
+        self._nc: Client | None = None
+        self._starting: asyncio.Task[None] | None = None
+        self._up = asyncio.Event()
+        self.reconnected_at = float("-inf")  # monotonic time of the last reconnect
+        self._disconnect_listeners: list[Callable[[], None]] = []
+        self._reconnect_listeners: list[Callable[[], None]] = []
+
+    @property
+    def nc(self) -> Client:
+        assert self._nc is not None, "NatsConnection.start() first"
+        return self._nc
+
+    @property
+    def connected(self) -> bool:
+        return self._nc is not None and self._nc.is_connected
+
+    def on_disconnect(self, listener: Callable[[], None]) -> None:
+        self._disconnect_listeners.append(listener)
+
+    def on_reconnect(self, listener: Callable[[], None]) -> None:
+        self._reconnect_listeners.append(listener)
+
+    async def start(self) -> None:
+        """Connect (once, however many planes ask). Raises ConfigError when the server cannot be reached
+        within the connect timeout, or the auth settings cannot be used."""
+        if self._starting is None:
+            self._starting = asyncio.ensure_future(self._connect())
+        await asyncio.shield(self._starting)
+
+    def _options(self) -> dict[str, object]:
+        config = self.config
+        options: dict[str, object] = {}
+        if config.nats_user is not None or config.nats_password is not None:
+            options.update(user=config.nats_user or "", password=config.nats_password or "")
+        if config.nats_token is not None:
+            options["token"] = config.nats_token
+        if config.nats_nkey is not None or config.nats_credentials_file is not None:
+            try:
+                import nkeys  # noqa: F401  (nats-py signs with it)
+            except ImportError:
+                raise ConfigError("NATS_AUTH_NKEY / NATS_AUTH_CREDENTIALS_FILE need the `nkeys` package: "
+                                  "pip install nkeys") from None
+            if config.nats_nkey is not None:
+                options["nkeys_seed"] = config.nats_nkey
+            if config.nats_credentials_file is not None:
+                options["user_credentials"] = config.nats_credentials_file
+        return options
+
+    async def _connect(self) -> None:
+        for server in self.servers:
+            if urlsplit(server).scheme not in ("nats", "tls", "ws", "wss"):
+                raise ConfigError(f"NATS_SERVER={self.config.nats_server!r}: expected nats://host:port[,...]")
+
+        async def disconnected() -> None:
+            self._up.clear()
+            log.warning("lost the connection to NATS; reconnecting")
+            for listener in self._disconnect_listeners:
+                listener()
+
+        async def reconnected() -> None:
+            self.reconnected_at = time.monotonic()
+            self._up.set()
+            log.info("reconnected to NATS at %s", self.nc.connected_url.netloc if self.nc.connected_url else "?")
+            for listener in self._reconnect_listeners:
+                listener()
+
+        connecting = True
+
+        async def error(e: Exception) -> None:
+            if not connecting:  # the first connect's failures are reported once, below
+                log.warning("NATS: %s", e)
+
+        timeout = self.config.nats_connect_timeout
+        try:
+            # Retries for about the connect timeout at first; once connected it reconnects forever.
+            self._nc = await asyncio.wait_for(nats.connect(
+                self.servers, connect_timeout=timeout, allow_reconnect=True,
+                max_reconnect_attempts=max(1, int(timeout / RECONNECT_WAIT)), reconnect_time_wait=RECONNECT_WAIT,
+                disconnected_cb=disconnected, reconnected_cb=reconnected, error_cb=error, name="tandem",
+                **self._options(),  # type: ignore[arg-type]
+            ), timeout + 5)
+        except (OSError, TimeoutError, nats.errors.Error) as e:
+            raise ConfigError(f"cannot reach NATS at {self.config.nats_server} (NATS_SERVER) within {timeout:g} s "
+                              f"(DYN_NATS_CONNECT_TIMEOUT_SECS): {type(e).__name__}: {e}") from None
+        connecting = False
+        self._nc.options["max_reconnect_attempts"] = -1
+        self._up.set()
+
+    async def wait_connected(self, timeout: float) -> bool:
+        """Wait up to `timeout` for the connection to be up; whether it is."""
+        if not self._up.is_set():
+            try:
+                await asyncio.wait_for(self._up.wait(), timeout)
+            except TimeoutError:
+                pass
+        return self.connected
+
+    @property
+    def max_payload(self) -> int:
+        return self.nc.max_payload
+
+    async def close(self) -> None:
+        if self._nc is not None and not self._nc.is_closed:
+            try:
+                await self._nc.drain()
+            except (nats.errors.Error, TimeoutError, OSError):
+                await self._nc.close()
