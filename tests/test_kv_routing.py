@@ -365,3 +365,85 @@ def test_data_parallel_worker_ranks_are_routed_by_their_own_caches(tmp_path: Pat
             assert cached(f"{second} turn {turn}") > 0, turn
     finally:
         deployment.stop()
+
+
+async def _durable_worker(runtime, namespace: str, dropped: set[int] = frozenset()):  # type: ignore[no-untyped-def]
+    """A worker publishing KV events durably (those in `dropped` never reach the stream), and the number of
+    times routers asked it for its events."""
+    from tandem.router.protocols import KV_EVENT_TOPIC, WORKER_KV_INDEXER_QUERY_ENDPOINT
+    from tandem.router.publisher import KvEventPublisher, indexer_query_handler
+
+    component = runtime.namespace(namespace).component("backend")
+    plane = await component.event_publisher(KV_EVENT_TOPIC, durable=True)
+
+    class Filtered:
+        def publish(self, event: dict) -> bool:
+            return event["event"]["event_id"] not in dropped and plane.publish(event)
+
+    events = KvEventPublisher(worker_id=runtime.instance_id, publisher=Filtered())
+    handler = indexer_query_handler([events])
+    asked = [0]
+
+    async def counting(request, context=None):  # type: ignore[no-untyped-def]
+        asked[0] += 1
+        async for answer in handler(request, context):
+            yield answer
+
+    await component.endpoint(WORKER_KV_INDEXER_QUERY_ENDPOINT).start_serving(counting)
+    return events, asked
+
+
+def _durable_router(runtime):  # type: ignore[no-untyped-def]
+    from prometheus_client import CollectorRegistry
+
+    from tandem.router.config import KvRouterConfig
+    from tandem.router.kv_router import KvRouter, RouterMetrics
+
+    return KvRouter(runtime, "m", block_size=BLOCK, metrics=RouterMetrics(CollectorRegistry()),
+                    config=KvRouterConfig(predicted_ttl_secs=0, durable_kv_events=True))
+
+
+async def _until_indexed(router, worker_id: int, blocks: int) -> None:  # type: ignore[no-untyped-def]
+    async with asyncio.timeout(15):
+        while router.indexer.find_matches([100 + n for n in range(blocks)]).scores.get((worker_id, 0)) != blocks:
+            await asyncio.sleep(0.02)
+
+
+async def test_durable_router_replays_workers_from_jetstream_even_before_discovery_lists_them(
+        runtimes, namespace, request) -> None:  # type: ignore[no-untyped-def]
+    """A router started after two workers published: everything comes from the streams, nothing from the
+    workers; the second worker's events, replayed before discovery listed it, wait for it."""
+    from tests.conftest import runtimes_on
+
+    on_nats = runtimes_on(runtimes, request, event_plane="nats")
+    workers = [await on_nats(), await on_nats()]
+    published = []
+    for worker in workers:
+        events, asked = await _durable_worker(worker, namespace)
+        for n in range(5):
+            events.emit(_stored(n - 1 if n else None, n))
+        published.append((events, asked))
+    await asyncio.sleep(0.5)  # acknowledged by JetStream
+    router = _durable_router(await on_nats())
+    first, second = (worker.instance_id for worker in workers)
+    router.sync_workers({first: f"{namespace}.backend.generate"})
+    await _until_indexed(router, first, 5)
+    await asyncio.sleep(0.3)  # the second worker's events have been replayed too, and kept
+    router.sync_workers({first: f"{namespace}.backend.generate", second: f"{namespace}.backend.generate"})
+    await _until_indexed(router, second, 5)
+    assert [asked[0] for _, asked in published] == [0, 0]
+
+
+async def test_durable_router_asks_the_worker_for_what_the_stream_lacks(runtimes, namespace, request) -> None:  # type: ignore[no-untyped-def]
+    """A worker whose first events are not in its stream: the router takes them from the worker's buffer."""
+    from tests.conftest import runtimes_on
+
+    on_nats = runtimes_on(runtimes, request, event_plane="nats")
+    worker = await on_nats()
+    events, asked = await _durable_worker(worker, namespace, dropped={0, 1})
+    for n in range(5):
+        events.emit(_stored(n - 1 if n else None, n))
+    router = _durable_router(await on_nats())
+    router.sync_workers({worker.instance_id: f"{namespace}.backend.generate"})
+    await _until_indexed(router, worker.instance_id, 5)
+    assert asked[0] == 1

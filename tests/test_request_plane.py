@@ -433,6 +433,7 @@ async def test_nats_uses_dynamos_subject_for_each_instance(runtimes, namespace):
     subject = natsplane.endpoint_subject(f"{namespace}.backend.generate", instance)
     assert subject == f"{namespace}_backend.generate-{instance}"
     assert natsplane.endpoint_subject("My.Comp-1.gen", "ff") == "my_comp-1.gen-ff"
+    assert natsplane.endpoint_subject("ns.c.a>b*", "ff") == "ns_c.a_b_-ff"  # never a wildcard
 
 
 @nats_only

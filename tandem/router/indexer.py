@@ -298,6 +298,11 @@ class KvIndexer:
         self.gaps_detected = 0
         self.events_recovered = 0
 
+    def expect_first(self, worker: WorkerKey, event_id: int = 0) -> None:
+        """`worker`'s events are expected from `event_id` on: if its first event has a later id, the ones
+        before it are a gap (fetched and applied first), not a history silently missing."""
+        self._last.setdefault(worker, event_id - 1)
+
     def apply_event(self, event: RouterEvent) -> EventGap | None:
         """Apply a live event. A duplicate (id <= last seen) is ignored; an id beyond last + 1 opens a
         gap, returned so the caller fetches the missing ids from the worker's ring buffer and passes them

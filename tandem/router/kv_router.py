@@ -259,12 +259,10 @@ class KvRouter:
         key = (event.worker_id, event.event.dp_rank)
         if key not in self._first_live:
             self._first_live[key] = event.event.event_id
-            if self.config.durable_kv_events and event.event.event_id > 0:
-                # The stream no longer holds this worker's first events (aged out, or published before the
-                # stream existed): take what the worker itself still has.
-                log.info("KV events of worker %x start at %d in the stream: asking the worker for the rest",
-                         event.worker_id, event.event.event_id)
-                self.runtime.spawn(self._recover(event.worker_id, None, event.event.dp_rank))
+            if self.config.durable_kv_events:
+                # The stream replays a worker from its first event. If it lacks the first ones (aged out, or
+                # published before the stream existed), they are a gap to fetch from the worker.
+                self.indexer.expect_first(key)
         before = self.indexer.events_applied
         gap = self.indexer.apply_event(event)
         self.metrics.events_applied.labels(self.model).inc(self.indexer.events_applied - before)  # 0 for a duplicate

@@ -129,8 +129,21 @@ class NatsConnection:
         return self.nc.max_payload
 
     async def close(self) -> None:
-        if self._nc is not None and not self._nc.is_closed:
+        """Flush what is pending and close; at once when NATS is unreachable (nothing could be flushed)."""
+        nc = self._nc
+        if nc is None or nc.is_closed:
+            return
+        if nc.is_connected:
             try:
-                await self._nc.drain()
+                await asyncio.wait_for(nc.drain(), 5)
+                return
             except (nats.errors.Error, TimeoutError, OSError):
-                await self._nc.close()
+                pass
+        try:
+            await nc.close()
+        except asyncio.CancelledError:
+            # nats-py closing during a reconnect attempt awaits that attempt's cancelled writer; only a
+            # cancellation of this task itself goes on.
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise

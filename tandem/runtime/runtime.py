@@ -161,12 +161,17 @@ class DistributedRuntime:
     async def event_publisher(self, scope: str, topic: str, durable: bool = False) -> EventPublisher:
         publisher: EventPublisher
         if self.config.event_plane == "nats":
-            from tandem.runtime.event_plane.nats import DurablePublisher, NatsPublisher, ensure_stream
+            from tandem.runtime.event_plane.nats import (
+                DurablePublisher,
+                NatsPublisher,
+                ensure_stream,
+                event_subject,
+            )
 
             assert self.nats is not None
-            publisher = (DurablePublisher if durable else NatsPublisher)(self.nats, scope, topic)
             if durable:
-                await ensure_stream(self.nats, publisher.subject)
+                await ensure_stream(self.nats, event_subject(scope, topic))
+            publisher = (DurablePublisher if durable else NatsPublisher)(self.nats, scope, topic)
         else:
             from tandem.runtime.event_plane.zmq import ZmqPublisher
 

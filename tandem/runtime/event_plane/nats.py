@@ -26,6 +26,7 @@ import nats.js.errors
 from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy, StreamConfig
 
+from tandem.runtime.config import ConfigError
 from tandem.runtime.event_plane import EventPublisher, EventSubscriber
 from tandem.runtime.natsconn import NatsConnection
 
@@ -56,9 +57,12 @@ def stream_name(subject: str) -> str:
 async def ensure_stream(connection: NatsConnection, subject: str) -> str:
     """The JetStream stream that keeps `subject` (created if missing); returns its name."""
     name = stream_name(subject)
-    js = connection.nc.jetstream()
+    js = connection.nc.jetstream(timeout=5.0)
     try:
         await js.stream_info(name)
+    except (nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError):
+        raise ConfigError(f"durable KV events need JetStream, which the NATS server at {connection.config.nats_server} "
+                          "does not offer (start it with -js)") from None
     except nats.js.errors.NotFoundError:
         try:
             await js.add_stream(StreamConfig(name=name, subjects=[subject], max_age=DURABLE_MAX_AGE))

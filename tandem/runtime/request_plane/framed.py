@@ -48,8 +48,13 @@ decode = msgspec.msgpack.Decoder().decode
 class FrameSink(Protocol):
     """Where a served stream's frames go (one client connection, or a NATS reply subject)."""
 
-    closed: bool
-    writable: asyncio.Event  # cleared while the transport's buffer is full
+    @property
+    def closed(self) -> bool: ...
+
+    @property
+    def writable(self) -> asyncio.Event:
+        """Cleared while the transport's buffer is full."""
+        ...
 
     def send(self, kind: int, stream_id: Any, payload: bytes = b"") -> None: ...
 
@@ -123,7 +128,7 @@ async def _close_quietly(items: Any) -> None:
 class FrameChannel(Protocol):
     """The client's way to one server: sends STOP/KILL for a stream, and holds its open streams."""
 
-    streams: dict[Any, FramedResponseStream]
+    streams: dict[Any, Any]  # stream id -> its FramedResponseStream (or a subclass)
 
     def send(self, kind: int, stream_id: Any, payload: bytes = b"") -> None: ...
 

@@ -63,6 +63,7 @@ PING_TIMEOUT = 5.0
 RESUBSCRIBE_GRACE = 3.0  # seconds after a reconnect during which "no responders" is asked again
 OUTBOX_LIMIT = 4096  # frames queued for NATS before handlers wait (backpressure)
 _NOT_SLUG = re.compile(r"[^a-z0-9_-]")
+_NOT_TOKEN = re.compile(r"[^A-Za-z0-9_-]")
 _STATUS = "Status"
 _NO_RESPONDERS = "503"
 
@@ -71,7 +72,7 @@ def endpoint_subject(path: str, instance: str) -> str:
     """Dynamo's subject for one instance of `namespace.component.endpoint` (`instance` in hex)."""
     namespace, component, endpoint = parse_endpoint_path(path)
     service = _NOT_SLUG.sub("_", f"{namespace}_{component}".lower()).lstrip("_")
-    return f"{service}.{endpoint}-{instance}"
+    return f"{service}.{_NOT_TOKEN.sub('_', endpoint)}-{instance}"  # no wildcard or separator in a name
 
 
 def control_subject(instance: str) -> str:
