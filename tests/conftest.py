@@ -294,9 +294,11 @@ class EtcdServer(ServerProcess):
     NAME = "etcd"
     INSTALLED_BY = "scripts/install.sh puts Debian's etcd-server binary in the venv"
 
-    def __init__(self, root: Path, tls: tuple[Path, Path] | None = None) -> None:
-        """`tls`: (certificate, key) to serve clients over https."""
+    def __init__(self, root: Path, tls: tuple[Path, Path] | None = None, client_ca: Path | None = None) -> None:
+        """`tls`: (certificate, key) to serve clients over https; `client_ca`: also require client certificates
+        signed by it."""
         super().__init__(root)
+        self.client_ca = client_ca
         client = free_port_range(2)
         self.client_port, self.peer_port = client, client + 1
         self.tls = tls
@@ -307,9 +309,14 @@ class EtcdServer(ServerProcess):
         self._run(["--name", "tandem-test", "--data-dir", str(self.root / "data"), "--listen-client-urls", self.url,
                    "--advertise-client-urls", self.url, "--listen-peer-urls", peer, "--initial-advertise-peer-urls",
                    peer, "--initial-cluster", f"tandem-test={peer}",
-                   *(["--cert-file", str(self.tls[0]), "--key-file", str(self.tls[1])] if self.tls else [])])
+                   *(["--cert-file", str(self.tls[0]), "--key-file", str(self.tls[1])] if self.tls else []),
+                   *(["--client-cert-auth", "--trusted-ca-file", str(self.client_ca)] if self.client_ca else [])])
 
     def _up(self) -> bool:
+        if self.client_ca:  # it would refuse a probe without a client certificate: a TLS listener is enough
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.client_port), 0.5):
+                return True
+            return False
         try:
             return httpx.get(f"{self.url}/health", timeout=1, verify=False).json().get("health") == "true"
         except (httpx.HTTPError, ValueError):

@@ -319,15 +319,33 @@ async def test_etcd_watch_resyncs_after_a_compaction(etcd):
         await store.close()
 
 
+def _self_signed(root, name: str):  # type: ignore[no-untyped-def]
+    """A self-signed certificate for 127.0.0.1 (its own authority) and its key."""
+    cert, key = root / f"{name}.pem", root / f"{name}-key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", f"/CN={name}", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    return cert, key
+
+
+def _signed(root, name: str, ca, ca_key, extensions: str):  # type: ignore[no-untyped-def]
+    """A certificate for `name` signed by `ca`, with `extensions` (openssl extfile lines), and its key."""
+    cert, key, request, ext = (root / f"{name}{suffix}" for suffix in (".pem", "-key.pem", ".csr", ".ext"))
+    ext.write_text(extensions)
+    for argv in (["req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(request), "-subj",
+                  f"/CN={name}"],
+                 ["x509", "-req", "-in", str(request), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial",
+                  "-out", str(cert), "-days", "1", "-extfile", str(ext)]):
+        subprocess.run(["openssl", *argv], check=True, capture_output=True)
+    return cert, key
+
+
 async def test_etcd_over_tls(tmp_path):
     """An https endpoint is verified: with ETCD_AUTH_CA naming the server's authority the store works;
     without it, a self-signed server is refused."""
     from tests.conftest import EtcdServer
 
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
-                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-                   check=True, capture_output=True)
+    cert, key = _self_signed(tmp_path, "server")
     server = EtcdServer(tmp_path, tls=(cert, key))
     server.start()
     try:
@@ -338,5 +356,30 @@ async def test_etcd_over_tls(tmp_path):
         await store.close()
         with pytest.raises(EtcdUnavailable, match="certificate"):
             await EtcdStore(EtcdConfig([server.url], connect_timeout=2)).start()
+    finally:
+        server.stop()
+
+
+async def test_etcd_client_certificate(tmp_path):
+    """A server that requires client certificates: ETCD_AUTH_CLIENT_CERT/KEY give one; without it the
+    store is refused, clearly, within the timeout."""
+    from tests.conftest import EtcdServer
+
+    ca, ca_key = _self_signed(tmp_path, "ca")
+    cert, key = _signed(tmp_path, "server", ca, ca_key, "subjectAltName=IP:127.0.0.1\n"
+                        "extendedKeyUsage=serverAuth,clientAuth\n")  # etcd's own gateway presents it too
+    client_cert, client_key = _signed(tmp_path, "client", ca, ca_key, "extendedKeyUsage=clientAuth\n")
+    server = EtcdServer(tmp_path, tls=(cert, key), client_ca=ca)
+    server.start()
+    try:
+        store = EtcdStore(EtcdConfig.from_env({"ETCD_ENDPOINTS": server.url, "ETCD_AUTH_CA": str(ca),
+                                               "ETCD_AUTH_CLIENT_CERT": str(client_cert),
+                                               "ETCD_AUTH_CLIENT_KEY": str(client_key)}))
+        await store.start()
+        await store.put("v1/instances/ns/c/e/1", b"with a client certificate")
+        assert await store.get("v1/instances/ns/c/e/1") == b"with a client certificate"
+        await store.close()
+        with pytest.raises(EtcdUnavailable, match="cannot reach etcd"):
+            await EtcdStore(EtcdConfig([server.url], ca_file=str(ca), connect_timeout=2)).start()
     finally:
         server.stop()
