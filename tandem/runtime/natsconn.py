@@ -94,9 +94,12 @@ class NatsConnection:
                 listener()
 
         connecting = True
+        first_errors: list[Exception] = []
 
         async def error(e: Exception) -> None:
-            if not connecting:  # the first connect's failures are reported once, below
+            if connecting:  # the first connect's failures are reported once, below
+                first_errors.append(e)
+            else:
                 log.warning("NATS: %s", e)
 
         timeout = self.config.nats_connect_timeout
@@ -109,8 +112,9 @@ class NatsConnection:
                 **self._options(),  # type: ignore[arg-type]
             ), timeout + 5)
         except (OSError, TimeoutError, nats.errors.Error) as e:
+            cause = first_errors[-1] if first_errors else e  # e.g. the server's "Authorization Violation"
             raise ConfigError(f"cannot reach NATS at {self.config.nats_server} (NATS_SERVER) within {timeout:g} s "
-                              f"(DYN_NATS_CONNECT_TIMEOUT_SECS): {type(e).__name__}: {e}") from None
+                              f"(DYN_NATS_CONNECT_TIMEOUT_SECS): {type(cause).__name__}: {cause}") from None
         connecting = False
         self._nc.options["max_reconnect_attempts"] = -1
         self._up.set()
