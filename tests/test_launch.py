@@ -93,6 +93,11 @@ def test_disaggregated_from_flags_and_from_file() -> None:
     ({"worker_cores": "0;9"}, {"workers": [{"count": 2}]}, "may only use cores 0,1,2,3"),
     ({"worker_cores": "0"}, {"workers": [{"count": 2}]}, "--worker-cores: 1 core lists for 2 workers"),
     ({"ready_timeout": 0}, None, "--ready-timeout"),
+    ({"no_frontend": True}, None, "--no-frontend: workers without a frontend join another deployment through its "
+     "discovery: use --discovery-backend etcd"),
+    ({"no_frontend": True, "discovery_backend": "etcd", "router_mode": "kv"}, None,
+     "--no-frontend: --router-mode would configure a frontend this run does not start"),
+    ({}, {"no_frontend": "no"}, "deploy.yaml: no_frontend: expected true or false"),
 ])
 def test_invalid_deployments_name_the_key(flags: dict, document: dict | None, message: str) -> None:
     with pytest.raises(SpecError, match=re.escape(message)):

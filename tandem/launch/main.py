@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="tcp (direct connections) or nats (the server at NATS_SERVER) [default tcp]")
     what.add_argument("--event-plane", choices=("zmq", "nats"), metavar="P",
                       help="zmq (direct connections) or nats (the server at NATS_SERVER) [default zmq]")
+    what.add_argument("--no-frontend", action="store_true",
+                      help="start only the workers, which join a deployment whose frontend runs elsewhere (needs "
+                      "shared discovery: --discovery-backend etcd)")
     what.add_argument("--frontend-args", metavar="FLAGS",
                       help='extra frontend flags as one string: --frontend-args="--migration-limit 2"')
     place = parser.add_argument_group("Cores and ports")
@@ -116,9 +119,10 @@ async def _probe(http: aiohttp.ClientSession, url: str, model: str, instances: s
     return None
 
 
-async def wait_until_serving(deployment: Deployment, model: str, timeout: float) -> str:
+async def wait_until_serving(deployment: Deployment, model: str, timeout: float) -> str | None:
     """The frontend's URL, once every process printed READY and the frontend serves `model` through every
-    worker. Raises LaunchError when a process ends for good first, or after `timeout` seconds."""
+    worker (None without a frontend: once every worker is ready). Raises LaunchError when a process ends for
+    good first, or after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
         while True:
@@ -127,8 +131,10 @@ async def wait_until_serving(deployment: Deployment, model: str, timeout: float)
                     raise LaunchError(f"{child.label} {describe_exit(child.returncode or 0)} before the deployment "
                                       "was ready", child)
             pending = next((child for child in deployment.children if child.ready is None), None)
+            if pending is None and deployment.frontend is None:
+                return None
             if pending is None:
-                assert deployment.frontend.ready
+                assert deployment.frontend is not None and deployment.frontend.ready
                 url = frontend_url(deployment.frontend.ready[0])
                 waiting = await _probe(http, url, model, deployment.expected_instances())
                 if waiting is None:
@@ -139,6 +145,12 @@ async def wait_until_serving(deployment: Deployment, model: str, timeout: float)
             if time.monotonic() >= deadline:
                 raise LaunchError(f"not serving after {timeout:g} s: still waiting for {waiting}", culprit)
             await asyncio.sleep(_POLL_INTERVAL)
+
+
+def _discovery_of(spec: DeploymentSpec) -> str:
+    if spec.discovery_backend == "etcd":
+        return f"etcd at {env_str('ETCD_ENDPOINTS') or 'localhost:2379'} (ETCD_ENDPOINTS)"
+    return f"the directory {env_str('DYN_FILE_KV')} (DYN_FILE_KV)"
 
 
 def _describe(spec: DeploymentSpec) -> str:
@@ -174,9 +186,8 @@ async def run_deployment(spec: DeploymentSpec, model_path: str, mux: LogMux | No
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
-    say(f"{plan.served_name} from {model_path}: frontend + {_describe(spec)}")
-    where = discovery_dir if spec.discovery_backend == "file" else \
-        f"etcd at {env_str('ETCD_ENDPOINTS') or 'localhost:2379'} (ETCD_ENDPOINTS)"
+    say(f"{plan.served_name} from {model_path}: {'' if spec.no_frontend else 'frontend + '}{_describe(spec)}")
+    where = discovery_dir if spec.discovery_backend == "file" else _discovery_of(spec)
     say(f"discovery: {where} (namespace {spec.namespace}); cores available: {format_cores(plan.cores)}")
     if "nats" in (spec.request_plane, spec.event_plane):
         say(f"request plane {spec.request_plane}, event plane {spec.event_plane}: NATS at "
@@ -199,7 +210,8 @@ async def run_deployment(spec: DeploymentSpec, model_path: str, mux: LogMux | No
 async def _serve(deployment: Deployment, plan: Plan, stop: asyncio.Event, mux: LogMux) -> int:
     stopped = asyncio.create_task(stop.wait())
     ready = asyncio.create_task(wait_until_serving(deployment, plan.served_name, plan.spec.ready_timeout))
-    frontend_gone = asyncio.create_task(deployment.frontend.done.wait())
+    frontend = deployment.frontend
+    frontend_gone = asyncio.create_task(frontend.done.wait() if frontend is not None else asyncio.Event().wait())
     try:
         await asyncio.wait({stopped, ready}, return_when=asyncio.FIRST_COMPLETED)
         if stop.is_set():
@@ -209,13 +221,18 @@ async def _serve(deployment: Deployment, plan: Plan, stop: asyncio.Event, mux: L
         except LaunchError as e:
             _report_failure(str(e), e.child)
             return 1
-        mux.plain(f"\n==> serving {plan.served_name} at {url} (OpenAI API under /v1); Ctrl-C stops everything\n"
-                  f"    {curl_example(url, plan.served_name)}\n")
+        if url is None:
+            mux.plain(f"\n==> {len(deployment.children)} worker(s) of {plan.served_name} ready and registered in "
+                      f"{_discovery_of(plan.spec)} (namespace {plan.spec.namespace}), for a frontend elsewhere; "
+                      "Ctrl-C stops them\n")
+        else:
+            mux.plain(f"\n==> serving {plan.served_name} at {url} (OpenAI API under /v1); Ctrl-C stops everything\n"
+                      f"    {curl_example(url, plan.served_name)}\n")
         await asyncio.wait({stopped, frontend_gone}, return_when=asyncio.FIRST_COMPLETED)
         if stop.is_set():
             return 0
-        _report_failure(f"the frontend {describe_exit(deployment.frontend.returncode or 0)}; stopping everything",
-                        deployment.frontend)
+        assert frontend is not None
+        _report_failure(f"the frontend {describe_exit(frontend.returncode or 0)}; stopping everything", frontend)
         return 1
     finally:
         for task in (stopped, ready, frontend_gone):

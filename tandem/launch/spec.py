@@ -57,6 +57,8 @@ class DeploymentSpec:
     namespace: str = field(default_factory=lambda: env_str("DYN_NAMESPACE", "dynamo") or "dynamo")
     discovery_backend: str = "file"  # file: a private directory; etcd: the server ETCD_ENDPOINTS names
     request_plane: str = "tcp"  # nats: the server NATS_SERVER names
+    # Only the workers, joining a deployment whose frontend runs elsewhere (e.g. a second host on etcd)
+    no_frontend: bool = False
     event_plane: str = "zmq"
     http_port: int = 8000
     router_mode: str | None = None  # None = the frontend's own default
@@ -84,6 +86,14 @@ class DeploymentSpec:
         if self.disaggregated and not ("prefill" in roles and "decode" in roles):
             raise SpecError("a disaggregated deployment needs both prefill and decode workers "
                             "(--prefill-workers P --decode-workers D, each at least 1)")
+        if self.no_frontend:
+            if self.discovery_backend == "file" and not env_str("DYN_FILE_KV"):
+                raise SpecError("--no-frontend: workers without a frontend join another deployment through its "
+                                "discovery: use --discovery-backend etcd (or DYN_FILE_KV naming a shared directory)")
+            given = [flag for flag, value in (("--router-mode", self.router_mode),
+                                              ("--frontend-args", self.frontend.args or None)) if value]
+            if given:
+                raise SpecError(f"--no-frontend: {', '.join(given)} would configure a frontend this run does not start")
         allowed = set(available_cores)
         for group in self.workers:
             for cores in group.cores or []:
@@ -155,6 +165,7 @@ _SETTINGS: dict[str, Check] = {
     "http_port": _integer(0, 65535),
     "router_mode": _one_of(ROUTER_MODES),
     "restart": _boolean,
+    "no_frontend": _boolean,
     "cores_per_worker": _integer(1),
     "system_port_base": _integer(1, 65535),
     "ready_timeout": _seconds(0, inclusive=False),

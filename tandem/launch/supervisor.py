@@ -236,7 +236,7 @@ class Deployment:
     def __init__(self, plan: Plan, mux: LogMux) -> None:
         self.plan = plan
         self.mux = mux
-        self.frontend = Child(plan.frontend(), mux)
+        self.frontend = None if plan.spec.no_frontend else Child(plan.frontend(), mux)
         self.groups = {group.role: group for group in plan.spec.workers}
         self.workers: dict[str, list[Child]] = {role: [] for role in self.groups}
         self._slots: dict[Child, int] = {}
@@ -246,10 +246,12 @@ class Deployment:
 
     @property
     def children(self) -> list[Child]:
-        return [self.frontend, *(child for role in self.workers for child in self.workers[role])]
+        workers = [child for role in self.workers for child in self.workers[role]]
+        return workers if self.frontend is None else [self.frontend, *workers]
 
     def start(self) -> None:
-        self.frontend.start()
+        if self.frontend is not None:
+            self.frontend.start()
         for role, group in self.groups.items():
             self._grow(role, group.count)
 
@@ -290,7 +292,8 @@ class Deployment:
     async def stop(self, grace: float) -> None:
         """The frontend first: it stops taking requests and finishes its streams (within `grace`), and only
         then do the workers that serve those streams stop."""
-        await self.frontend.stop(grace)
+        if self.frontend is not None:
+            await self.frontend.stop(grace)
         await asyncio.gather(*(child.stop(grace) for child in self.children if child is not self.frontend))
 
     def kill(self) -> None:

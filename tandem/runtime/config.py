@@ -6,7 +6,9 @@ import argparse
 import logging
 import os
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
+from urllib.parse import urlsplit
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +35,29 @@ def env_number(name: str, default: float, kind: type = float) -> float:
         raise ValueError(f"{name}={value!r} is not a valid {kind.__name__}") from None
 
 
-def detect_host() -> str:
-    """An address peers can reach: this host's resolved IP if we can bind it, else loopback."""
+WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def _local_address_toward(host: str) -> str | None:
+    """This machine's address on the route to `host`, unless it is loopback. Only connects a UDP socket:
+    nothing is sent."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            address: str = s.getsockname()[0]
+    except OSError:
+        return None
+    return None if address.startswith("127.") or address in WILDCARDS else address
+
+
+def detect_host(peers: Sequence[str] = ()) -> str:
+    """An address of this machine that its peers can reach: the local end of the route to the first of
+    `peers` (servers every process talks to) that is not on loopback; else of the default route; else
+    this host's name resolved, if it can be bound; else loopback."""
+    for peer in [*peers, "192.0.2.1"]:  # 192.0.2.1 (TEST-NET-1) stands for "the default route"
+        address = _local_address_toward(peer)
+        if address is not None:
+            return address
     try:
         ip = socket.gethostbyname(socket.gethostname())
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -53,11 +76,15 @@ class RuntimeConfig:
     file_kv_root: str | None = None  # DYN_FILE_KV; None = $TMPDIR/dynamo_store_kv
     discovery_ttl: float = 10.0
     # Request plane (TCP)
-    tcp_host: str | None = None  # None = detect
+    # The address peers use to reach this process's listeners (request plane, event plane, NIXL side channel);
+    # None = DYN_TCP_RPC_HOST when it names one address, else detected (`detect_host`).
+    advertise_host: str | None = None
+    tcp_host: str | None = None  # where the request plane listens; None = the advertised address
     tcp_port: int = 0
     tcp_max_message_size: int = 32 * 1024 * 1024
     tcp_request_timeout: float = 10.0
     tcp_connect_timeout: float = 3.0
+    tcp_peer_timeout: float = 10.0  # a peer silent this long (cut link, frozen host) closes the connection
     # NATS (request and event planes); auth options as Dynamo reads them
     nats_server: str = "nats://localhost:4222"
     nats_user: str | None = None
@@ -108,11 +135,13 @@ class RuntimeConfig:
             event_plane=(env_str("DYN_EVENT_PLANE") or "zmq").lower(),
             file_kv_root=env_str("DYN_FILE_KV"),
             discovery_ttl=env_number("DYN_DISCOVERY_TTL_SECS", env_number("ETCD_LEASE_TTL", 10.0)),
+            advertise_host=env_str("DYN_ADVERTISE_HOST"),
             tcp_host=env_str("DYN_TCP_RPC_HOST"),
             tcp_port=int(env_number("DYN_TCP_RPC_PORT", 0, int)),
             tcp_max_message_size=int(env_number("DYN_TCP_MAX_MESSAGE_SIZE", 32 * 1024 * 1024, int)),
             tcp_request_timeout=env_number("DYN_TCP_REQUEST_TIMEOUT", 10.0),
             tcp_connect_timeout=env_number("DYN_TCP_CONNECT_TIMEOUT", 3.0),
+            tcp_peer_timeout=env_number("DYN_TCP_PEER_TIMEOUT_SECS", 10.0),
             nats_server=env_str("NATS_SERVER", "nats://localhost:4222"),  # type: ignore[arg-type]
             nats_user=env_str("NATS_AUTH_USERNAME"),
             nats_password=env_str("NATS_AUTH_PASSWORD"),
@@ -147,6 +176,25 @@ class RuntimeConfig:
                 setattr(config, name, value)
         config.validate()
         return config
+
+    def peer_hosts(self) -> list[str]:
+        """The servers every process of the deployment talks to (etcd, NATS): the way to them is the way
+        peers come in."""
+        urls: list[str] = []
+        if self.discovery_backend == "etcd":
+            urls += (env_str("ETCD_ENDPOINTS") or "").split(",")
+        if "nats" in (self.request_plane, self.event_plane):
+            urls += self.nats_server.split(",")
+        hosts = [urlsplit(url.strip() if "://" in url else f"//{url.strip()}").hostname for url in urls]
+        return [host for host in hosts if host]
+
+    def advertised_host(self) -> str:
+        """What this process tells its peers to connect to: never a wildcard."""
+        if self.advertise_host:
+            return self.advertise_host
+        if self.tcp_host not in (None, *WILDCARDS):
+            return self.tcp_host  # type: ignore[return-value]
+        return detect_host(self.peer_hosts())
 
     def replace(self, **changes: object) -> RuntimeConfig:
         values = {f.name: getattr(self, f.name) for f in fields(self)}

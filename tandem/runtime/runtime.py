@@ -14,7 +14,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from tandem.runtime.component import Component, Endpoint, Namespace, ServedEndpoint
-from tandem.runtime.config import ConfigError, RuntimeConfig, detect_host, env_number
+from tandem.runtime.config import WILDCARDS, ConfigError, RuntimeConfig, env_number
 from tandem.runtime.discovery import KeyValueStore, make_store
 from tandem.runtime.discovery.etcd import EtcdUnavailable
 from tandem.runtime.event_plane import EventPublisher, EventSubscriber
@@ -176,8 +176,9 @@ class DistributedRuntime:
             from tandem.runtime.event_plane.zmq import ZmqPublisher
 
             self._refuse_durable(durable)
-            host = self.config.event_host or self.config.tcp_host or detect_host()
-            publisher = ZmqPublisher(self.store, scope, topic, host)
+            bind = self.config.event_host or self.config.tcp_host or self.config.advertised_host()
+            advertised = self.config.advertised_host() if bind in WILDCARDS else bind
+            publisher = ZmqPublisher(self.store, scope, topic, bind, advertised)
             await publisher.register()
         self._publishers.append(publisher)
         return publisher

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 from tandem.models.prepare import MODEL_NAME, PrepareError, is_default_model
 from tandem.models.resolve import resolve_model
-from tandem.runtime.config import RuntimeConfig, add_runtime_args, detect_host, env_bool, env_str
+from tandem.runtime.config import RuntimeConfig, add_runtime_args, env_bool, env_str
 from tandem.runtime.options import MIGRATION_LIMIT, Option, add_options, apply_options
 from tandem.worker.config import (
     DURABLE_KV_EVENTS,
@@ -582,7 +582,7 @@ def _nixl_side_channel(config: Config) -> tuple[str, int]:
     (`_claim_port`), so that several workers on one host never collide on vLLM's fixed default (5600)."""
     host = os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST") or ""
     if not host:
-        host = detect_host()
+        host = config.runtime.advertised_host()
         config.env_updates["VLLM_NIXL_SIDE_CHANNEL_HOST"] = host
     dp_rank = config.data_parallel_rank
     port_text = os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT") or ""

@@ -16,6 +16,7 @@ import zmq
 import zmq.asyncio
 
 from tandem.runtime import keys
+from tandem.runtime.config import WILDCARDS
 from tandem.runtime.discovery import KeyValueStore
 from tandem.runtime.event_plane import EventPublisher, EventSubscriber
 
@@ -33,15 +34,16 @@ def _wire_topic(scope: str, topic: str) -> bytes:
 
 
 class ZmqPublisher(EventPublisher):
-    def __init__(self, store: KeyValueStore, scope: str, topic: str, host: str) -> None:
+    def __init__(self, store: KeyValueStore, scope: str, topic: str, host: str, advertised: str) -> None:
+        """Binds on `host`; subscribers are told `advertised` (the same, unless `host` is a wildcard)."""
         self._store = store
         self._topic = _wire_topic(scope, topic)
         self._key = keys.event_channel_key(scope, topic, f"{store.lease_id:x}-{secrets.token_hex(4)}")
         self._socket: zmq.Socket = zmq.Context.instance().socket(zmq.PUB)
         self._socket.setsockopt(zmq.SNDHWM, SEND_HWM)
         self._socket.setsockopt(zmq.LINGER, 0)
-        port: int = self._socket.bind_to_random_port(f"tcp://{host}")
-        self.address = f"tcp://{host}:{port}"
+        port: int = self._socket.bind_to_random_port(f"tcp://{'*' if host in WILDCARDS else host}")
+        self.address = f"tcp://{advertised}:{port}"
         self.dropped = 0
 
     async def register(self) -> None:

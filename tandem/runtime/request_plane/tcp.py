@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import struct
 from typing import Any
 
 import msgspec
 
-from tandem.runtime.config import RuntimeConfig, detect_host
+from tandem.runtime.config import RuntimeConfig
 from tandem.runtime.context import Context
 from tandem.runtime.errors import InstanceUnreachableError, MessageTooLargeError, RemoteError
 from tandem.runtime.request_plane import (
@@ -55,6 +56,25 @@ _FLUSH_AT = 256 * 1024  # write out the coalescing buffer early once it holds th
 
 def _frame(kind: int, stream_id: int, payload: bytes = b"") -> bytes:
     return HEADER.pack(len(payload), kind, stream_id) + payload
+
+
+def watch_peer(transport: asyncio.BaseTransport, timeout: float) -> None:
+    """Have the kernel give up on a peer that stops answering (a cut link, a frozen host) after about
+    `timeout` seconds: keep-alive probes while the connection is idle, TCP_USER_TIMEOUT while sent data
+    waits for its acknowledgement. The connection then closes: the caller's streams end cut off (and
+    migrate), the worker's are killed. Without it a silent peer holds its streams until TCP's own
+    retransmissions give up, many minutes later. 0 leaves the kernel's defaults."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or timeout <= 0:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    idle = max(1, int(timeout / 3))
+    probes = 3
+    for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", max(1, int((timeout - idle) / probes))),
+                        ("TCP_KEEPCNT", probes), ("TCP_USER_TIMEOUT", int(timeout * 1000))):
+        option = getattr(socket, name, None)  # Linux names; other systems keep their defaults
+        if option is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
 class _FrameReader:
@@ -127,6 +147,7 @@ class _ServerConnection(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
         self.server.connections.add(self)
+        watch_peer(transport, self.server.peer_timeout)
 
     def data_received(self, data: bytes) -> None:
         if not self.greeted:
@@ -227,8 +248,10 @@ class _ServerConnection(asyncio.Protocol):
 
 class TcpServer(RequestPlaneServer):
     def __init__(self, config: RuntimeConfig) -> None:
-        self.host = config.tcp_host or detect_host()
+        self.advertised = config.advertised_host()
+        self.host = config.tcp_host or self.advertised  # where it listens
         self.port = config.tcp_port
+        self.peer_timeout = config.tcp_peer_timeout
         self.max_size = config.tcp_max_message_size
         self.endpoints: dict[str, EndpointService] = {}
         self.inflight_counts: dict[str, int] = {}
@@ -237,7 +260,7 @@ class TcpServer(RequestPlaneServer):
 
     @property
     def transport(self) -> dict[str, str]:
-        return {"tcp": f"{self.host}:{self.port}"}
+        return {"tcp": f"{self.advertised}:{self.port}"}
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -282,6 +305,7 @@ class _ClientConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        watch_peer(transport, self.client.peer_timeout)
         transport.write(MAGIC)  # type: ignore[attr-defined]
 
     def data_received(self, data: bytes) -> None:
@@ -318,6 +342,7 @@ class TcpClient(RequestPlaneClient):
         self.max_size = config.tcp_max_message_size
         self.connect_timeout = config.tcp_connect_timeout
         self.request_timeout = config.tcp_request_timeout
+        self.peer_timeout = config.tcp_peer_timeout
         self._conns: dict[str, _ClientConnection] = {}
         self._connecting: dict[str, asyncio.Future[_ClientConnection]] = {}
 
