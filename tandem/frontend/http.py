@@ -47,6 +47,7 @@ class HttpConfig:
     body_limit_bytes: int = 192 * 1024 * 1024
     body_read_timeout: float = 60.0  # a client that declares a body and never sends it is cut off after this
     reasoning_field: str = "reasoning_content"  # or "reasoning" (vLLM's newer name)
+    reuse_port: bool = False  # one of several frontend processes on the port (`--num-processes`)
 
 
 @dataclass
@@ -130,7 +131,7 @@ class FrontendServer:
             ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             ssl_context.load_cert_chain(self.config.tls_cert_path, self.config.tls_key_path)
         site = web.TCPSite(self._runner, self.config.host, self.config.port, ssl_context=ssl_context,
-                           backlog=1024)
+                           backlog=1024, reuse_port=self.config.reuse_port or None)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         scheme = "https" if ssl_context else "http"
@@ -226,7 +227,7 @@ class FrontendServer:
         # Prefill workers serve no request themselves: listed apart (disaggregated serving).
         prefill = sorted({i for m in models for i in m.prefill_instances})
         return web.json_response({"status": "healthy", "endpoints": endpoints, "instances": instances,
-                                  "prefill_instances": prefill})
+                                  "prefill_instances": prefill, "frontend": f"{self.runtime.instance_id:x}"})
 
     async def live(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "live", "message": "Service is live"})

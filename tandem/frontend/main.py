@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from dataclasses import dataclass, replace
 
@@ -12,6 +13,7 @@ from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.models import ModelManager, ServedModel
 from tandem.frontend.pipeline import ModelPipeline
 from tandem.frontend.preprocess import ParserNames
+from tandem.frontend.replicas import REPLICA_ENV, supervise
 from tandem.frontend.routing import LoadMonitor, LoadThresholds
 from tandem.llm.model_card import ModelInput
 from tandem.router.config import add_router_args, parse_args_with_router_config
@@ -35,6 +37,7 @@ log = logging.getLogger("tandem.frontend")
 class FrontendConfig:
     http_host: str = "0.0.0.0"
     http_port: int = 8000
+    num_processes: int = 1
     api_key: str | None = None
     http_body_timeout: float = 60.0
     http_body_limit_mb: float = 192.0
@@ -57,6 +60,9 @@ _HTTP = (
     Option("http_host", ("--http-host",), ("DYN_HTTP_HOST",), "address to listen on", kind=str),
     Option("http_port", ("--http-port",), ("DYN_HTTP_PORT",), "port to listen on; 0 = any free one", kind=int,
            minimum=0, maximum=65535),
+    Option("num_processes", ("--num-processes",), ("DYN_FRONTEND_NUM_PROCESSES",),
+           "serve the port from this many frontend processes (SO_REUSEPORT), each with its own KV router kept "
+           "in step by replica sync", kind=int, minimum=1),
     Option("api_key", ("--api-key",), ("DYN_API_KEY",), "require `Authorization: Bearer KEY` on /v1 routes",
            kind=str),
     Option("http_body_timeout", ("--http-body-timeout",), ("DYN_HTTP_BODY_TIMEOUT_SECS",),
@@ -174,6 +180,7 @@ async def serve(args: argparse.Namespace, frontend: FrontendConfig) -> int:
         tls_key_path=frontend.tls_key_path,
         body_limit_bytes=int(frontend.http_body_limit_mb * 1024 * 1024),
         body_read_timeout=frontend.http_body_timeout, reasoning_field=frontend.reasoning_field_name,
+        reuse_port=REPLICA_ENV in os.environ,
     ))
     await server.start()
     runtime.add_drain(server.drain)  # SIGTERM: finish the HTTP streams before the planes close
@@ -202,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # including a parser name that is not built
         parser.error(str(e))
     configure_logging()
+    if frontend.num_processes > 1:
+        return run(lambda: supervise(sys.argv[1:] if argv is None else argv, frontend.http_host, frontend.http_port,
+                                     frontend.num_processes, replica_sync=frontend.router_mode is RouterMode.KV))
     return run(lambda: serve(args, frontend))
 
 

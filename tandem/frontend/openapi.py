@@ -94,7 +94,9 @@ _MODEL_LIST = {"type": "object", "required": ["object", "data"],
                "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": _MODEL}}}
 _HEALTH = {"type": "object", "required": ["status"],
            "properties": {"status": {"enum": ["healthy", "unhealthy"]}, "instances": {"type": "array"},
-                          "endpoints": {"type": "array"}}}
+                          "endpoints": {"type": "array"}, "prefill_instances": {"type": "array"},
+                          "frontend": {"type": "string", "description": "the instance id of the frontend process "
+                                       "that answered (one of several with --num-processes)"}}}
 
 
 _NULLABLE_FINISH = _nullable(_FINISH)
