@@ -161,7 +161,22 @@ def start_frontend(impl: str, python: str, env: dict[str, str], logdir: str) -> 
                                      "--event-plane", "zmq", "--router-mode", "round-robin"], env, logdir)
         url = f"http://127.0.0.1:{port}"
     wait_serving(url, [engine, frontend], MODEL_NAME, min_chunks=2)
+    _wait_every_replica_lists_the_model(url)
     return engine, frontend, url
+
+
+def _wait_every_replica_lists_the_model(url: str, timeout: float = 60) -> None:
+    """Replicas discover the workers each on its own: until 20 fresh connections in a row (spread over the
+    replicas by the kernel) all list the model."""
+    import httpx
+
+    deadline, in_a_row = time.monotonic() + timeout, 0
+    while in_a_row < 20:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"not every frontend process at {url} lists {MODEL_NAME}")
+        listed = [m["id"] for m in httpx.get(f"{url}/v1/models", timeout=5).json().get("data", [])]
+        in_a_row = in_a_row + 1 if MODEL_NAME in listed else 0
+        time.sleep(0.01)
 
 
 async def frontend_load(url: str, frontend_pid: int, concurrency: int, duration: float,

@@ -200,3 +200,23 @@ def test_tandem_discovery_ls(tmp_path):
         capture_output=True, text=True, check=True, env={**__import__("os").environ, "DYN_FILE_KV": str(tmp_path)},
     )
     assert 'v1/instances/ns/backend/generate/abc  {"instance_id": 2748}' in out.stdout
+
+
+def test_the_advertised_address_is_never_a_wildcard(monkeypatch):
+    from tandem.runtime.config import WILDCARDS, RuntimeConfig
+
+    assert RuntimeConfig(advertise_host="10.9.8.7", tcp_host="0.0.0.0").advertised_host() == "10.9.8.7"
+    assert RuntimeConfig(tcp_host="10.1.2.3").advertised_host() == "10.1.2.3"  # Dynamo's: listen and advertise
+    assert RuntimeConfig(tcp_host="0.0.0.0").advertised_host() not in WILDCARDS
+    monkeypatch.setenv("ETCD_ENDPOINTS", "http://etcd-a:2379,10.0.0.9:2379")
+    config = RuntimeConfig(discovery_backend="etcd", request_plane="nats", nats_server="nats://10.0.0.7:4222")
+    assert config.peer_hosts() == ["etcd-a", "10.0.0.9", "10.0.0.7"]  # the way to them is the way peers come
+    assert RuntimeConfig().peer_hosts() == []  # file discovery, TCP: nothing shared to route towards
+
+
+def test_advertise_host_flag_over_env(monkeypatch):
+    from tandem.runtime.config import RuntimeConfig
+
+    monkeypatch.setenv("DYN_ADVERTISE_HOST", "10.0.0.1")
+    assert RuntimeConfig.from_env().advertise_host == "10.0.0.1"
+    assert RuntimeConfig.from_args(parse(["--advertise-host", "10.0.0.2"])).advertised_host() == "10.0.0.2"

@@ -1,5 +1,5 @@
-"""A deployment across hosts (network namespaces on a bridge): etcd on one, the frontend on another, a mocker
-worker on each of two more. Every process finds its own address to advertise (no DYN_TCP_RPC_HOST); requests
+"""A deployment across hosts (network namespaces on a bridge): etcd and NATS on one, the frontend on another, a
+mocker worker on each of two more; on the TCP/ZMQ planes and on the NATS planes. Every process finds its own address to advertise (no DYN_TCP_RPC_HOST); requests
 and KV events cross hosts; a worker whose link is cut has its streams migrated, leaves routing within its lease
 TTL, and comes back when the link does."""
 
@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import EtcdServer, TandemProcess
+from tests.conftest import EtcdServer, NatsServer, TandemProcess
 from tests.deployment import KV_EVENTS_APPLIED, MODEL, kv_events_emitted, metric_sum
 from tests.hosts import Hosts
 
@@ -22,16 +22,26 @@ MOCKER = ["--block-size", "16", "--num-gpu-blocks-override", "2048"]
 
 
 class Cluster:
-    def __init__(self, root, smollm2: str, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, root, smollm2: str, monkeypatch: pytest.MonkeyPatch, planes: str) -> None:  # type: ignore[no-untyped-def]
         self.hosts = Hosts(["srv", "fe", "w1", "w2"])
         self.processes: list[TandemProcess] = []
+        self.servers: list[EtcdServer | NatsServer] = []
         try:
-            self.etcd = EtcdServer(root, host=self.hosts.address["srv"], netns=self.hosts.netns["srv"])
-            self.etcd.start()
+            where = {"host": self.hosts.address["srv"], "netns": self.hosts.netns["srv"]}
+            self.etcd = EtcdServer(root / "etcd", **where)
+            self.nats = NatsServer(root / "nats", jetstream=False, **where)
+            for server in (self.etcd, self.nats):
+                server.root.mkdir()
+                server.start()
+                self.servers.append(server)
             monkeypatch.setenv("ETCD_ENDPOINTS", self.etcd.url)  # for this process's own runtimes
             self.env = {"ETCD_ENDPOINTS": self.etcd.url, "DYN_DISCOVERY_BACKEND": "etcd", "DYN_NAMESPACE": "multihost",
                         "DYN_TCP_RPC_HOST": "", "DYN_DISCOVERY_TTL_SECS": str(TTL),
-                        "DYN_TCP_PEER_TIMEOUT_SECS": str(TTL)}
+                        "DYN_TCP_PEER_TIMEOUT_SECS": str(TTL), "NATS_SERVER": self.nats.url}
+            if planes == "nats":
+                self.env.update(DYN_REQUEST_PLANE="nats", DYN_EVENT_PLANE="nats")
+            self.planes = {"request_plane": "nats", "event_plane": "nats", "nats_server": self.nats.url} \
+                if planes == "nats" else {}
             self.workers = {name: self._start("tandem.mocker", name, "--model", smollm2, *MOCKER, "--speedup-ratio",
                                                "0.5") for name in ("w1", "w2")}
             frontend = self._start("tandem.frontend", "fe", "--http-host", "0.0.0.0", "--http-port", "0",
@@ -65,14 +75,14 @@ class Cluster:
     def stop(self) -> None:
         for process in self.processes:
             process.stop()
-        if getattr(self, "etcd", None) is not None:
-            self.etcd.stop()
+        for server in self.servers:
+            server.stop()
         self.hosts.remove()
 
 
-@pytest.fixture
-def cluster(tmp_path, smollm2, monkeypatch) -> Iterator[Cluster]:  # type: ignore[no-untyped-def]
-    made = Cluster(tmp_path, smollm2, monkeypatch)
+@pytest.fixture(params=["tcp", "nats"])
+def cluster(request, tmp_path, smollm2, monkeypatch) -> Iterator[Cluster]:  # type: ignore[no-untyped-def]
+    made = Cluster(tmp_path, smollm2, monkeypatch, request.param)
     yield made
     made.stop()
 
@@ -81,18 +91,19 @@ def test_requests_and_kv_events_cross_hosts_at_the_addresses_each_host_advertise
     import base64
     import json
 
-    records = cluster.etcd.call("/v3/kv/range", {"key": base64.b64encode(b"v1/instances/").decode(),
-                                                 "range_end": base64.b64encode(b"v1/instances0").decode()})
-    hosts = {json.loads(base64.b64decode(kv["value"]))["transport"]["tcp"].rsplit(":", 1)[0]
-             for kv in records["kvs"]}
-    assert {cluster.hosts.address["w1"], cluster.hosts.address["w2"]} <= hosts  # never 127.0.0.1 or 0.0.0.0
+    if not cluster.planes:  # TCP: each worker advertises its own host's address, never 127.0.0.1 or 0.0.0.0
+        records = cluster.etcd.call("/v3/kv/range", {"key": base64.b64encode(b"v1/instances/").decode(),
+                                                     "range_end": base64.b64encode(b"v1/instances0").decode()})
+        hosts = {json.loads(base64.b64decode(kv["value"]))["transport"]["tcp"].rsplit(":", 1)[0]
+                 for kv in records["kvs"]}
+        assert {cluster.hosts.address["w1"], cluster.hosts.address["w2"]} <= hosts
     client = cluster.client()
     prompt = "a conversation across hosts: " + " ".join(f"word{i}" for i in range(120))
     first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
     assert first.usage.completion_tokens == 2
     # The KV router learns the cached prefix from the worker's events alone (predicted blocks are off):
     # they crossed from the worker's host to the frontend's, through the address the worker advertised.
-    emitted = kv_events_emitted("", "multihost", "backend", 2, discovery_backend="etcd")
+    emitted = kv_events_emitted("", "multihost", "backend", 2, discovery_backend="etcd", **cluster.planes)
     deadline = time.monotonic() + 20
     while metric_sum(httpx.get(f"{cluster.url}/metrics").text, KV_EVENTS_APPLIED) < emitted:
         assert time.monotonic() < deadline, "KV events did not reach the frontend"

@@ -170,7 +170,7 @@ class RuntimeConfig:
     def from_args(cls, args: argparse.Namespace) -> RuntimeConfig:
         """Env-derived config with the runtime flags of `add_runtime_args` applied on top."""
         config = cls.from_env()
-        for name in ("namespace", "discovery_backend", "request_plane", "event_plane"):
+        for name in ("namespace", "discovery_backend", "request_plane", "event_plane", "advertise_host"):
             value = getattr(args, name, None)
             if value is not None:
                 setattr(config, name, value)
@@ -254,5 +254,10 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup
     group.add_argument(
         "--event-plane", default=None, choices=["zmq", "nats"], type=str.lower,
         help="transport for KV events and metrics [env DYN_EVENT_PLANE, default zmq; nats: NATS_SERVER]",
+    )
+    group.add_argument(
+        "--advertise-host", default=None, metavar="ADDRESS",
+        help="the address other hosts reach this process at [env DYN_ADVERTISE_HOST; default DYN_TCP_RPC_HOST, "
+        "else this host's address on the route to etcd or NATS]",
     )
     return group
