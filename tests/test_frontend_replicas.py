@@ -83,3 +83,15 @@ def _children(pid: int) -> list[int]:
         with open(f"/proc/{pid}/task/{task}/children") as f:
             found += [int(child) for child in f.read().split()]
     return found
+
+
+def test_a_replica_that_cannot_start_stops_the_whole_frontend(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "tandem.frontend", "--num-processes", "2", "--http-host", "127.0.0.1",
+                           "--http-port", "0", "--discovery-backend", "file", "--tls-cert-path", str(tmp_path / "none"),
+                           "--tls-key-path", str(tmp_path / "none")], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "DYN_FILE_KV": str(tmp_path)})
+    assert done.returncode == 1
+    assert "exited before it was ready" in done.stderr and "READY" not in done.stdout

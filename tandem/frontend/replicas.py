@@ -96,10 +96,12 @@ async def supervise(argv: Sequence[str], host: str, port: int, count: int, repli
     reserved.close()  # the replicas hold the port now (or one failed to start)
     failed = [replica for replica, exit_ in zip(replicas, exits, strict=True) if exit_ in done]
     if failed:
-        log.error("frontend replica %d exited before it was ready", failed[0].index)
-        _stop(replicas, signal.SIGTERM, stopping)
+        interrupted = stopping.is_set()  # a signal during start-up, already passed on to every replica
+        if not interrupted:
+            log.error("frontend replica %d exited before it was ready", failed[0].index)
+            _stop(replicas, signal.SIGTERM, stopping)
         await asyncio.gather(*(replica.process.wait() for replica in replicas))  # type: ignore[union-attr]
-        return 1
+        return 0 if interrupted else 1
     print(f"READY {replicas[0].url}", flush=True)
     log.info("serving %s from %d frontend processes", replicas[0].url, count)
     await asyncio.gather(*(_keep(replica, stopping) for replica in replicas))
