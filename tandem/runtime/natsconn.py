@@ -1,12 +1,13 @@
 """One NATS connection per process, shared by the NATS request plane and the NATS event plane.
 
-The connection reconnects by itself for as long as the process lives; the planes listen for its
-disconnects (what was in flight may be lost) and reconnects (subscriptions are restored by the client).
+The connection reconnects by itself for as long as the process lives (the client restores the
+subscriptions); the planes listen for its disconnects, since what was in flight may be lost.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from collections.abc import Callable
@@ -32,7 +33,6 @@ class NatsConnection:
         self._up = asyncio.Event()
         self.reconnected_at = float("-inf")  # monotonic time of the last reconnect
         self._disconnect_listeners: list[Callable[[], None]] = []
-        self._reconnect_listeners: list[Callable[[], None]] = []
 
     @property
     def nc(self) -> Client:
@@ -45,9 +45,6 @@ class NatsConnection:
 
     def on_disconnect(self, listener: Callable[[], None]) -> None:
         self._disconnect_listeners.append(listener)
-
-    def on_reconnect(self, listener: Callable[[], None]) -> None:
-        self._reconnect_listeners.append(listener)
 
     async def start(self) -> None:
         """Connect (once, however many planes ask). Raises ConfigError when the server cannot be reached
@@ -90,8 +87,6 @@ class NatsConnection:
             self.reconnected_at = time.monotonic()
             self._up.set()
             log.info("reconnected to NATS at %s", self.nc.connected_url.netloc if self.nc.connected_url else "?")
-            for listener in self._reconnect_listeners:
-                listener()
 
         connecting = True
         first_errors: list[Exception] = []
@@ -151,3 +146,55 @@ class NatsConnection:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 raise
+
+
+class Outbox:
+    """Messages published in order by one task, so that senders never wait. `writable` is cleared while
+    `high` messages wait (for senders that hold back) and set again below half of it."""
+
+    def __init__(self, connection: NatsConnection, high: int) -> None:
+        self._connection = connection
+        self._high = high
+        self._queue: collections.deque[tuple[str, bytes]] = collections.deque()
+        self._wakeup = asyncio.Event()
+        self.writable = asyncio.Event()
+        self.writable.set()
+        self.failed = 0  # messages NATS refused (e.g. its reconnect buffer was full)
+        self._task: asyncio.Task[None] | None = None
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def put(self, subject: str, data: bytes) -> None:
+        self._queue.append((subject, data))
+        if len(self._queue) >= self._high:
+            self.writable.clear()
+        self._wakeup.set()
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="nats-outbox")
+
+    async def _send(self, subject: str, data: bytes) -> None:
+        try:
+            await self._connection.nc.publish(subject, data)
+        except nats.errors.Error as e:  # lost, as core NATS may lose a message; the receivers notice
+            self.failed += 1
+            log.debug("NATS refused a message to %s: %s", subject, e)
+
+    async def _run(self) -> None:
+        queue = self._queue
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while queue:
+                await self._send(*queue.popleft())
+                if len(queue) < self._high // 2:
+                    self.writable.set()
+
+    async def close(self, linger: float = 0.0) -> None:
+        """Stop sending, after up to `linger` seconds for what is queued to leave."""
+        deadline = asyncio.get_running_loop().time() + linger
+        while self._queue and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+        if self._task is not None:
+            self._task.cancel()
+        self.writable.set()

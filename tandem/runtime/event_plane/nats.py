@@ -14,7 +14,6 @@ message and, after a reconnect, from the last one it saw.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import re
 import secrets
@@ -28,7 +27,7 @@ from nats.js.api import DeliverPolicy, StreamConfig
 
 from tandem.runtime.config import ConfigError
 from tandem.runtime.event_plane import EventPublisher, EventSubscriber
-from tandem.runtime.natsconn import NatsConnection
+from tandem.runtime.natsconn import NatsConnection, Outbox
 
 log = logging.getLogger(__name__)
 
@@ -73,65 +72,51 @@ async def ensure_stream(connection: NatsConnection, subject: str) -> str:
 
 
 class NatsPublisher(EventPublisher):
-    def __init__(self, connection: NatsConnection, scope: str, topic: str) -> None:
-        self._connection = connection
+    def __init__(self, connection: NatsConnection, scope: str, topic: str, outbox: Outbox | None = None) -> None:
         self.subject = event_subject(scope, topic)
-        self._queue: collections.deque[bytes] = collections.deque()
-        self._wakeup = asyncio.Event()
-        self._task = asyncio.get_running_loop().create_task(self._send(), name=f"nats-pub {self.subject}")
-        self.dropped = 0
+        self._outbox = outbox if outbox is not None else Outbox(connection, SEND_QUEUE)
+        self._full = 0
+
+    @property
+    def dropped(self) -> int:
+        return self._full + self._outbox.failed
 
     def publish(self, event: Any) -> bool:
-        if len(self._queue) >= SEND_QUEUE:
-            self.dropped += 1
+        if len(self._outbox) >= SEND_QUEUE:
+            self._full += 1
             return False
-        self._queue.append(_encode(event))
-        self._wakeup.set()
+        self._outbox.put(self.subject, _encode(event))
         return True
 
-    async def _send(self) -> None:
-        queue, publish, subject = self._queue, self._connection.nc.publish, self.subject
-        while True:
-            await self._wakeup.wait()
-            self._wakeup.clear()
-            while queue:
-                try:
-                    await publish(subject, queue.popleft())
-                except nats.errors.Error as e:  # e.g. the reconnect buffer is full: lossy by contract
-                    self.dropped += 1
-                    log.debug("dropped an event on %s: %s", subject, e)
-
     async def close(self) -> None:
-        for _ in range(100):  # give what is queued a moment to leave
-            if not self._queue:
-                break
-            await asyncio.sleep(0.01)
-        self._task.cancel()
+        await self._outbox.close(linger=1.0)  # give what is queued a moment to leave
 
 
-class DurablePublisher(NatsPublisher):
+class _AcknowledgedOutbox(Outbox):
+    """Each message is sent again until JetStream acknowledges it; a message id makes a repeat harmless."""
+
     RETRY_WAIT = 0.25
 
-    def __init__(self, connection: NatsConnection, scope: str, topic: str) -> None:
-        super().__init__(connection, scope, topic)
+    def __init__(self, connection: NatsConnection, high: int) -> None:
+        super().__init__(connection, high)
+        self._js = connection.nc.jetstream(timeout=2.0)
         self._id = secrets.token_hex(8)
         self.sent = 0
 
-    async def _send(self) -> None:
-        queue, subject = self._queue, self.subject
-        js = self._connection.nc.jetstream(timeout=2.0)
+    async def _send(self, subject: str, data: bytes) -> None:
         while True:
-            await self._wakeup.wait()
-            self._wakeup.clear()
-            while queue:
-                try:
-                    await js.publish(subject, queue[0], headers={"Nats-Msg-Id": f"{self._id}-{self.sent}"})
-                except (nats.errors.Error, TimeoutError) as e:  # NATS or JetStream not (yet) back
-                    log.debug("durable event on %s not acknowledged (%s); sending it again", subject, e)
-                    await asyncio.sleep(self.RETRY_WAIT)
-                    continue
-                queue.popleft()
+            try:
+                await self._js.publish(subject, data, headers={"Nats-Msg-Id": f"{self._id}-{self.sent}"})
                 self.sent += 1
+                return
+            except (nats.errors.Error, TimeoutError) as e:  # NATS or JetStream not (yet) back
+                log.debug("durable event on %s not acknowledged (%s); sending it again", subject, e)
+                await asyncio.sleep(self.RETRY_WAIT)
+
+
+class DurablePublisher(NatsPublisher):
+    def __init__(self, connection: NatsConnection, scope: str, topic: str) -> None:
+        super().__init__(connection, scope, topic, _AcknowledgedOutbox(connection, SEND_QUEUE))
 
 
 class NatsSubscriber(EventSubscriber):

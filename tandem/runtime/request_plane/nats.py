@@ -17,7 +17,6 @@ caller sees them incomplete, so the frontend migrates them), as a dropped TCP co
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import re
 import secrets
@@ -34,7 +33,7 @@ from tandem.runtime.config import RuntimeConfig
 from tandem.runtime.context import Context
 from tandem.runtime.errors import InstanceUnreachableError, MessageTooLargeError
 from tandem.runtime.keys import parse_endpoint_path
-from tandem.runtime.natsconn import NatsConnection
+from tandem.runtime.natsconn import NatsConnection, Outbox
 from tandem.runtime.request_plane import (
     EndpointService,
     RequestPlaneClient,
@@ -119,45 +118,6 @@ async def ping_peers(
                 gone(peer)
 
 
-class _Outbox:
-    """Publishes frames in order from one task, so that senders never wait (except for backpressure)."""
-
-    def __init__(self, connection: NatsConnection) -> None:
-        self._connection = connection
-        self._queue: collections.deque[tuple[str, bytes]] = collections.deque()
-        self._wakeup = asyncio.Event()
-        self.writable = asyncio.Event()
-        self.writable.set()
-        self._task: asyncio.Task[None] | None = None
-
-    def put(self, subject: str, data: bytes) -> None:
-        self._queue.append((subject, data))
-        if len(self._queue) >= OUTBOX_LIMIT:
-            self.writable.clear()
-        self._wakeup.set()
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="nats-outbox")
-
-    async def _run(self) -> None:
-        queue, publish = self._queue, self._connection.nc.publish
-        while True:
-            await self._wakeup.wait()
-            self._wakeup.clear()
-            while queue:
-                subject, data = queue.popleft()
-                try:
-                    await publish(subject, data)
-                except nats.errors.Error as e:  # lost while disconnected: the streams are cut by then
-                    log.debug("dropping a frame to %s: %s", subject, e)
-                if len(queue) < OUTBOX_LIMIT // 2:
-                    self.writable.set()
-
-    async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-        self.writable.set()
-
-
 # ------------------------------------------------------------------------------------------------
 # Server (worker side)
 # ------------------------------------------------------------------------------------------------
@@ -183,7 +143,7 @@ class NatsServer(RequestPlaneServer):
         self.inflight_counts: dict[str, int] = {}
         self.streams: dict[str, _Served] = {}  # reply subject -> stream
         self.closed = False
-        self._outbox: _Outbox | None = None
+        self._outbox: Outbox | None = None
         self._control: Any = None
         self._pinger: asyncio.Task[None] | None = None
 
@@ -202,7 +162,7 @@ class NatsServer(RequestPlaneServer):
 
     async def start(self) -> None:
         await self._connection.start()
-        self._outbox = _Outbox(self._connection)
+        self._outbox = Outbox(self._connection, OUTBOX_LIMIT)
         self._control = await self._connection.nc.subscribe(control_subject(self.instance), cb=self._on_control)
         self._connection.on_disconnect(self._kill_all)
         self._pinger = asyncio.get_running_loop().create_task(ping_peers(
@@ -336,13 +296,13 @@ class NatsClient(RequestPlaneClient):
         self._next_id = 1
         self._subjects: dict[tuple[str, str], str] = {}
         self._started: asyncio.Future[None] | None = None
-        self._outbox: _Outbox | None = None
+        self._outbox: Outbox | None = None
         self._inbox: Any = None
         self._pinger: asyncio.Task[None] | None = None
 
     async def _start(self) -> None:
         await self._connection.start()
-        self._outbox = _Outbox(self._connection)
+        self._outbox = Outbox(self._connection, OUTBOX_LIMIT)
         self._inbox = await self._connection.nc.subscribe(
             f"{self.prefix}.*", cb=self._on_reply, pending_msgs_limit=0, pending_bytes_limit=0)
         self._connection.on_disconnect(lambda: self._cut_all("the connection to NATS was lost"))
