@@ -8,7 +8,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -417,12 +416,11 @@ async def test_caller_cancelled_before_the_request_is_accepted_kills_it(runtimes
 
 @nats_only
 async def test_nats_instance_not_serving_is_unreachable_at_once(runtimes, namespace):
-    """Nobody subscribed to the subject: NATS answers "no responders", not a wait for the timeout."""
+    """Nobody subscribed to the subject: NATS answers "no responders" (a wait for the 30-s request timeout
+    would end "not accepted in time")."""
     caller = await runtimes(nats_request_timeout=30)
-    started = time.monotonic()
     with pytest.raises(InstanceUnreachableError, match="no responders"):
         await caller.request_client.open_stream({"nats": "123abc"}, f"{namespace}.backend.generate", {}, Context())
-    assert time.monotonic() - started < 5
 
 
 @nats_only
@@ -517,11 +515,9 @@ async def test_nats_restart_cuts_running_streams_and_new_ones_succeed(runtimes, 
 async def test_nats_unreachable_is_a_clear_error_within_the_timeout():
     from tests.conftest import free_port
 
-    started = time.monotonic()
-    with pytest.raises(ConfigError, match=r"cannot reach NATS at nats://127\.0\.0\.1:\d+ \(NATS_SERVER\)"):
+    with pytest.raises(ConfigError, match=r"cannot reach NATS at nats://127\.0\.0\.1:\d+ \(NATS_SERVER\) within 1 s"):
         await DistributedRuntime.create(runtime_config(
             request_plane="nats", nats_server=f"nats://127.0.0.1:{free_port()}", nats_connect_timeout=1.0))
-    assert time.monotonic() - started < 5
 
 
 @nats_only
