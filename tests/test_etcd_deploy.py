@@ -113,3 +113,23 @@ def test_tandem_run_on_etcd_forgets_a_dead_worker(launch, etcd):
         {"role": "user", "content": "still served"}]).usage.completion_tokens == 2
     assert run.stop(signal.SIGINT) == 0
     assert run.leftovers() == []
+
+
+def test_processes_stop_gracefully_when_etcd_went_first(tmp_path, smollm2, etcd):
+    """Deleting a release stops etcd with everything else: a frontend and a worker told to stop after etcd
+    went away still run their shutdown to the end and exit (before, unregistering raised and the ZMQ
+    publisher's close never finished, so they hung until killed)."""
+    import signal
+
+    deployment = Deployment(tmp_path, smollm2, engine_module="tandem.mocker", engines=[MOCKER], discovery="etcd")
+    try:
+        etcd.stop()
+        processes = [deployment.frontend, *deployment.engines]
+        for process in processes:
+            process.proc.send_signal(signal.SIGTERM)
+        for process in processes:
+            assert process.proc.wait(timeout=60) == 0, process.stderr()  # bounds a hang; not a timing claim
+            assert "runtime shut down" in process.stderr()
+        assert "could not leave discovery" in deployment.engines[0].stderr()
+    finally:
+        deployment.stop()

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from tandem.runtime.component import Component, Endpoint, Namespace, ServedEndpoint
 from tandem.runtime.config import WILDCARDS, ConfigError, RuntimeConfig, env_number
 from tandem.runtime.discovery import KeyValueStore, make_store
-from tandem.runtime.discovery.etcd import EtcdUnavailable
+from tandem.runtime.discovery.etcd import EtcdError, EtcdUnavailable
 from tandem.runtime.event_plane import EventPublisher, EventSubscriber
 from tandem.runtime.keys import parse_endpoint_path
 from tandem.runtime.metrics import RuntimeCollector
@@ -247,9 +247,13 @@ class DistributedRuntime:
     async def _shutdown(self) -> None:
         config = self.config
         try:
-            # 1. Leave discovery so routers stop picking us.
-            for key in list(self._registered_keys):
-                await self.unregister_key(key)
+            # 1. Leave discovery so routers stop picking us. With the discovery server away (a cluster being
+            # deleted stops etcd too) the keys expire with the lease instead: shutdown goes on regardless.
+            try:
+                for key in list(self._registered_keys):
+                    await self.unregister_key(key)
+            except (ConnectionError, EtcdError) as e:
+                log.warning("could not leave discovery (%s); this process's keys expire with its lease", e)
             for served in self._served.values():
                 self.health.set_endpoint(served.endpoint.name, False)
             # 2. Keep serving for the grace period: requests routed just before still arrive.
@@ -274,20 +278,18 @@ class DistributedRuntime:
                 except Exception:
                     log.exception("shutdown hook failed")
         finally:
-            # 5. Close everything.
+            # 5. Close everything: one part failing to close must not keep the others (and the process) up.
             for task in list(self._background):
                 task.cancel()
-            for subscriber in self._subscribers:
-                await subscriber.close()
-            for publisher in self._publishers:
-                await publisher.close()
-            await self.request_server.close()
-            await self.request_client.close()
-            if self.nats is not None:
-                await self.nats.close()
-            if self.system_server is not None:
-                await self.system_server.close()
-            await self.store.close()
+            closers: list[Callable[[], Awaitable[None]]] = [s.close for s in self._subscribers]
+            closers += [p.close for p in self._publishers]
+            closers += [self.request_server.close, self.request_client.close]
+            closers += [part.close for part in (self.nats, self.system_server) if part is not None]
+            for close in [*closers, self.store.close]:
+                try:
+                    await close()
+                except Exception as e:
+                    log.warning("shutdown: %s failed: %s", getattr(close, "__qualname__", close), e)
             self._closed.set()
             log.info("runtime shut down")
 

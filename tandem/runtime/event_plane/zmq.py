@@ -58,8 +58,10 @@ class ZmqPublisher(EventPublisher):
             return False
 
     async def close(self) -> None:
-        await self._store.delete(self._key)
-        self._socket.close(linger=0)
+        try:
+            await self._store.delete(self._key)
+        finally:
+            self._socket.close(linger=0)
 
 
 class ZmqSubscriber(EventSubscriber):

@@ -1,0 +1,228 @@
+"""The Helm chart in deploy/helm/tandem: every variant (aggregated or disaggregated; etcd and NATS bundled,
+external or absent; vLLM or mocker engines; the production extras) renders with Helm's own engine into
+objects the Kubernetes schemas accept and whose references hold (tests/k8s.py); contradicting values stop
+the render with the reason; and two releases run here, pod by pod, each pod in its own network namespace
+(tests/kubelet.py): their probes pass and clients are served through their Services."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.deployment import MODEL, metric_sum
+from tests.k8s import (
+    CHART,
+    RenderError,
+    of_kind,
+    reference_problems,
+    render,
+    schema_problems,
+    values_of,
+    workloads,
+)
+from tests.kubelet import Image, LocalCluster, venv_program
+
+MODES = ("agg.yaml", "disagg.yaml")
+SERVICES = ((), ("nats.yaml",), ("external.yaml",), ("nats.yaml", "production.yaml"), ("external.yaml", "production.yaml"))
+ENGINES = ((), ("mocker.yaml",))
+VARIANTS = [(mode, *services, *engine) for mode in MODES for services in SERVICES for engine in ENGINES]
+
+
+def names(docs: list[dict], kind: str) -> set[str]:
+    return {doc["metadata"]["name"] for doc in of_kind(docs, kind)}
+
+
+def container(docs: list[dict], workload: str) -> dict:
+    found = next(w for w in workloads(docs) if w["metadata"]["name"] == workload)
+    return found["spec"]["template"]["spec"]["containers"][0]
+
+
+def env_of(c: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in c.get("env", [])}
+
+
+def test_helm_lint_finds_nothing_worse_than_advice() -> None:
+    import helm_python as helm
+
+    report = helm.lint(str(CHART))
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] > 1] == []  # 1: INFO ("icon is recommended")
+
+
+@pytest.mark.parametrize("files", VARIANTS, ids=["+".join(f.removesuffix(".yaml") for f in v) for v in VARIANTS])
+def test_every_variant_renders_valid_objects_whose_references_hold(files: tuple[str, ...]) -> None:
+    docs = render(*files)
+    assert schema_problems(docs) == []
+    assert reference_problems(docs) == []
+
+    values = values_of(*files)
+    disagg = values.get("mode") == "disagg"
+    assert {"llm-tandem-frontend", *(("llm-tandem-prefill", "llm-tandem-decode") if disagg else ("llm-tandem-worker",))} \
+        == names(docs, "Deployment")
+    bundled = {part for part in ("etcd", "nats") if values.get(part, {}).get("enabled", part == "etcd")}
+    assert names(docs, "StatefulSet") == {f"llm-tandem-{part}" for part in bundled}
+    production = "production.yaml" in files
+    assert names(docs, "ServiceMonitor") == ({"llm-tandem"} if production else set())
+    assert names(docs, "RoleBinding") == ({"llm-tandem-planner"} if production else set())
+
+    for workload in workloads(docs):
+        c = workload["spec"]["template"]["spec"]["containers"][0]
+        if c["command"][0] != "tandem":
+            continue
+        env = env_of(c)
+        # Every tandem process advertises its pod's own address, and finds etcd and NATS where the values say.
+        assert env["DYN_ADVERTISE_HOST"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        assert env["ETCD_ENDPOINTS"]["value"] == (values.get("etcd", {}).get("endpoints") or "http://llm-tandem-etcd:2379")
+        uses_nats = "nats" in (values.get("requestPlane"), values.get("eventPlane"))
+        assert ("NATS_SERVER" in env) == uses_nats
+        if production and c["command"][1] == "frontend":
+            assert env["DYN_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "tandem-api-key", "key": "api-key"}
+            assert c["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+
+
+def test_the_checks_find_what_a_cluster_would_not_forgive() -> None:
+    """The checks above can fail: each broken reference is named."""
+    docs = render("agg.yaml", "nats.yaml", "production.yaml")
+    worker = container(docs, "llm-tandem-worker")
+    worker["readinessProbe"]["httpGet"]["path"] = "/ready"
+    worker["livenessProbe"]["httpGet"]["port"] = "http"
+    worker["args"].append("--no-such-flag")
+    worker["ports"].append({"name": "extra", "containerPort": 7000})
+    worker["volumeMounts"].append({"name": "cache", "mountPath": "/cache"})
+    worker["portz"] = []
+    next(s for s in of_kind(docs, "Service") if s["metadata"]["name"] == "llm-tandem-frontend")["spec"]["selector"][
+        "app.kubernetes.io/component"] = "frontnd"
+    next(iter(of_kind(docs, "RoleBinding")))["roleRef"]["name"] = "someone-else"
+    problems = "\n".join(schema_problems(docs) + reference_problems(docs))
+    for expected in ("'portz' was unexpected", "unrecognized arguments: --no-such-flag",
+                     "livenessProbe port http is none of the container's ports",
+                     "readinessProbe GET /ready on port 9090", "declares port extra 7000",
+                     "mounts volume cache", "Service llm-tandem-frontend: its selector matches no pod",
+                     "binds Role someone-else"):
+        assert expected in problems
+
+
+def test_a_variable_that_nothing_reads_fails_the_check() -> None:
+    extra = {"extraEnv": [{"name": "DYN_HTTP_BODY_LIMIT_MB", "value": "64"}, {"name": "DYN_BODY_LIMIT", "value": "64"}]}
+    docs = render("agg.yaml", values={"frontend": extra})
+    assert reference_problems(docs) == [
+        "Deployment llm-tandem-frontend container frontend: sets DYN_BODY_LIMIT, which tandem frontend never reads"]
+
+
+@pytest.mark.parametrize(("values", "reason"), [
+    ({"image": {"repository": ""}}, "image.repository is required"),
+    ({"etcd": {"enabled": False}}, "tandem needs etcd for discovery"),
+    ({"etcd": {"endpoints": "http://etcd:2379"}}, "set only one"),
+    ({"etcd": {"authSecret": "creds"}}, "are for an external etcd"),
+    ({"requestPlane": "nats"}, "set nats.enabled (bundled server) or nats.url"),
+    ({"nats": {"enabled": True}}, "nothing would use it"),
+    ({"eventPlane": "nats", "nats": {"enabled": True, "url": "nats://n:4222"}}, "set only one"),
+    ({"durableKvEvents": True}, "it needs eventPlane nats"),
+    ({"model": {"download": False}}, "nothing would put the model there"),
+    ({"engine": "sglang"}, "at '/engine': value must be one of"),
+    ({"frontend": {"numProcesses": 0}}, "at '/frontend/numProcesses'"),
+    ({"workers": {"agg": {"replica": 3}}}, "additional properties 'replica' not allowed"),
+    ({"frontnd": {}}, "additional properties 'frontnd' not allowed"),
+], ids=lambda v: v if isinstance(v, str) else json.dumps(v, separators=(",", ":")))
+def test_contradicting_or_misspelled_values_stop_the_render_with_the_reason(values: dict, reason: str) -> None:
+    with pytest.raises(RenderError, match=None) as refused:
+        render("agg.yaml", values=values)
+    assert reason in str(refused.value)
+
+
+def test_the_frontend_downloads_exactly_the_files_the_model_card_checks() -> None:
+    from tandem.llm.model_card import MODEL_FILES
+
+    docs = render("agg.yaml")
+    frontend = next(w for w in workloads(docs) if w["metadata"]["name"] == "llm-tandem-frontend")
+    download = frontend["spec"]["template"]["spec"]["initContainers"][0]
+    assert download["args"][:3] == ["Qwen/Qwen3-0.6B", "main", "/models/Qwen/Qwen3-0.6B"]
+    assert tuple(download["args"][3:]) == MODEL_FILES
+    worker = next(w for w in workloads(docs) if w["metadata"]["name"] == "llm-tandem-worker")
+    assert worker["spec"]["template"]["spec"]["initContainers"][0]["args"] == download["args"][:3]  # the whole snapshot
+
+
+# -- releases running here, a network namespace per pod -------------------------------------------------------
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="pods are network namespaces: needs root and iproute2")
+MOCKER = ["--block-size", "16", "--num-gpu-blocks-override", "2048", "--speedup-ratio", "10"]
+IMAGES = [Image("registry.example.com/tandem", {"tandem": venv_program("tandem")}),
+          Image("quay.io/coreos/etcd", {"etcd": venv_program("etcd")}),
+          Image("nats", {"nats-server": venv_program("nats-server")})]
+
+
+def local_values(smollm2: str, **more: object) -> dict:
+    """The mocker on the SmolLM2 folder of this machine, mounted as the model volume (a hostPath)."""
+    folder = Path(smollm2)
+    return {"engine": "mocker",
+            "model": {"name": "HuggingFaceTB/SmolLM2-135M-Instruct", "servedModelName": MODEL, "download": False,
+                      "volume": {"hostPath": {"path": str(folder.parent), "type": "Directory"}}, "path": folder.name},
+            **more}
+
+
+@pytest.fixture
+def cluster_root(tmp_path: Path) -> Path:
+    return tmp_path
+
+
+@needs_root
+def test_an_aggregated_release_runs_pod_by_pod_and_serves_through_its_service(smollm2: str, cluster_root: Path) -> None:
+    docs = render("agg.yaml", values=local_values(smollm2, serviceMonitor={"enabled": True},
+                                                  workers={"agg": {"replicas": 2, "extraArgs": MOCKER}}))
+    cluster = LocalCluster(docs, cluster_root, IMAGES, namespace="serving")
+    try:
+        cluster.wait_ready(timeout=90)  # every pod's startup, readiness and liveness probes pass
+        url = cluster.service_url("llm-tandem-frontend", "http")
+        assert len(httpx.get(f"{url}/health").json()["instances"]) == 2
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}],
+                                               max_tokens=4)
+        assert reply.choices[0].message.content and reply.usage.completion_tokens == 4
+        # Each worker registered the address of its own pod (DYN_ADVERTISE_HOST from status.podIP).
+        etcd = cluster.service_url("llm-tandem-etcd", "client")
+        records = httpx.post(f"{etcd}/v3/kv/range", json={"key": base64.b64encode(b"v1/instances/").decode(),
+                                                           "range_end": base64.b64encode(b"v1/instances0").decode()}).json()
+        advertised = {json.loads(base64.b64decode(kv["value"]))["transport"]["tcp"].rsplit(":", 1)[0]
+                      for kv in records["kvs"]}
+        assert advertised == {pod.ip for pod in cluster.pods_of("llm-tandem-worker")}
+        # The ServiceMonitor's targets answer with tandem's metrics.
+        assert "dynamo_frontend_requests_total" in httpx.get(f"{url}/metrics").text
+        for pod in cluster.pods_of("llm-tandem-worker"):
+            assert "dynamo_component_requests_total" in httpx.get(f"http://{pod.ip}:9090/metrics").text
+        # Deleting the release stops etcd along with the rest: every process still exits on SIGTERM.
+        assert cluster.stop() == []
+    finally:
+        cluster.stop()
+
+
+@needs_root
+def test_a_disaggregated_release_on_nats_with_credentials_runs_pod_by_pod(smollm2: str, cluster_root: Path) -> None:
+    pool = {"replicas": 1, "extraArgs": MOCKER}
+    docs = render("disagg.yaml", "nats.yaml", values=local_values(
+        smollm2, nats={"authSecret": "nats-creds"}, frontend={"apiKeySecret": "api-key"},
+        workers={"prefill": pool, "decode": pool}))
+    secrets = {"nats-creds": {"username": "tandem", "password": "s3cret"}, "api-key": {"api-key": "k-123"}}
+    cluster = LocalCluster(docs, cluster_root, IMAGES, namespace="serving", secrets=secrets)
+    try:
+        cluster.wait_ready(timeout=90)
+        url = cluster.service_url("llm-tandem-frontend", "http")
+        health = httpx.get(f"{url}/health").json()
+        assert len(health["instances"]) == 1 and len(health["prefill_instances"]) == 1
+        refused = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": []})
+        assert refused.status_code == 401
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="k-123", max_retries=0, timeout=60)
+        reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}],
+                                               max_tokens=4)
+        assert reply.usage.completion_tokens == 4
+        # The prompt was prefilled by the prefill pod.
+        prefill = httpx.get(f"http://{cluster.pods_of('llm-tandem-prefill')[0].ip}:9090/metrics").text
+        assert metric_sum(prefill, "dynamo_component_requests_total", dynamo_component="prefill") == 1
+        assert cluster.stop() == []
+    finally:
+        cluster.stop()
