@@ -131,8 +131,10 @@ class LocalCluster:
     """The pods of `docs` running here; `stop()` ends them and removes their namespaces."""
 
     def __init__(self, docs: list[Manifest], root: Path, images: list[Image], namespace: str,
-                 secrets: dict[str, dict[str, str]] | None = None) -> None:
+                 secrets: dict[str, dict[str, str]] | None = None, source: Path = REPO) -> None:
+        """`source`: the tandem checkout the processes import (a git worktree, for a benchmark's baseline)."""
         self.docs = docs
+        self.source = source
         self.root = root
         self.namespace = namespace
         self.images = {image.repository: image for image in images}
@@ -186,7 +188,7 @@ class LocalCluster:
     def _container(self, pod: Pod, spec: Manifest) -> Container:
         template = pod.workload["spec"]["template"]["spec"]
         mounts = self._mounts(pod, template, spec)
-        env = {"PATH": os.environ["PATH"], "HOME": str(pod.root), "LANG": "C.UTF-8", "PYTHONPATH": str(REPO)}
+        env = {"PATH": os.environ["PATH"], "HOME": str(pod.root), "LANG": "C.UTF-8", "PYTHONPATH": str(self.source)}
         for variable in spec.get("env", []):
             env[variable["name"]] = _mounted(self._env_value(pod, variable), mounts)
         image = self.images[spec["image"].rsplit(":", 1)[0]]
