@@ -307,3 +307,19 @@ def test_parsers_go_through_the_card(tmp_path: Path, smollm2: str) -> None:
         assert reply.usage.completion_tokens_details.reasoning_tokens == reply.usage.completion_tokens == 8
     finally:
         deployment.stop()
+
+
+def test_lag_against_the_timing_model_is_reported(mocker: Deployment) -> None:
+    """The system port shows the time the timing model gave the steps run and the wall time spent busy:
+    a benchmark discards runs where the second outgrows the first (the host could not keep up)."""
+    from tests.deployment import metric_sum
+
+    def read() -> tuple[float, float]:
+        text = httpx.get(f"{mocker.system_url}/metrics").text  # type: ignore[attr-defined]
+        return (metric_sum(text, "tandem_mocker_simulated_seconds_total"),
+                metric_sum(text, "tandem_mocker_busy_seconds_total"))
+
+    before = read()
+    mocker.client().completions.create(model=MODEL, prompt=_prompt(300, "lag"), max_tokens=32)
+    simulated, busy = read()
+    assert simulated > before[0] and busy > before[1]  # both grew with the steps of this request

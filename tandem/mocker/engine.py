@@ -8,6 +8,7 @@ import contextlib
 import logging
 import math
 import random
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -116,6 +117,11 @@ class MockEngine:
         self.decode_speedup_ratio = decode_speedup_ratio
         self.on_load = on_load
         self.steps = 0
+        # Lag: wall time spent busy against the time the timing model says those steps take. Equal when the
+        # mocker keeps up; busy > simulated when the host cannot run it at this speedup.
+        self.simulated_seconds = 0.0
+        self._busy_before = 0.0  # busy time of the finished busy periods
+        self._busy_since: float | None = None  # start of the current busy period (time.monotonic)
         self._reported_blocks: int | None = None
         self._outputs: dict[str, asyncio.Queue[StepOutput | None]] = {}
         self._work = asyncio.Event()
@@ -153,19 +159,31 @@ class MockEngine:
         return (result.prefill_ms / self.speedup_ratio
                 + result.decode_ms / (self.speedup_ratio * self.decode_speedup_ratio)) / 1000.0
 
+    @property
+    def busy_seconds(self) -> float:
+        """Wall time spent with work to do."""
+        running = time.monotonic() - self._busy_since if self._busy_since is not None else 0.0
+        return self._busy_before + running
+
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time()
         while True:
             if not self.scheduler.has_work:
+                if self._busy_since is not None:
+                    self._busy_before += time.monotonic() - self._busy_since
+                    self._busy_since = None
                 self._work.clear()
                 await self._work.wait()
                 deadline = loop.time()
+            if self._busy_since is None:
+                self._busy_since = time.monotonic()
             result = self.scheduler.step()
             self.steps += 1
             # Steps end on a running deadline, so a late wake-up and the work between steps shorten
             # the next sleep instead of adding up; more than a step behind (overloaded), restart from now.
             seconds = self.step_seconds(result)
+            self.simulated_seconds += seconds
             now = loop.time()
             deadline += seconds
             if deadline < now - seconds:

@@ -12,7 +12,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+from collections.abc import Iterator
 from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from tandem.llm.model_card import ModelRuntimeConfig
 from tandem.llm.tokenizer import Tokenizer
@@ -44,6 +48,25 @@ class DroppingPublisher:
         if event["event"]["event_id"] % self.every == self.every - 1:
             return False
         return self.publisher.publish(event)
+
+
+class LagCollector(Collector):
+    """Each engine's simulated time against the wall time it was busy: a benchmark whose mockers fall behind
+    their timing model (too fast a speedup for the host) measures the host, not the policy under test."""
+
+    def __init__(self, engines: list[MockEngine]) -> None:
+        self.engines = engines
+
+    def collect(self) -> Iterator[Metric]:
+        simulated = CounterMetricFamily("tandem_mocker_simulated_seconds", "Wall time the timing model gives the "
+                                        "steps run so far, at the speedup", labels=["dp_rank"])
+        busy = CounterMetricFamily("tandem_mocker_busy_seconds", "Wall time spent with work to do; above the "
+                                   "simulated time when the mocker falls behind", labels=["dp_rank"])
+        for rank, engine in enumerate(self.engines):
+            simulated.add_metric([str(rank)], engine.simulated_seconds)
+            busy.add_metric([str(rank)], engine.busy_seconds)
+        yield simulated
+        yield busy
 
 
 async def start_worker(config: MockerConfig, runtime: DistributedRuntime, tokenizer: Tokenizer) -> list[MockEngine]:
@@ -78,6 +101,7 @@ async def start_worker(config: MockerConfig, runtime: DistributedRuntime, tokeni
                             on_load=lambda state, load=load: load.record_usage(state.gpu_cache_usage))
         engine.start()
         engines.append(engine)
+    runtime.registry.register(LagCollector(engines))
     handler = MockerHandler(config, engines, SyntheticTokens(tokenizer, config.seed), worker_id)
     spec = WorkerSpec(
         config.model_path, config.served_model_name, config.disaggregation_mode, engine_config.block_size,
