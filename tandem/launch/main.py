@@ -25,11 +25,13 @@ import aiohttp
 
 from tandem.launch.cores import format_cores
 from tandem.launch.plan import Plan
+from tandem.launch.planning import build_planner, run_planner
 from tandem.launch.spec import ENGINES, DeploymentSpec, SpecError, build_spec, load_file
 from tandem.launch.supervisor import Child, Deployment, LogMux, describe_exit
 from tandem.models.prepare import PrepareError
 from tandem.models.resolve import ModelNotFoundError, resolve_model
-from tandem.runtime.config import env_str
+from tandem.planner.sla import SlaPlanner
+from tandem.runtime.config import ConfigError, env_str
 from tandem.runtime.options import ROUTER_MODES
 
 LABEL = "run"  # the launcher's own lines
@@ -78,6 +80,20 @@ def build_parser() -> argparse.ArgumentParser:
     place.add_argument("--worker-cores", metavar="LISTS", help='explicit cores, one list per worker: "0;1" or "0-1;2-3"')
     place.add_argument("--system-port-base", type=int, metavar="PORT",
                        help="worker i serves /health and /metrics on this port + i [default: none]")
+    plan = parser.add_argument_group("Planner (docs/planner.md)")
+    plan.add_argument("--planner", choices=("sla",), help="size the worker groups to meet --ttft and --itl (sla)")
+    plan.add_argument("--planner-config", metavar="FILE", help="planner settings (YAML or JSON); flags override them")
+    plan.add_argument("--ttft", type=float, metavar="MS", help="time-to-first-token target [500]")
+    plan.add_argument("--itl", type=float, metavar="MS", help="inter-token-latency target [50]")
+    plan.add_argument("--adjustment-interval", type=float, metavar="S", help="seconds between decisions [180]")
+    plan.add_argument("--profile-results-dir", metavar="DIR", help="the workers' profiles (Dynamo's layout)")
+    plan.add_argument("--load-predictor", metavar="KIND",
+                      help="constant, moving-average, arima, kalman or prophet [arima]")
+    plan.add_argument("--max-gpu-budget", type=int, metavar="N", help="engines' GPUs (here: workers) at most [8]")
+    plan.add_argument("--min-endpoint", type=int, metavar="N", help="workers each group keeps at least [1]")
+    plan.add_argument("--max-replica-change", type=int, metavar="N", help="workers a group gains or loses per decision")
+    plan.add_argument("--planner-metrics-port", type=int, metavar="PORT",
+                      help="serve the planner's decisions as Prometheus metrics [env PLANNER_PROMETHEUS_PORT]")
     life = parser.add_argument_group("Lifecycle")
     life.add_argument("--restart", action="store_true", help="restart a worker that dies (with backoff)")
     life.add_argument("--ready-timeout", type=float, metavar="S", help="seconds to wait for the model to be served [600]")
@@ -174,6 +190,13 @@ async def run_deployment(spec: DeploymentSpec, model_path: str, mux: LogMux | No
     plan = Plan(spec, model_path, discovery_dir, warn=say)
     deployment = Deployment(plan, mux)
     stop = asyncio.Event()
+    planner = None
+    if spec.planner is not None:
+        try:
+            planner = build_planner(spec.planner)
+        except ConfigError as e:
+            print(f"tandem run: {e}", file=sys.stderr)
+            return 2
 
     def on_signal(signum: int) -> None:
         if stop.is_set():
@@ -194,7 +217,7 @@ async def run_deployment(spec: DeploymentSpec, model_path: str, mux: LogMux | No
             f"{env_str('NATS_SERVER') or 'nats://localhost:4222'} (NATS_SERVER)")
     try:
         deployment.start()
-        return await _serve(deployment, plan, stop, mux)
+        return await _serve(deployment, plan, stop, mux, planner)
     except BaseException:
         deployment.kill()  # whatever went wrong in the launcher, leave no process behind
         raise
@@ -207,11 +230,13 @@ async def run_deployment(spec: DeploymentSpec, model_path: str, mux: LogMux | No
         say("stopped")
 
 
-async def _serve(deployment: Deployment, plan: Plan, stop: asyncio.Event, mux: LogMux) -> int:
+async def _serve(deployment: Deployment, plan: Plan, stop: asyncio.Event, mux: LogMux,
+                 planner: SlaPlanner | None = None) -> int:
     stopped = asyncio.create_task(stop.wait())
     ready = asyncio.create_task(wait_until_serving(deployment, plan.served_name, plan.spec.ready_timeout))
     frontend = deployment.frontend
     frontend_gone = asyncio.create_task(frontend.done.wait() if frontend is not None else asyncio.Event().wait())
+    planning: asyncio.Task[None] | None = None
     try:
         await asyncio.wait({stopped, ready}, return_when=asyncio.FIRST_COMPLETED)
         if stop.is_set():
@@ -228,6 +253,12 @@ async def _serve(deployment: Deployment, plan: Plan, stop: asyncio.Event, mux: L
         else:
             mux.plain(f"\n==> serving {plan.served_name} at {url} (OpenAI API under /v1); Ctrl-C stops everything\n"
                       f"    {curl_example(url, plan.served_name)}\n")
+            if planner is not None:
+                mux.add_label("planner")
+                port = env_str("PLANNER_PROMETHEUS_PORT")
+                metrics_port = plan.spec.planner_metrics_port or (int(port) if port else None)
+                planning = asyncio.create_task(run_planner(planner, deployment, url, plan.served_name, stop,
+                                                           lambda text: mux.line("planner", text), metrics_port))
         await asyncio.wait({stopped, frontend_gone}, return_when=asyncio.FIRST_COMPLETED)
         if stop.is_set():
             return 0
@@ -237,6 +268,9 @@ async def _serve(deployment: Deployment, plan: Plan, stop: asyncio.Event, mux: L
     finally:
         for task in (stopped, ready, frontend_gone):
             task.cancel()
+        if planning is not None:
+            stop.set()  # the planner ends its interval; a scaling change in progress finishes first
+            await asyncio.gather(planning, return_exceptions=True)
 
 
 def _report_failure(reason: str, child: Child | None) -> None:

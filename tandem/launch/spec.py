@@ -18,7 +18,8 @@ import yaml
 
 from tandem.launch.cores import available_cores as machine_cores
 from tandem.launch.cores import parse_cores
-from tandem.runtime.config import env_str
+from tandem.planner.config import PlannerConfig, PlannerMode, read_settings
+from tandem.runtime.config import ConfigError, env_str
 from tandem.runtime.options import ROUTER_MODES
 
 ROLES = ("agg", "prefill", "decode")
@@ -69,6 +70,8 @@ class DeploymentSpec:
     stop_timeout: float = 30.0
     frontend: FrontendSpec = field(default_factory=FrontendSpec)
     workers: list[WorkerGroup] = field(default_factory=lambda: [WorkerGroup()])
+    planner: PlannerConfig | None = None  # the SLA planner sizes the worker groups while the run serves
+    planner_metrics_port: int | None = None
 
     @property
     def disaggregated(self) -> bool:
@@ -94,12 +97,26 @@ class DeploymentSpec:
                                               ("--frontend-args", self.frontend.args or None)) if value]
             if given:
                 raise SpecError(f"--no-frontend: {', '.join(given)} would configure a frontend this run does not start")
+        if self.planner is not None:
+            self._validate_planner(self.planner)
+        elif self.planner_metrics_port is not None:
+            raise SpecError("--planner-metrics-port: no planner runs (add --planner sla)")
         allowed = set(available_cores)
         for group in self.workers:
             for cores in group.cores or []:
                 if not set(cores) <= allowed:
                     raise SpecError(f"{group.role} worker cores {','.join(map(str, cores))}: this process may only "
                                     f"use cores {','.join(map(str, sorted(allowed)))}")
+
+
+    def _validate_planner(self, planner: PlannerConfig) -> None:
+        if self.no_frontend:
+            raise SpecError("--planner: the planner observes this run's frontend, and --no-frontend starts none")
+        if "--num-processes" in self.frontend.args or any(a.startswith("--num-processes=") for a in self.frontend.args):
+            raise SpecError("--planner: the planner reads one frontend process's metrics; leave out --num-processes")
+        if planner.profile_results_dir is None:
+            raise SpecError("--planner: the SLA planner needs the workers' profiles: --profile-results-dir DIR "
+                            "(docs/planner.md)")
 
 
 # -- value checks, shared by the YAML file and the flags ----------------------------------------------------------
@@ -170,8 +187,12 @@ _SETTINGS: dict[str, Check] = {
     "system_port_base": _integer(1, 65535),
     "ready_timeout": _seconds(0, inclusive=False),
     "stop_timeout": _seconds(0, inclusive=True),
+    "planner_metrics_port": _integer(1, 65535),
 }
-_FILE_KEYS = (*_SETTINGS, "frontend", "workers")
+_FILE_KEYS = (*_SETTINGS, "frontend", "workers", "planner")
+# `tandem run` flags that set a planner setting (the rest come from --planner-config or the file's `planner:`).
+PLANNER_FLAGS = ("ttft", "itl", "adjustment_interval", "profile_results_dir", "load_predictor", "max_gpu_budget",
+                 "max_replica_change", "min_endpoint")
 _GROUP_KEYS = ("role", "count", "args", "env", "cores")
 
 
@@ -294,6 +315,37 @@ def _split_cores(spec: DeploymentSpec, text: str) -> None:
         group.cores, lists = lists[: group.count], lists[group.count :]
 
 
+def _apply_planner(spec: DeploymentSpec, flags: Mapping[str, Any], document: Mapping[str, Any] | None,
+                   source: str) -> None:
+    """The planner's settings: the file's `planner:` mapping, then --planner-config, then the flags; its mode
+    follows the workers (aggregated or disaggregated)."""
+    in_file = (document or {}).get("planner")
+    given = [name for name in PLANNER_FLAGS if name in flags]
+    if in_file is None and "planner" not in flags and "planner_config" not in flags:
+        if given:
+            raise SpecError(f"--{given[0].replace('_', '-')} is a planner setting: add --planner sla")
+        return
+    values: dict[str, Any] = {}
+    where = source
+    if in_file is not None:
+        if not isinstance(in_file, Mapping):
+            raise SpecError(f"{source}: planner: expected a mapping of planner settings")
+        values.update(in_file)
+        where = f"{source}: planner"
+    try:
+        if "planner_config" in flags:
+            values.update(read_settings(flags["planner_config"]))
+            where = flags["planner_config"]
+        values.update({name: flags[name] for name in given})
+        mode = PlannerMode.DISAGG if spec.disaggregated else PlannerMode.AGG
+        if values.get("mode", mode.value) != mode.value:
+            raise SpecError(f"{where}: planner mode {values['mode']} does not fit the workers ({mode.value})")
+        values["mode"] = mode.value
+        spec.planner = PlannerConfig.from_mapping(values, where=where)
+    except ConfigError as e:
+        raise SpecError(str(e)) from None
+
+
 def build_spec(flags: Mapping[str, Any], document: Mapping[str, Any] | None = None, *,
                source: str = "deployment file", worker_args: Sequence[str] = (),
                available_cores: Sequence[int] | None = None) -> DeploymentSpec:
@@ -320,6 +372,7 @@ def build_spec(flags: Mapping[str, Any], document: Mapping[str, Any] | None = No
         _split_cores(spec, flags["worker_cores"])
     if "frontend_args" in flags:
         spec.frontend.args = [*spec.frontend.args, *shlex.split(flags["frontend_args"])]
+    _apply_planner(spec, flags, document, source)
     for group in spec.workers:
         group.args = [*group.args, *worker_args]
     spec.validate(machine_cores() if available_cores is None else available_cores)

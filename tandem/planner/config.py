@@ -104,17 +104,24 @@ class PlannerConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> PlannerConfig:
-        """JSON or YAML, a mapping of settings."""
-        import yaml
+        return cls.from_mapping(read_settings(path), where=str(path))
 
+
+def read_settings(path: str | Path) -> dict[str, Any]:
+    """A planner config file (JSON, or YAML): its mapping of settings, not yet checked."""
+    import yaml
+
+    try:
         text = Path(path).read_text()
-        try:
-            values = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
-        except (ValueError, yaml.YAMLError) as e:
-            raise ConfigError(f"{path}: not valid {'JSON' if str(path).endswith('.json') else 'YAML'}: {e}") from None
-        if not isinstance(values, dict):
-            raise ConfigError(f"{path}: the planner config must be a mapping of settings")
-        return cls.from_mapping(values, where=str(path))
+    except OSError as e:
+        raise ConfigError(f"{path}: {e.strerror}") from None
+    try:
+        values = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as e:
+        raise ConfigError(f"{path}: not valid {'JSON' if str(path).endswith('.json') else 'YAML'}: {e}") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: the planner config must be a mapping of settings")
+    return values
 
 
 _ENUMS: dict[str, type[StrEnum]] = {"mode": PlannerMode, "load_predictor": PredictorKind}

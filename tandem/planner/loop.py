@@ -1,0 +1,121 @@
+"""The planning loop: every adjustment interval, observe the frontends, decide, and hand the decision to a
+connector, which changes the deployment (the local one: `tandem run`'s own workers).
+
+One log line per decision. The decisions are also metrics (`tandem_planner_*`) on the registry given. A
+scaling change runs in the background, since starting a worker takes a while; while one is still in
+progress, later decisions are logged and left for the next interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from tandem.planner.observe import FrontendObserver
+from tandem.planner.sla import Decision, Replicas, SlaPlanner
+
+log = logging.getLogger(__name__)
+
+
+class Connector(Protocol):
+    """How decisions reach the deployment."""
+
+    def replicas(self) -> Replicas:
+        """The workers each pool has now (those still starting included)."""
+        ...
+
+    async def scale(self, target: Replicas) -> None:
+        """Start or stop workers until the pools are `target`; a stopped worker drains its streams first."""
+        ...
+
+
+class PlannerMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
+            return Gauge(f"tandem_planner_{name}", doc, labels, registry=registry)
+
+        self.decisions = Counter("tandem_planner_decisions", "Decisions taken, by what followed: scaled, unchanged, "
+                                 "observe_only (no_operation), busy (a change was still in progress)", ("action",),
+                                 registry=registry)
+        self.idle = Counter("tandem_planner_idle_intervals", "Intervals without traffic (nothing decided)",
+                            registry=registry)
+        self.predicted = gauge("predicted", "The forecast for the next interval", ("quantity",))
+        self.correction = gauge("correction", "Observed over profiled latency", ("pool",))
+        self.target = gauge("target_replicas", "Workers each pool should have", ("pool",))
+        self.replicas = gauge("replicas", "Workers each pool has", ("pool",))
+
+    def record(self, decision: Decision, current: Replicas) -> None:
+        f = decision.forecast
+        for quantity, value in (("requests", f.requests), ("isl", f.isl), ("osl", f.osl)):
+            self.predicted.labels(quantity).set(value)
+        self.correction.labels("prefill").set(decision.prefill_correction)
+        self.correction.labels("decode").set(decision.decode_correction)
+        for pool in ("prefill", "decode"):
+            self.target.labels(pool).set(getattr(decision.target, pool))
+            self.replicas.labels(pool).set(getattr(current, pool))
+
+
+class PlannerLoop:
+    def __init__(self, planner: SlaPlanner, observer: FrontendObserver, connector: Connector,
+                 registry: CollectorRegistry | None = None) -> None:
+        self.planner = planner
+        self.observer = observer
+        self.connector = connector
+        self.metrics = PlannerMetrics(registry) if registry is not None else None
+        self._scaling: asyncio.Task[None] | None = None
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Until `stop` is set; the first interval starts now."""
+        interval = self.planner.config.adjustment_interval
+        await self.observer.sample(0.0)  # the starting point
+        last = time.monotonic()
+        try:
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), max(last + interval - time.monotonic(), 0.0))
+                    return
+                now = time.monotonic()
+                await self.step(now - last)
+                last = now
+        finally:
+            if self._scaling is not None:
+                await asyncio.gather(self._scaling, return_exceptions=True)
+
+    async def step(self, elapsed: float) -> Decision | None:
+        """One interval of `elapsed` seconds: observe, decide, act."""
+        observed = await self.observer.sample(elapsed)
+        current = self.connector.replicas()
+        if not self.planner.observe(observed, current):
+            log.info("planner: no traffic in the last %.0f s; keeping prefill %d, decode %d", elapsed,
+                     current.prefill, current.decode)
+            if self.metrics is not None:
+                self.metrics.idle.inc()
+            return None
+        decision = self.planner.decide(current, elapsed)
+        action = self._act(decision, current)
+        log.info("planner: %s (%s)", decision.describe(current), action)
+        if self.metrics is not None:
+            self.metrics.record(decision, current)
+            self.metrics.decisions.labels(action).inc()
+        return decision
+
+    def _act(self, decision: Decision, current: Replicas) -> str:
+        if decision.target == current:
+            return "unchanged"
+        if self.planner.config.no_operation:
+            return "observe_only"
+        if self._scaling is not None and not self._scaling.done():
+            return "busy"
+        self._scaling = asyncio.create_task(self._scale(decision.target), name="planner-scale")
+        return "scaled"
+
+    async def _scale(self, target: Replicas) -> None:
+        try:
+            await self.connector.scale(target)
+        except Exception:  # the next interval decides again
+            log.exception("planner: scaling to prefill %d, decode %d failed", target.prefill, target.decode)
