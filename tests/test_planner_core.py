@@ -144,7 +144,8 @@ DECODE_CAPACITY = 10 + 1000 * 49 / 99  # tokens/s per worker at ITL 30 ms
 
 
 def planner(**settings: object) -> SlaPlanner:
-    config = PlannerConfig(itl=30, adjustment_interval=60, load_predictor=PredictorKind.CONSTANT, **settings)
+    config = PlannerConfig(**{"itl": 30, "adjustment_interval": 60, "load_predictor": PredictorKind.CONSTANT,
+                              **settings})  # type: ignore[arg-type]
     return SlaPlanner(config.validate(), prefill_profile(), decode_profile())
 
 
@@ -248,6 +249,7 @@ def test_a_mooncake_trace_becomes_per_interval_history_that_warms_the_predictors
     ({"min_endpoint": 0}, "planner setting min_endpoint must be an integer >= 1"),
     ({"max_gpu_budget": 1}, "max_gpu_budget (1) is below what min_endpoint (1) workers of each pool need (2 GPUs)"),
     ({"max_replica_change": 0}, "max_replica_change must be an integer >= 1"),
+    ({"worker_startup_time": -3}, "worker_startup_time must be a number of seconds >= 0"),
     ({"no_operation": "yes"}, "planner setting no_operation must be true or false"),
     ({"profile_results_dir": "/nowhere"}, "planner setting profile_results_dir: /nowhere does not exist"),
     ({"adjustment-intervall": 10}, "unknown planner setting 'adjustment-intervall'"),
@@ -268,3 +270,22 @@ def test_config_files_in_yaml_and_json(tmp_path) -> None:
     (tmp_path / "bad.json").write_text("{itl: 20")
     with pytest.raises(ConfigError, match="bad.json: not valid JSON"):
         PlannerConfig.from_file(tmp_path / "bad.json")
+
+
+# -- planning ahead by the workers' start-up time ------------------------------------------------------------
+
+def test_predictors_look_several_intervals_ahead() -> None:
+    kalman = fed(KalmanPredictor(q_level=1.0, q_trend=0.1, r=10.0, min_points=5), range(10, 210, 10))
+    assert kalman.predict(3) == pytest.approx(kalman.predict(1) + 20, abs=1)  # two more steps of +10
+    assert fed(ConstantPredictor(), [4, 7]).predict(5) == 7
+    assert fed(ArimaPredictor(), [float(v) for v in range(10, 210, 10)]).predict(3) == pytest.approx(230, abs=5)
+
+
+def test_the_forecast_is_for_when_a_worker_started_now_is_ready() -> None:
+    rising = planner(no_correction=True, load_predictor=PredictorKind.KALMAN, max_gpu_budget=64)
+    for requests in range(100, 1100, 100):
+        rising.observe(interval(requests=requests), Replicas(1, 1))
+    now, later = rising.decide(Replicas(1, 1), 60), rising.decide(Replicas(1, 1), 60, startup_s=150)
+    assert (now.forecast.steps, later.forecast.steps) == (1, 4)  # 1 + ceil(150 / 60)
+    assert later.forecast.requests == pytest.approx(now.forecast.requests + 300, abs=30)
+    assert later.target.prefill > now.target.prefill

@@ -82,6 +82,8 @@ def test_the_planner_scales_a_run_up_under_load_and_down_without_failing_a_reque
         try:
             wait_instances(url, 3, timeout=60)  # thousands of prompt tokens/s: 1 -> the budget of 3
             run.wait_for(r"decode 1 -> 3 \(scaled\)")
+            # Sized for when new workers are serving: the start-up time measured on this run's workers.
+            run.wait_for(r"OSL 8, \d+ intervals ahead\)")
         finally:
             heavy.stop()
         light = Load(url, clients=1, pause=1.0)  # a few hundred prompt tokens/s: one worker is enough
@@ -158,6 +160,9 @@ async def test_each_decision_is_logged_and_counted_and_no_operation_changes_noth
             self.asked.append(target)
             self.now = target
 
+        def startup_seconds(self) -> float | None:
+            return None
+
     def loop(**settings: object) -> tuple[PlannerLoop, Connector, CollectorRegistry]:
         config = PlannerConfig(itl=30, adjustment_interval=60, load_predictor=PredictorKind.CONSTANT,
                                no_correction=True, **settings).validate()
@@ -175,6 +180,9 @@ async def test_each_decision_is_logged_and_counted_and_no_operation_changes_noth
     assert registry.get_sample_value("tandem_planner_decisions_total", {"action": "scaled"}) == 1
     assert registry.get_sample_value("tandem_planner_decisions_total", {"action": "unchanged"}) == 1
     assert registry.get_sample_value("tandem_planner_target_replicas", {"pool": "prefill"}) == 3
+
+    ahead, connector, _ = loop(worker_startup_time=120)
+    assert (await ahead.step(60)).forecast.steps == 3  # 1 + ceil(120 / 60)
 
     watching, connector, registry = loop(no_operation=True)
     await watching.step(60)

@@ -31,6 +31,9 @@ class LocalConnector:
             return Replicas(0, len(workers["agg"]))
         return Replicas(len(workers["prefill"]), len(workers["decode"]))
 
+    def startup_seconds(self) -> float | None:
+        return self.deployment.startup_seconds()
+
     async def scale(self, target: Replicas) -> None:
         if self.aggregated:
             await self.deployment.scale("agg", target.decode)

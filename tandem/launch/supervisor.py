@@ -129,6 +129,8 @@ class Child:
         self.on_exit = on_exit
         self.proc: asyncio.subprocess.Process | None = None
         self.ready: list[str] | None = None
+        self.started_at: float | None = None  # time.monotonic() of its latest start
+        self.ready_at: float | None = None  # ... and of the READY line that followed
         self.returncode: int | None = None
         self.tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
         self.done = asyncio.Event()  # set when it exited and will not be restarted
@@ -175,6 +177,7 @@ class Child:
             self.mux.line(self.label, f"cannot start: {e}")
             return 127
         self.proc = proc
+        self.started_at, self.ready_at = time.monotonic(), None
         relay = asyncio.create_task(self._relay(proc))
         try:
             code = await proc.wait()
@@ -194,6 +197,7 @@ class Child:
         async for line in _lines(proc.stdout):
             if line.startswith("READY ") and self.ready is None:
                 self.ready = line.split()[1:]
+                self.ready_at = time.monotonic()
             self.tail.append(line)
             self.mux.line(self.label, line)
 
@@ -276,6 +280,12 @@ class Deployment:
         await asyncio.gather(*(child.stop(self.plan.spec.stop_timeout) for child in surplus))
         for child in surplus:
             del self._slots[child]
+
+    def startup_seconds(self) -> float | None:
+        """The longest start-to-READY time of the workers running now (None before any is ready)."""
+        times = [child.ready_at - child.started_at for children in self.workers.values() for child in children
+                 if child.ready_at is not None and child.started_at is not None]
+        return max(times) if times else None
 
     def expected_instances(self) -> set[int]:
         """Instance ids the frontend should know: every ready worker (prefill workers included, so that the

@@ -54,6 +54,8 @@ class PlannerConfig:
     prefill_engine_num_gpu: int = 1
     decode_engine_num_gpu: int = 1
     max_replica_change: int | None = None  # replicas a pool may gain or lose per decision (None: any)
+    # Seconds from starting a worker to its serving; None: as the connector measures it (0 if it cannot).
+    worker_startup_time: float | None = None
     no_correction: bool = False  # do not scale the profiles by the observed/expected latency ratios
     no_operation: bool = False  # observe, predict and log decisions, but change nothing
 
@@ -74,6 +76,10 @@ class PlannerConfig:
             value = getattr(self, name)
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 raise ConfigError(f"planner setting {name} must be an integer >= 1, got {value!r}")
+        if self.worker_startup_time is not None and not (
+                isinstance(self.worker_startup_time, int | float) and 0 <= self.worker_startup_time < math.inf):
+            raise ConfigError(f"planner setting worker_startup_time must be a number of seconds >= 0, got "
+                              f"{self.worker_startup_time!r}")
         if self.max_replica_change is not None and not (
                 isinstance(self.max_replica_change, int) and self.max_replica_change >= 1):
             raise ConfigError(f"planner setting max_replica_change must be an integer >= 1, got "
@@ -142,6 +148,8 @@ def _coerce(name: str, value: Any, where: str) -> Any:
         return value
     if name in _PATHS:
         return None if value is None else Path(value)
+    if name == "worker_startup_time" and value is None:
+        return None
     if name in _INTS:
         if value is None and name == "max_replica_change":
             return None

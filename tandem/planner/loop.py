@@ -33,6 +33,10 @@ class Connector(Protocol):
         """Start or stop workers until the pools are `target`; a stopped worker drains its streams first."""
         ...
 
+    def startup_seconds(self) -> float | None:
+        """How long a new worker takes to serve, as measured on this deployment (None: not known yet)."""
+        ...
+
 
 class PlannerMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -96,7 +100,10 @@ class PlannerLoop:
             if self.metrics is not None:
                 self.metrics.idle.inc()
             return None
-        decision = self.planner.decide(current, elapsed)
+        startup = self.planner.config.worker_startup_time
+        if startup is None:
+            startup = self.connector.startup_seconds() or 0.0
+        decision = self.planner.decide(current, elapsed, startup)
         action = self._act(decision, current)
         log.info("planner: %s (%s)", decision.describe(current), action)
         if self.metrics is not None:

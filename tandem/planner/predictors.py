@@ -47,11 +47,11 @@ class LoadPredictor(ABC):
     def last(self) -> float:
         return self.values[-1] if self.values else 0.0
 
-    def predict(self) -> float:
-        """The next interval's value (>= 0)."""
+    def predict(self, steps: int = 1) -> float:
+        """The value `steps` intervals ahead (1: the next interval), >= 0."""
         if len(self.values) < self.minimum_points:
             return self.last()
-        return max(self._predict(), 0.0)
+        return max(self._predict(steps), 0.0)
 
     def _added(self, value: float) -> None:  # noqa: B027 - a hook: only stateful predictors override it
         """A new point (original scale); for predictors that keep state."""
@@ -64,11 +64,11 @@ class LoadPredictor(ABC):
         return math.expm1(value) if self.log1p else value
 
     @abstractmethod
-    def _predict(self) -> float: ...
+    def _predict(self, steps: int) -> float: ...
 
 
 class ConstantPredictor(LoadPredictor):
-    def _predict(self) -> float:
+    def _predict(self, steps: int) -> float:
         return self.last()
 
 
@@ -77,7 +77,7 @@ class MovingAveragePredictor(LoadPredictor):
         super().__init__(log1p)
         self.window = window
 
-    def _predict(self) -> float:
+    def _predict(self, steps: int) -> float:
         return self._unscaled(float(np.mean(self._scaled()[-self.window:])))
 
 
@@ -97,20 +97,20 @@ class ArimaPredictor(LoadPredictor):
             raise ConfigError("load_predictor arima needs the statsmodels package (pip install 'tandem[planner]')") \
                 from None
 
-    def _predict(self) -> float:
+    def _predict(self, steps: int) -> float:
         series = np.asarray(self.values, dtype=float)
         if np.all(series == series[0]):
             return float(series[0])
-        order, forecast = self._best(np.log1p(series) if self.log1p else series)
+        order, forecast = self._best(np.log1p(series) if self.log1p else series, steps)
         if not self.log1p and order is not None and order[0] == 0 and order[2] == 0:
-            log_order, log_forecast = self._best(np.log1p(series))
+            log_order, log_forecast = self._best(np.log1p(series), steps)
             if log_order is not None:
                 return math.expm1(log_forecast)
         if order is None:
             return self.last()
         return math.expm1(forecast) if self.log1p else forecast
 
-    def _best(self, series: np.ndarray) -> tuple[tuple[int, int, int] | None, float]:
+    def _best(self, series: np.ndarray, steps: int) -> tuple[tuple[int, int, int] | None, float]:
         from statsmodels.tsa.arima.model import ARIMA
 
         best: tuple[float, tuple[int, int, int], float] | None = None
@@ -121,7 +121,7 @@ class ArimaPredictor(LoadPredictor):
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     fitted = ARIMA(series, order=order).fit()
-                aic, forecast = float(fitted.aic), float(fitted.forecast(1)[0])
+                aic, forecast = float(fitted.aic), float(fitted.forecast(steps)[-1])
             except (ValueError, np.linalg.LinAlgError):
                 continue
             if math.isfinite(aic) and math.isfinite(forecast) and (best is None or aic < best[0]):
@@ -157,9 +157,10 @@ class KalmanPredictor(LoadPredictor):
         self.x = x + gain * (z - x[0])
         self.P = P - np.outer(gain, P[0, :])
 
-    def _predict(self) -> float:
+    def _predict(self, steps: int) -> float:
         assert self.x is not None
-        return self._unscaled(float((self.F @ self.x)[0]))
+        level, slope = self.x
+        return self._unscaled(float(level + steps * slope))
 
 
 class ProphetPredictor(LoadPredictor):
@@ -177,16 +178,16 @@ class ProphetPredictor(LoadPredictor):
         for name in ("prophet", "cmdstanpy"):
             logging.getLogger(name).setLevel(logging.WARNING)
 
-    def _predict(self) -> float:
+    def _predict(self, steps: int) -> float:
         import pandas as pd
         from prophet import Prophet
 
         start = pd.Timestamp("2026-01-01")
-        steps = pd.to_timedelta(np.arange(len(self.values) + 1) * self.interval, unit="s")
-        frame = pd.DataFrame({"ds": start + steps[:-1], "y": self._scaled()})
+        at = pd.to_timedelta(np.arange(len(self.values) + steps) * self.interval, unit="s")
+        frame = pd.DataFrame({"ds": start + at[:len(self.values)], "y": self._scaled()})
         model = Prophet()
         model.fit(frame)
-        forecast = model.predict(pd.DataFrame({"ds": [start + steps[-1]]}))
+        forecast = model.predict(pd.DataFrame({"ds": [start + at[-1]]}))
         return self._unscaled(float(forecast["yhat"].iloc[0]))
 
 

@@ -7,7 +7,9 @@ Each adjustment interval:
    `decode_correction = observed ITL / profiled ITL at the observed per-worker concurrency and context`,
    concurrency being `requests / decode workers * mean request duration / interval` and context
    `ISL + OSL / 2`. An interval without traffic (or with NaN metrics) changes nothing.
-3. **Predict** the next interval's requests, ISL and OSL (`predictors.py`).
+3. **Predict** requests, ISL and OSL (`predictors.py`) for the interval that starts once a worker started
+   now is ready: `1 + ceil(start-up time / interval)` intervals ahead (the next one when workers start at
+   once). Sizing for now would leave every rise in load to queue for a start-up time.
 4. **Size** the pools:
    - prefill: `load = requests * ISL / interval * min(1, prefill_correction)` prompt tokens/s, and
      `ceil(load / profiled prefill throughput per GPU at ISL / GPUs per prefill engine)` workers;
@@ -66,6 +68,7 @@ class Forecast:
     requests: float
     isl: float
     osl: float
+    steps: int = 1  # intervals ahead
 
 
 @dataclass(frozen=True)
@@ -77,8 +80,9 @@ class Decision:
     wanted: Replicas  # before the budget and the per-step cap
 
     def describe(self, current: Replicas) -> str:
+        ahead = f", {self.forecast.steps} intervals ahead" if self.forecast.steps > 1 else ""
         return (f"predicted {self.forecast.requests:.1f} requests (ISL {self.forecast.isl:.0f}, OSL "
-                f"{self.forecast.osl:.0f}); corrections prefill {self.prefill_correction:.2f} decode "
+                f"{self.forecast.osl:.0f}{ahead}); corrections prefill {self.prefill_correction:.2f} decode "
                 f"{self.decode_correction:.2f}; wanted prefill {self.wanted.prefill} decode {self.wanted.decode}; "
                 f"prefill {current.prefill} -> {self.target.prefill}, decode {current.decode} -> {self.target.decode}")
 
@@ -131,13 +135,14 @@ class SlaPlanner:
             if expected > 0:
                 self.decode_correction = m.itl_ms / expected
 
-    def forecast(self) -> Forecast:
-        return Forecast(self.requests.predict(), self.isl.predict(), self.osl.predict())
+    def forecast(self, steps: int = 1) -> Forecast:
+        return Forecast(self.requests.predict(steps), self.isl.predict(steps), self.osl.predict(steps), steps)
 
-    def decide(self, current: Replicas, interval_s: float | None = None) -> Decision:
-        """The replicas for the next interval (`interval_s`: its length, default the configured one)."""
+    def decide(self, current: Replicas, interval_s: float | None = None, startup_s: float = 0.0) -> Decision:
+        """The replicas for the load of the interval in which a worker started now is ready (`interval_s`: the
+        intervals' length, default the configured one; `startup_s`: a worker's start-up time)."""
         interval = interval_s or self.config.adjustment_interval
-        forecast = self.forecast()
+        forecast = self.forecast(1 + math.ceil(max(startup_s, 0.0) / interval))
         wanted = self._wanted(forecast, interval)
         target = self._capped(self._within_budget(wanted), current)
         return Decision(target, forecast, self.prefill_correction, self.decode_correction, wanted)
