@@ -139,7 +139,10 @@ async def sweep_prefill(client: Client, engine: Engine, sweep: Sweep) -> tuple[l
     return isls, ttfts, thpts
 
 
-async def sweep_decode(client: Client, engine: Engine, sweep: Sweep) -> tuple[list[float], ...]:
+Series = list[float]
+
+
+async def sweep_decode(client: Client, engine: Engine, sweep: Sweep) -> tuple[Series, Series, Series, Series]:
     usage, contexts, itls, thpts = [], [], [], []
     longest = max(64, min(engine.context_length - sweep.osl - 1, 4096))
     for isl in geometric(min(64, longest), longest, sweep.decode_contexts):
@@ -164,9 +167,9 @@ async def measure(url: str, model: str, sweep: Sweep, seed: int = 0) -> Profile:
         engine = await engine_of(http, url, model)
         client = Client(http, url, model, seed)
         await client.stream(client.prompt(16), 2)  # warm-up
-        prefill = await sweep_prefill(client, engine, sweep)
-        decode = await sweep_decode(client, engine, sweep)
-    return Profile(*prefill, *decode, kv_tokens=engine.kv_tokens)
+        isl, ttft, prefill_thpt = await sweep_prefill(client, engine, sweep)
+        usage, context, itl, decode_thpt = await sweep_decode(client, engine, sweep)
+    return Profile(isl, ttft, prefill_thpt, usage, context, itl, decode_thpt, engine.kv_tokens)
 
 
 def write_profile(folder: Path, profile: Profile) -> list[Path]:
