@@ -6,7 +6,6 @@ worker prefills 1,000 prompt tokens/s."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import numpy as np
 import yaml
 
 from tandem.planner.perf import DECODE_NPZ, PREFILL_NPZ
-from tests.deployment import MODEL
+from tests.load import Load
 
 
 def write_profiles(folder: Path) -> None:
@@ -26,36 +25,6 @@ def write_profiles(folder: Path) -> None:
     (folder / DECODE_NPZ).parent.mkdir(parents=True)
     np.savez(folder / DECODE_NPZ, x_kv_usage=usage, y_context_length=context, z_itl=10 + 40 * usage,
              z_thpt_per_gpu=10 + 1000 * usage, max_kv_tokens=np.array([100_000.0]))
-
-
-class Load:
-    """`clients` threads sending chat requests back to back (each pausing `pause` s), counting failures."""
-
-    def __init__(self, url: str, clients: int, pause: float) -> None:
-        self.url, self.pause = url, pause
-        self.done = threading.Event()
-        self.served = 0
-        self.failures: list[str] = []
-        self.threads = [threading.Thread(target=self._client, args=(n,)) for n in range(clients)]
-        for thread in self.threads:
-            thread.start()
-
-    def _client(self, n: int) -> None:
-        prompt = f"client {n}: " + " ".join(f"word{i}" for i in range(100))  # about 375 tokens
-        with httpx.Client(timeout=60) as http:
-            while not self.done.is_set():
-                response = http.post(f"{self.url}/v1/chat/completions", json={
-                    "model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": prompt}]})
-                if response.status_code == 200:
-                    self.served += 1
-                else:
-                    self.failures.append(f"{response.status_code} {response.text[:200]}")
-                self.done.wait(self.pause)
-
-    def stop(self) -> None:
-        self.done.set()
-        for thread in self.threads:
-            thread.join()
 
 
 def instances(url: str) -> int:
