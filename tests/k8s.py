@@ -260,11 +260,11 @@ def flag_problems(container: Manifest) -> list[str]:
 
 # -- references ---------------------------------------------------------------------------------------------
 
-def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
     return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
 
 
-def _port_of(container: Manifest, port: int | str) -> int | None:
+def port_of(container: Manifest, port: int | str) -> int | None:
     for declared in container.get("ports", []):
         if port in (declared["containerPort"], declared.get("name")):
             return int(declared["containerPort"])
@@ -294,7 +294,7 @@ def container_problems(where: str, container: Manifest) -> list[str]:
         if probe is None:
             continue
         get = probe["httpGet"]
-        port = _port_of(container, get["port"])
+        port = port_of(container, get["port"])
         if port is None:
             problems.append(f"{where}: {probe_kind} port {get['port']} is none of the container's ports")
         elif get["path"] not in listening.get(port, frozenset()):
@@ -309,7 +309,7 @@ def reference_problems(docs: list[Manifest]) -> list[str]:
     for workload in workloads(docs):
         where = f"{workload['kind']} {workload['metadata']['name']}"
         pod = workload["spec"]["template"]
-        if not _selects(workload["spec"]["selector"]["matchLabels"], pod["metadata"]["labels"]):
+        if not selects(workload["spec"]["selector"]["matchLabels"], pod["metadata"]["labels"]):
             problems.append(f"{where}: its selector does not match its own pod labels")
         spec = pod["spec"]
         volumes = {volume["name"] for volume in spec.get("volumes", [])}
@@ -325,17 +325,17 @@ def reference_problems(docs: list[Manifest]) -> list[str]:
                 problems.append(f"{where}: serviceName {service} is not a headless Service of the release")
     for service in of_kind(docs, "Service"):
         where = f"Service {service['metadata']['name']}"
-        chosen = [(name, t) for name, t in templates if _selects(service["spec"]["selector"], t["metadata"]["labels"])]
+        chosen = [(name, t) for name, t in templates if selects(service["spec"]["selector"], t["metadata"]["labels"])]
         if not chosen:
             problems.append(f"{where}: its selector matches no pod of the release")
         for port in service["spec"]["ports"]:
             for name, template in chosen:
-                if not any(_port_of(c, port.get("targetPort", port["port"])) for c in template["spec"]["containers"]):
+                if not any(port_of(c, port.get("targetPort", port["port"])) for c in template["spec"]["containers"]):
                     problems.append(f"{where}: port {port['name']} targets {port.get('targetPort')}, which the pods "
                                     f"of {name} do not declare")
     for monitor in of_kind(docs, "ServiceMonitor"):
         where = f"ServiceMonitor {monitor['metadata']['name']}"
-        services = [s for s in of_kind(docs, "Service") if _selects(monitor["spec"]["selector"]["matchLabels"],
+        services = [s for s in of_kind(docs, "Service") if selects(monitor["spec"]["selector"]["matchLabels"],
                                                                       s["metadata"]["labels"])]
         for endpoint in monitor["spec"]["endpoints"]:
             targets = [(s, p) for s in services for p in s["spec"]["ports"] if p["name"] == endpoint["port"]]
@@ -343,10 +343,10 @@ def reference_problems(docs: list[Manifest]) -> list[str]:
                 problems.append(f"{where}: endpoint port {endpoint['port']} is on none of the Services it selects")
             for service, port in targets:
                 for name, template in templates:
-                    if not _selects(service["spec"]["selector"], template["metadata"]["labels"]):
+                    if not selects(service["spec"]["selector"], template["metadata"]["labels"]):
                         continue
                     for container in template["spec"]["containers"]:
-                        number = _port_of(container, port["targetPort"])
+                        number = port_of(container, port["targetPort"])
                         if number is not None and endpoint.get("path", "/metrics") not in served(container).get(number, ()):
                             problems.append(f"{where}: {name} serves no {endpoint.get('path')} on port {number}")
     roles = {r["metadata"]["name"]: r for r in of_kind(docs, "Role")}

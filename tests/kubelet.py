@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 
 from tests.hosts import Hosts
-from tests.k8s import Manifest, of_kind, workloads
+from tests.k8s import Manifest, of_kind, port_of, selects, workloads
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -117,14 +117,10 @@ class Pod:
 
 
 def port_number(container: Manifest, port: int | str) -> int:
-    for declared in container.get("ports", []):
-        if port in (declared["containerPort"], declared.get("name")):
-            return int(declared["containerPort"])
-    raise LookupError(f"container {container['name']} has no port {port}")
-
-
-def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
-    return all(labels.get(k) == v for k, v in selector.items())
+    number = port_of(container, port)
+    if number is None:
+        raise LookupError(f"container {container['name']} has no port {port}")
+    return number
 
 
 class LocalCluster:
@@ -169,7 +165,7 @@ class LocalCluster:
         names: dict[str, list[str]] = {}
         for service in of_kind(self.docs, "Service"):
             name = service["metadata"]["name"]
-            chosen = [p for p in self.pods if _selects(service["spec"]["selector"], p.labels)]
+            chosen = [p for p in self.pods if selects(service["spec"]["selector"], p.labels)]
             for alias in (name, f"{name}.{self.namespace}", f"{name}.{self.namespace}.svc",
                           f"{name}.{self.namespace}.svc.cluster.local"):
                 names[alias] = [p.ip for p in chosen]
@@ -260,9 +256,8 @@ class LocalCluster:
         """Where a client of the Service reaches it: a selected pod's address and the target port."""
         service = next(s for s in of_kind(self.docs, "Service") if s["metadata"]["name"] == name)
         port = next(p for p in service["spec"]["ports"] if p["name"] == port_name)
-        pod = next(p for p in self.pods if _selects(service["spec"]["selector"], p.labels))
-        number = next(port_number(c.spec, port["targetPort"]) for c in pod.containers
-                      if any(port["targetPort"] in (d["containerPort"], d.get("name")) for d in c.spec.get("ports", [])))
+        pod = next(p for p in self.pods if selects(service["spec"]["selector"], p.labels))
+        number = next(n for c in pod.containers if (n := port_of(c.spec, port["targetPort"])) is not None)
         return f"{scheme}://{pod.ip}:{number}"
 
     def restarts(self) -> dict[str, int]:

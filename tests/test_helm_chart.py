@@ -168,16 +168,11 @@ def local_values(smollm2: str, **more: object) -> dict:
             **more}
 
 
-@pytest.fixture
-def cluster_root(tmp_path: Path) -> Path:
-    return tmp_path
-
-
 @needs_root
-def test_an_aggregated_release_runs_pod_by_pod_and_serves_through_its_service(smollm2: str, cluster_root: Path) -> None:
+def test_an_aggregated_release_runs_pod_by_pod_and_serves_through_its_service(smollm2: str, tmp_path: Path) -> None:
     docs = render("agg.yaml", values=local_values(smollm2, serviceMonitor={"enabled": True},
                                                   workers={"agg": {"replicas": 2, "extraArgs": MOCKER}}))
-    cluster = LocalCluster(docs, cluster_root, IMAGES, namespace="serving")
+    cluster = LocalCluster(docs, tmp_path, IMAGES, namespace="serving")
     try:
         cluster.wait_ready(timeout=90)  # every pod's startup, readiness and liveness probes pass
         url = cluster.service_url("llm-tandem-frontend", "http")
@@ -205,7 +200,7 @@ def test_an_aggregated_release_runs_pod_by_pod_and_serves_through_its_service(sm
 
 @needs_root
 @pytest.mark.slow
-def test_a_disaggregated_vllm_release_on_nats_with_credentials_runs_pod_by_pod(smollm2: str, cluster_root: Path) -> None:
+def test_a_disaggregated_vllm_release_on_nats_with_credentials_runs_pod_by_pod(smollm2: str, tmp_path: Path) -> None:
     """Real vLLM engines in the prefill and decode pods (one core each), the KV cache moving between the pods
     through NIXL at the pods' addresses; both planes on the bundled NATS with a password; an API key."""
     engine = [*VLLM_TEST_ARGS, *engine_memory_args(on_cpu()), "--distributed-executor-backend", "uni",
@@ -215,7 +210,7 @@ def test_a_disaggregated_vllm_release_on_nats_with_credentials_runs_pod_by_pod(s
                                    "decode": {"replicas": 1, "extraArgs": [*engine, "--cpu-cores", "1"]}})
     docs = render("disagg.yaml", "nats.yaml", values=values)
     secrets = {"nats-creds": {"username": "tandem", "password": "s3cret"}, "api-key": {"api-key": "k-123"}}
-    cluster = LocalCluster(docs, cluster_root, IMAGES, namespace="serving", secrets=secrets)
+    cluster = LocalCluster(docs, tmp_path, IMAGES, namespace="serving", secrets=secrets)
     try:
         cluster.wait_ready(timeout=240)  # under the test's own 300 s bound, so the logs are shown
         url = cluster.service_url("llm-tandem-frontend", "http")
