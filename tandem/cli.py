@@ -14,6 +14,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "router": ("tandem.router.main", "the KV router as a standalone service"),
     "discovery": ("tandem.runtime.discovery.cli", "list what is registered in discovery"),
     "run": ("tandem.launch.main", "a whole deployment on this machine (`tandem run --workers 2`)"),
+    "planner": ("tandem.planner.main", "the SLA planner beside a deployment, observing (`--no-operation`)"),
     "profile": ("tandem.launch.profile", "measure a worker's prefill and decode performance for the planner"),
 }
 

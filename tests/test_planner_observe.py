@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from tandem.planner.observe import FrontendObserver, Totals, parse_totals
+from tandem.planner.observe import FrontendObserver, Totals, parse_inflight, parse_totals, parse_workers
 from tests.deployment import MODEL, Deployment
 
 PAGE = """\
@@ -42,6 +42,26 @@ def test_a_restarted_frontend_counts_from_zero_and_frontends_add_up() -> None:
     assert (restarted.requests, restarted.isl_sum) == (4, 2000)
     two = (restarted + Totals(requests=6, isl_sum=1000, isl_count=6)).interval(10)
     assert (two.requests, two.isl) == (10, 300)
+
+
+async def test_requests_are_counted_as_they_arrive_those_in_flight_included() -> None:
+    def at(requests: float, inflight: float) -> str:
+        return page(requests, 500 * requests, 0.1 * requests) + (
+            f'# TYPE dynamo_frontend_inflight_requests gauge\ndynamo_frontend_inflight_requests{{model="m"}} {inflight}\n')
+
+    pages = iter([at(10, 2), at(14, 12), at(4, 1)])
+    observer = FrontendObserver(["http://frontend"], "m")
+
+    async def scrape(session: object, url: str) -> tuple[Totals, float, object]:
+        text = next(pages)
+        return parse_totals(text, "m"), parse_inflight(text, "m"), parse_workers(text, "m")
+
+    observer._scrape = scrape  # type: ignore[method-assign]
+    await observer.sample(0)
+    # A backlog builds: 4 finished, and 10 more in flight than before, so 14 arrived.
+    assert (await observer.sample(10)).requests == 14
+    # The frontend restarted: its counter starts from zero, and what is in flight arrived since.
+    assert (await observer.sample(10)).requests == 5
 
 
 def test_a_real_frontend_is_observed_over_an_interval(tmp_path, smollm2) -> None:

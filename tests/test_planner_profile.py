@@ -1,5 +1,5 @@
 """`tandem profile` on a mocker worker: the profile lands in Dynamo's layout, loads as the planner loads it,
-covers the KV cache as far as the engine allows, and comes with its plots; a bad command line exits 2."""
+covers the KV cache as far as the engine allows (a cache smaller than the context included), and comes with its plots; a bad command line exits 2."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import numpy as np
 from tandem.planner.perf import DECODE_NPZ, PREFILL_NPZ, DecodeProfile, PrefillProfile
 from tests.conftest import REPO
 
-SMALL_KV = ["--block-size", "16", "--num-gpu-blocks-override", "512", "--speedup-ratio", "20"]  # 8,192 tokens
+# 4,096 tokens, under the model's context: the longest decode prompt must be cut to fit the cache.
+SMALL_KV = ["--block-size", "16", "--num-gpu-blocks-override", "256", "--speedup-ratio", "20"]
 
 
 def test_a_quick_mocker_profile_is_one_the_planner_loads(tmp_path, smollm2) -> None:
@@ -29,7 +30,8 @@ def test_a_quick_mocker_profile_is_one_the_planner_loads(tmp_path, smollm2) -> N
         assert len(prefill["prefill_isl"]) == 5 and (prefill["prefill_ttft"] > 0).all()
         assert np.allclose(prefill["prefill_thpt_per_gpu"], prefill["prefill_isl"] / prefill["prefill_ttft"] * 1000)
     with np.load(tmp_path / DECODE_NPZ) as decode:
-        assert decode["max_kv_tokens"].tolist() == [8192]
+        assert decode["max_kv_tokens"].tolist() == [4096]
+        assert decode["y_context_length"].max() <= 4096
         assert len(set(decode["y_context_length"].tolist())) == 3  # three prompt lengths
         assert decode["x_kv_usage"].max() > 0.5  # the longest prompts filled the cache as far as it goes
         assert (decode["z_thpt_per_gpu"] > 0).all()

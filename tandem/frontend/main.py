@@ -161,7 +161,7 @@ async def serve(args: argparse.Namespace, frontend: FrontendConfig) -> int:
                 "max_num_batched_tokens": config.max_num_batched_tokens,
                 "context_length": model.card.context_length, "kv_cache_block_size": model.card.kv_cache_block_size,
                 "migration_limit": model.pipeline.migration_limit if model.pipeline else None,
-                "workers": len(model.instances),
+                "workers": len(model.instances), "prefill_workers": len(model.prefill_instances),
             })
             if model.pipeline is not None and model.pipeline.kv_router is not None:
                 model.pipeline.kv_router.sync_workers(model.instances, model.dp_sizes)

@@ -48,7 +48,7 @@ class FrontendMetrics:
         self.model_gauges = {
             name: gauge(f"model_{name}", f"Model configuration: {name}")
             for name in ("total_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "context_length",
-                         "kv_cache_block_size", "migration_limit", "workers")
+                         "kv_cache_block_size", "migration_limit", "workers", "prefill_workers")
         }
 
     def migration(self, model: str, kind: str) -> None:

@@ -25,7 +25,7 @@ import aiohttp
 
 from tandem.launch.cores import format_cores
 from tandem.launch.plan import Plan
-from tandem.launch.planning import build_planner, run_planner
+from tandem.launch.planning import run_planner
 from tandem.launch.spec import ENGINES, DeploymentSpec, SpecError, build_spec, load_file
 from tandem.launch.supervisor import Child, Deployment, LogMux, describe_exit
 from tandem.models.prepare import PrepareError
@@ -193,7 +193,7 @@ async def run_deployment(spec: DeploymentSpec, model_path: str, mux: LogMux | No
     planner = None
     if spec.planner is not None:
         try:
-            planner = build_planner(spec.planner)
+            planner = SlaPlanner.from_config(spec.planner)
         except ConfigError as e:
             print(f"tandem run: {e}", file=sys.stderr)
             return 2

@@ -9,12 +9,9 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, start_http_server
 
 from tandem.launch.supervisor import Deployment
-from tandem.planner.config import PlannerConfig
 from tandem.planner.loop import PlannerLoop
 from tandem.planner.observe import FrontendObserver
-from tandem.planner.perf import DecodeProfile, PrefillProfile
 from tandem.planner.sla import Replicas, SlaPlanner
-from tandem.planner.trace import interval_history
 
 
 class LocalConnector:
@@ -49,16 +46,6 @@ class _ToMux(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.say(record.getMessage().removeprefix("planner: "))
-
-
-def build_planner(config: PlannerConfig) -> SlaPlanner:
-    """The planner with its profiles loaded and its predictors warmed up (raises ConfigError)."""
-    folder = config.profile_results_dir
-    assert folder is not None  # checked with the deployment spec
-    planner = SlaPlanner(config, PrefillProfile.load(folder), DecodeProfile.load(folder))
-    if config.load_predictor_warmup_trace is not None:
-        planner.warm_up(interval_history(config.load_predictor_warmup_trace, config.adjustment_interval))
-    return planner
 
 
 async def run_planner(planner: SlaPlanner, deployment: Deployment, frontend_url: str, model: str,

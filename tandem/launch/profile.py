@@ -144,7 +144,8 @@ Series = list[float]
 
 async def sweep_decode(client: Client, engine: Engine, sweep: Sweep) -> tuple[Series, Series, Series, Series]:
     usage, contexts, itls, thpts = [], [], [], []
-    longest = max(64, min(engine.context_length - sweep.osl - 1, 4096))
+    # One stream of the longest prompt must fit the context and the KV cache (a mocker's can be small).
+    longest = max(64, min(engine.context_length - sweep.osl - 1, engine.kv_tokens - sweep.osl - 1, 4096))
     for isl in geometric(min(64, longest), longest, sweep.decode_contexts):
         fits = min(engine.kv_tokens // (isl + sweep.osl), engine.max_num_seqs, sweep.max_concurrency)
         concurrency = 1

@@ -271,7 +271,8 @@ class Deployment:
             child.start()
 
     async def scale(self, role: str, count: int) -> None:
-        """Run `count` workers of `role`: start new ones, or stop the newest ones."""
+        """Run `count` workers of `role`: start new ones, or stop the newest ones. The worker list changes at
+        once, so a call made while another is still stopping workers starts from what that one left."""
         if role not in self.groups or count < 0:
             raise ValueError(f"cannot scale {role!r} workers to {count}: roles here are {', '.join(self.groups)}")
         self._grow(role, count)

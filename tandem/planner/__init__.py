@@ -5,5 +5,8 @@
   Prophet);
 - `perf.py`: a worker's profiled prefill and decode performance, in Dynamo's profile layout;
 - `sla.py`: one interval's metrics in, the replicas each pool needs out;
-- `trace.py`: load history from a Mooncake-format trace, to warm the predictors up.
+- `trace.py`: load history from a Mooncake-format trace, to warm the predictors up;
+- `observe.py`: one interval of traffic from the frontends' metrics;
+- `loop.py`: every interval observe, decide and hand the decision to a connector;
+- `main.py`: `tandem planner`, observing a deployment it did not start.
 """

@@ -2,8 +2,10 @@
 connector, which changes the deployment (the local one: `tandem run`'s own workers).
 
 One log line per decision. The decisions are also metrics (`tandem_planner_*`) on the registry given. A
-scaling change runs in the background, since starting a worker takes a while; while one is still in
-progress, later decisions are logged and left for the next interval.
+scaling change runs in the background, since starting a worker takes a while and stopping one waits for its
+streams. The next decision does not wait for it: it starts from the replicas the connector has now, those
+still starting or being stopped already counted as they will be (as Dynamo's planner sets replicas without
+blocking).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class PlannerMetrics:
             return Gauge(f"tandem_planner_{name}", doc, labels, registry=registry)
 
         self.decisions = Counter("tandem_planner_decisions", "Decisions taken, by what followed: scaled, unchanged, "
-                                 "observe_only (no_operation), busy (a change was still in progress)", ("action",),
+                                 "observe_only (no_operation)", ("action",),
                                  registry=registry)
         self.idle = Counter("tandem_planner_idle_intervals", "Intervals without traffic (nothing decided)",
                             registry=registry)
@@ -71,7 +73,7 @@ class PlannerLoop:
         self.observer = observer
         self.connector = connector
         self.metrics = PlannerMetrics(registry) if registry is not None else None
-        self._scaling: asyncio.Task[None] | None = None
+        self._scaling: set[asyncio.Task[None]] = set()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Until `stop` is set; the first interval starts now."""
@@ -87,8 +89,7 @@ class PlannerLoop:
                 await self.step(now - last)
                 last = now
         finally:
-            if self._scaling is not None:
-                await asyncio.gather(self._scaling, return_exceptions=True)
+            await asyncio.gather(*self._scaling, return_exceptions=True)
 
     async def step(self, elapsed: float) -> Decision | None:
         """One interval of `elapsed` seconds: observe, decide, act."""
@@ -116,9 +117,9 @@ class PlannerLoop:
             return "unchanged"
         if self.planner.config.no_operation:
             return "observe_only"
-        if self._scaling is not None and not self._scaling.done():
-            return "busy"
-        self._scaling = asyncio.create_task(self._scale(decision.target), name="planner-scale")
+        task = asyncio.create_task(self._scale(decision.target), name="planner-scale")
+        self._scaling.add(task)
+        task.add_done_callback(self._scaling.discard)
         return "scaled"
 
     async def _scale(self, target: Replicas) -> None:

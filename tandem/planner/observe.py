@@ -5,17 +5,25 @@ series give the interval: requests (`dynamo_frontend_requests_total`), and the m
 output lengths, TTFT, ITL and request duration (each histogram's `_sum` over its `_count`). Several
 frontends add up. A series that went down restarted with its frontend: its new value is the difference, as
 Prometheus' `increase()` counts it.
+
+Requests are counted as they arrive: the requests finished in the interval (the counter counts a request
+when it ends) plus the change in those in flight (`dynamo_frontend_inflight_requests`). While a backlog
+builds, the finished ones are what the workers manage to serve, not what comes in, and sizing for those
+would leave the backlog to grow.
+
+The frontends also report the workers they route to (`dynamo_frontend_model_workers` and
+`_model_prefill_workers`): what a planner that does not run the workers itself knows of them.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from tandem.planner.sla import IntervalMetrics
+from tandem.planner.sla import IntervalMetrics, Replicas
 
 PREFIX = "dynamo_frontend_"
 HISTOGRAMS = {"isl": "input_sequence_tokens", "osl": "output_sequence_tokens", "ttft": "time_to_first_token_seconds",
@@ -70,6 +78,26 @@ def parse_totals(text: str, model: str | None = None) -> Totals:
     return Totals(**values)
 
 
+def parse_workers(text: str, model: str | None = None) -> Replicas:
+    """The prefill and the other (decode or aggregated) workers a frontend routes `model`'s requests to."""
+    counts = {f"{PREFIX}model_prefill_workers": 0.0, f"{PREFIX}model_workers": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in counts and (model is None or sample.labels.get("model") == model):
+                counts[sample.name] += sample.value
+    return Replicas(int(counts[f"{PREFIX}model_prefill_workers"]), int(counts[f"{PREFIX}model_workers"]))
+
+
+def parse_inflight(text: str, model: str | None = None) -> float:
+    """The requests a frontend is serving now (`model`'s only, when given)."""
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == f"{PREFIX}inflight_requests" and (model is None or sample.labels.get("model") == model):
+                total += sample.value
+    return total
+
+
 class FrontendObserver:
     """Reads the frontends at `urls` (their base URLs) once per interval."""
 
@@ -77,28 +105,40 @@ class FrontendObserver:
         self.urls = [url.rstrip("/") for url in urls]
         self.model = model
         self.timeout = aiohttp.ClientTimeout(total=timeout)
-        self._last: dict[str, Totals] = {}
+        self._last: dict[str, tuple[Totals, float]] = {}  # url -> its totals and requests in flight
+        self.workers: Replicas | None = None  # as the frontends reported at the last sample (None: no answer)
 
-    async def _scrape(self, session: aiohttp.ClientSession, url: str) -> Totals | None:
+    async def _scrape(self, session: aiohttp.ClientSession, url: str) -> tuple[Totals, float, Replicas] | None:
         try:
             async with session.get(f"{url}/metrics") as response:
                 response.raise_for_status()
-                return parse_totals(await response.text(), self.model)
+                text = await response.text()
         except (aiohttp.ClientError, TimeoutError):
             return None
+        return parse_totals(text, self.model), parse_inflight(text, self.model), parse_workers(text, self.model)
 
     async def sample(self, seconds: float) -> IntervalMetrics:
         """The traffic since the previous call (the first call only sets the starting point). A frontend that
         does not answer contributes nothing to this interval and starts over at the next."""
         total = Totals()
+        arrived = 0.0
+        workers: Replicas | None = None
         async with aiohttp.ClientSession(timeout=self.timeout) as session:
             for url in self.urls:
-                now = await self._scrape(session, url)
-                if now is None:
+                scraped = await self._scrape(session, url)
+                if scraped is None:
                     self._last.pop(url, None)
                     continue
+                now, inflight, seen = scraped
+                # Frontends see the same workers (one may not have caught up yet): the most any reports.
+                workers = seen if workers is None else Replicas(max(workers.prefill, seen.prefill),
+                                                                max(workers.decode, seen.decode))
                 before = self._last.get(url)
-                self._last[url] = now
+                self._last[url] = (now, inflight)
                 if before is not None:
-                    total = total + now.increase_since(before)
-        return total.interval(seconds)
+                    increase = now.increase_since(before[0])
+                    total = total + increase
+                    restarted = now.requests < before[0].requests  # its requests in flight went with it
+                    arrived += max(increase.requests + inflight - (0.0 if restarted else before[1]), 0.0)
+        self.workers = workers
+        return replace(total.interval(seconds), requests=arrived)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 from tandem.planner.config import PlannerConfig, PlannerMode
 from tandem.planner.perf import DecodeProfile, PrefillProfile
 from tandem.planner.predictors import LoadPredictor, make_predictor
+from tandem.planner.trace import interval_history
 from tandem.runtime.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -103,6 +104,19 @@ class SlaPlanner:
         self.osl: LoadPredictor = make_predictor(config)
         self.prefill_correction = 1.0
         self.decode_correction = 1.0
+
+    @classmethod
+    def from_config(cls, config: PlannerConfig) -> SlaPlanner:
+        """The planner with the profiles of `profile_results_dir` and its predictors warmed up from
+        `load_predictor_warmup_trace` (raises ConfigError)."""
+        if config.profile_results_dir is None:
+            raise ConfigError("planner setting profile_results_dir is required: the workers' profile "
+                              "(`tandem profile`)")
+        folder = config.profile_results_dir
+        planner = cls(config, PrefillProfile.load(folder), DecodeProfile.load(folder))
+        if config.load_predictor_warmup_trace is not None:
+            planner.warm_up(interval_history(config.load_predictor_warmup_trace, config.adjustment_interval))
+        return planner
 
     def warm_up(self, history: list[tuple[float, float, float]]) -> None:
         """Feed (requests, ISL, OSL) per past interval, e.g. from a trace, before the live ones."""

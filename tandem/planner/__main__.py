@@ -1,0 +1,5 @@
+import sys
+
+from tandem.planner.main import main
+
+sys.exit(main())
