@@ -47,6 +47,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from _common import model_path, scrape, total
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
@@ -240,10 +242,7 @@ class Threshold:
 
 
 async def run_policy(policy: str, trace_name: str, trace: Path, shape: list[float], settings: Settings,
-                     static_min: int, work: Path, model_path: str) -> RunResult:
-    import aiohttp
-    from prometheus_client.parser import text_string_to_metric_families
-
+                     static_min: int, work: Path, model_dir: str) -> RunResult:
     from tandem.launch.main import wait_until_serving
     from tandem.launch.plan import Plan
     from tandem.launch.planning import LocalConnector, run_planner
@@ -256,13 +255,13 @@ async def run_policy(policy: str, trace_name: str, trace: Path, shape: list[floa
     s = settings
     start_workers = {"static-min": static_min, "static-max": s.max_workers}.get(policy, static_min)
     system_base = 20000 + random.randrange(0, 20000)
-    spec = build_spec({"model": model_path, "engine": "mocker", "workers": start_workers, "http_port": 0,
+    spec = build_spec({"model": model_dir, "engine": "mocker", "workers": start_workers, "http_port": 0,
                        "system_port_base": system_base}, worker_args=s.mocker_args)
     discovery = tempfile.mkdtemp(prefix="planner-bench-")
     log_path = work / f"{trace_name}-{policy}.log"
     with open(log_path, "w") as log:
         mux = LogMux(log, color=False)
-        deployment = Deployment(Plan(spec, model_path, discovery), mux)
+        deployment = Deployment(Plan(spec, model_dir, discovery), mux)
         connector = LocalConnector(deployment)
         deployment.start()
         stop = asyncio.Event()
@@ -294,86 +293,66 @@ async def run_policy(policy: str, trace_name: str, trace: Path, shape: list[floa
             last_count = connector.replicas().decode
             lag_seen: dict[int, tuple[float, float]] = {}  # port -> (simulated, busy), last read
 
-            async def scrape(http: aiohttp.ClientSession, port_url: str) -> str | None:
-                try:
-                    async with http.get(f"{port_url}/metrics") as response:
-                        return await response.text()
-                except (aiohttp.ClientError, TimeoutError):
-                    return None
+            async def worker_samples() -> float:
+                """Mean KV usage of the workers; records each one's lag counters."""
+                usages = []
+                for slot in range(2 * s.max_workers):  # slots of workers being stopped are not reused
+                    page = await asyncio.to_thread(scrape, f"http://127.0.0.1:{system_base + slot}")
+                    if page:
+                        usages.append(total(page, "dynamo_component_kvstats_gpu_cache_usage_percent"))
+                        lag_seen[slot] = (total(page, "tandem_mocker_simulated_seconds_total"),
+                                          total(page, "tandem_mocker_busy_seconds_total"))
+                return sum(usages) / len(usages) if usages else 0.0
 
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
-                async def worker_samples() -> float:
-                    """Mean KV usage of the workers; records each one's lag counters."""
-                    usages = []
-                    for slot in range(2 * s.max_workers):  # slots of workers being stopped are not reused
-                        text = await scrape(http, f"http://127.0.0.1:{system_base + slot}")
-                        if text is None:
-                            continue
-                        simulated = busy = 0.0
-                        for family in text_string_to_metric_families(text):
-                            for sample in family.samples:
-                                if sample.name == "dynamo_component_kvstats_gpu_cache_usage_percent":
-                                    usages.append(sample.value)
-                                elif sample.name == "tandem_mocker_simulated_seconds_total":
-                                    simulated += sample.value
-                                elif sample.name == "tandem_mocker_busy_seconds_total":
-                                    busy += sample.value
-                        lag_seen[slot] = (simulated, busy)
-                    return sum(usages) / len(usages) if usages else 0.0
+            async def queued() -> float:
+                return total(await asyncio.to_thread(scrape, url), "dynamo_frontend_queued_requests")
 
-                async def queued() -> float:
-                    text = await scrape(http, url)
-                    total = 0.0
-                    for family in text_string_to_metric_families(text or ""):
-                        for sample in family.samples:
-                            if sample.name == "dynamo_frontend_queued_requests":
-                                total += sample.value
-                    return total
-
-                # Workers are counted every tick; the threshold policy's metrics are read every second (few
-                # scrapes: this process shares the two cores with the deployment).
-                tick, next_read = 0.25, 0.0
-                for index in range(len(shape)):
-                    interval_end = began + (index + 1) * s.interval
-                    counts = []
-                    while time.monotonic() < interval_end:
-                        now = time.monotonic()
-                        count = connector.replicas().decode
-                        counts.append(count)
-                        if count < last_count:
-                            scale_downs.append((now - began, now - began + spec.stop_timeout))
-                        last_count = count
-                        if threshold is not None and now >= next_read:
-                            next_read = now + 1.0
-                            threshold.sample(await worker_samples(), await queued())
-                        await asyncio.sleep(max(0.0, min(tick, interval_end - time.monotonic())))
-                        worker_seconds += count * (time.monotonic() - now)
-                    if threshold is None:
-                        await worker_samples()  # the lag counters
-                    metrics = await observer.sample(s.interval)
-                    timeline.t.append((index + 1) * s.interval)
-                    timeline.offered.append(shape[index])
-                    timeline.workers.append(sum(counts) / len(counts) if counts else float(last_count))
-                    timeline.ttft_ms.append(metrics.ttft_ms)
-                    timeline.itl_ms.append(metrics.itl_ms)
-                    if threshold is not None:
-                        current = connector.replicas().decode
-                        wanted = threshold.decide(current)
-                        mux.line("threshold", f"workers {current} -> {wanted}")
-                        if wanted != current:  # as the SLA planner: without waiting for a change in progress
-                            scaling.add(asyncio.create_task(connector.scale(Replicas(0, wanted))))
-                # The trace is over: let what is in flight finish (or give up on it after --drain s).
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(load.wait(), s.drain)
-                if load.returncode is None:
-                    load.kill()
-                    await load.wait()
-                await worker_samples()
+            # Workers are counted every tick; the threshold policy's metrics are read every second (few
+            # scrapes: this process shares the two cores with the deployment).
+            tick, next_read = 0.25, 0.0
+            for index in range(len(shape)):
+                interval_end = began + (index + 1) * s.interval
+                counts = []
+                while time.monotonic() < interval_end:
+                    now = time.monotonic()
+                    count = connector.replicas().decode
+                    counts.append(count)
+                    if count < last_count:
+                        scale_downs.append((now - began, now - began + spec.stop_timeout))
+                    last_count = count
+                    if threshold is not None and now >= next_read:
+                        next_read = now + 1.0
+                        threshold.sample(await worker_samples(), await queued())
+                    await asyncio.sleep(max(0.0, min(tick, interval_end - time.monotonic())))
+                    worker_seconds += count * (time.monotonic() - now)
+                if threshold is None:
+                    await worker_samples()  # the lag counters
+                metrics = await observer.sample(s.interval)
+                timeline.t.append((index + 1) * s.interval)
+                timeline.offered.append(shape[index])
+                timeline.workers.append(sum(counts) / len(counts) if counts else float(last_count))
+                timeline.ttft_ms.append(metrics.ttft_ms)
+                timeline.itl_ms.append(metrics.itl_ms)
+                if threshold is not None:
+                    current = connector.replicas().decode
+                    wanted = threshold.decide(current)
+                    mux.line("threshold", f"workers {current} -> {wanted}")
+                    if wanted != current:  # as the SLA planner: without waiting for a change in progress
+                        scaling.add(asyncio.create_task(connector.scale(Replicas(0, wanted))))
+                        actions += 1
+            # The trace is over: let what is in flight finish (or give up on it after --drain s).
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(load.wait(), s.drain)
+            if load.returncode is None:
+                load.kill()
+                await load.wait()
+            await worker_samples()
             stop.set()
             for task in tasks:
                 await asyncio.gather(task, return_exceptions=True)
             await asyncio.gather(*scaling, return_exceptions=True)
-            actions = _scaling_actions(log_path, policy)
+            if policy == "sla":
+                actions = log_path.read_text().count("(scaled)")
         finally:
             stop.set()
             await deployment.stop(spec.stop_timeout)
@@ -394,16 +373,6 @@ async def run_policy(policy: str, trace_name: str, trace: Path, shape: list[floa
                      sent - len(records), lag, lag > 0.05, timeline)
 
 
-def _scaling_actions(log_path: Path, policy: str) -> int:
-    text = log_path.read_text()
-    if policy == "sla":
-        return text.count("(scaled)")
-    if policy == "threshold":
-        return sum(1 for line in text.splitlines() if "threshold" in line and "workers" in line
-                   and line.split("workers ")[-1].split(" -> ")[0] != line.split(" -> ")[-1].strip())
-    return 0
-
-
 # -- capacity, report, plots -------------------------------------------------------------------------
 def capacity_per_worker(profile: Path, lengths: Lengths, ttft_ms: float, itl_ms: float) -> float:
     """Requests/s one worker serves at the targets, by the SLA planner's own agg formula."""
@@ -418,14 +387,14 @@ def capacity_per_worker(profile: Path, lengths: Lengths, ttft_ms: float, itl_ms:
     return 1.0 / busy
 
 
-async def calibrate(settings: Settings, lengths: Lengths, work: Path, model_path: str, seed: int) -> float:
+async def calibrate(settings: Settings, lengths: Lengths, work: Path, model_dir: str, seed: int) -> float:
     """The highest rate one worker serves with every interval within both targets: a staircase of rates (up to
     twice what the planner's formulas say a worker can do), one interval each, on a static worker."""
     guess = capacity_per_worker(settings.profile, lengths, settings.ttft_ms, settings.itl_ms)
     steps = [guess * 2 * (i + 1) / CALIBRATION_STEPS for i in range(CALIBRATION_STEPS)]
     trace = work / "calibration.jsonl"
     write_trace(trace, [r / guess for r in steps], settings.interval, guess, lengths, seed, bursty=False)
-    result = await run_policy("static-min", "calibration", trace, steps, settings, 1, work, model_path)
+    result = await run_policy("static-min", "calibration", trace, steps, settings, 1, work, model_dir)
     best = 0.0
     for rate, ttft, itl in zip(steps, result.timeline.ttft_ms, result.timeline.itl_ms, strict=True):
         print(f"  calibration: {rate:.2f} req/s on one worker: TTFT {ttft:.1f} ms, ITL {itl:.2f} ms", flush=True)
@@ -541,7 +510,6 @@ def main() -> int:
                              args.plots):
                 print(path)
         return 0
-    from _common import model_path
 
     model = model_path()
     work = Path(tempfile.mkdtemp(prefix="planner-bench-")) if args.keep is None else args.keep

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from tandem.planner.observe import FrontendObserver, Totals, parse_inflight, parse_totals, parse_workers
+from tandem.planner.observe import FrontendObserver, Page, Totals, parse_page
 from tests.deployment import MODEL, Deployment
 
 PAGE = """\
@@ -30,15 +30,15 @@ def page(requests: float, isl_sum: float, ttft_sum: float) -> str:
 
 
 def test_interval_means_come_from_the_increases_of_sums_and_counts() -> None:
-    before, after = parse_totals(page(10, 5000, 2.0), "m"), parse_totals(page(30, 25000, 8.0), "m")
+    before, after = parse_page(page(10, 5000, 2.0), "m").totals, parse_page(page(30, 25000, 8.0), "m").totals
     metrics = after.increase_since(before).interval(60)
     assert (metrics.requests, metrics.isl, metrics.ttft_ms) == (20, 1000, pytest.approx(300))
     assert math.isnan(metrics.osl)  # no output lengths on the page: unknown, never 0
-    assert parse_totals(page(10, 5000, 2.0)).requests == 110  # every model when none is named
+    assert parse_page(page(10, 5000, 2.0)).totals.requests == 110  # every model when none is named
 
 
 def test_a_restarted_frontend_counts_from_zero_and_frontends_add_up() -> None:
-    restarted = parse_totals(page(4, 2000, 1.0), "m").increase_since(parse_totals(page(30, 25000, 8.0), "m"))
+    restarted = parse_page(page(4, 2000, 1.0), "m").totals.increase_since(parse_page(page(30, 25000, 8.0), "m").totals)
     assert (restarted.requests, restarted.isl_sum) == (4, 2000)
     two = (restarted + Totals(requests=6, isl_sum=1000, isl_count=6)).interval(10)
     assert (two.requests, two.isl) == (10, 300)
@@ -52,9 +52,8 @@ async def test_requests_are_counted_as_they_arrive_those_in_flight_included() ->
     pages = iter([at(10, 2), at(14, 12), at(4, 1)])
     observer = FrontendObserver(["http://frontend"], "m")
 
-    async def scrape(session: object, url: str) -> tuple[Totals, float, object]:
-        text = next(pages)
-        return parse_totals(text, "m"), parse_inflight(text, "m"), parse_workers(text, "m")
+    async def scrape(session: object, url: str) -> Page:
+        return parse_page(next(pages), "m")
 
     observer._scrape = scrape  # type: ignore[method-assign]
     await observer.sample(0)

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tandem.planner.observe import parse_workers
+from tandem.planner.observe import parse_page
 from tandem.planner.sla import Replicas
 from tests.load import Load
 from tests.test_planner_run import instances, write_profiles
@@ -27,9 +27,9 @@ dynamo_frontend_model_prefill_workers{model="a"} 2.0
 
 
 def test_the_workers_are_read_from_the_frontends_gauges() -> None:
-    assert parse_workers(METRICS, "a") == Replicas(prefill=2, decode=3)
-    assert parse_workers(METRICS, "b") == Replicas(prefill=0, decode=1)
-    assert parse_workers(METRICS) == Replicas(prefill=2, decode=4)
+    assert parse_page(METRICS, "a").workers == Replicas(prefill=2, decode=3)
+    assert parse_page(METRICS, "b").workers == Replicas(prefill=0, decode=1)
+    assert parse_page(METRICS).workers == Replicas(prefill=2, decode=4)
 
 
 def planner(*args: str) -> subprocess.Popen[str]:
@@ -81,6 +81,6 @@ def test_the_frontend_reports_prefill_and_decode_workers(launch) -> None:
     run = launch("--prefill-workers", "1", "--decode-workers", "1")
     try:
         url = run.serving()
-        assert parse_workers(httpx.get(f"{url}/metrics", timeout=5).text) == Replicas(prefill=1, decode=1)
+        assert parse_page(httpx.get(f"{url}/metrics", timeout=5).text).workers == Replicas(prefill=1, decode=1)
     finally:
         run.stop()

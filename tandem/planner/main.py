@@ -43,10 +43,8 @@ class ObservedWorkers:
 
     def replicas(self) -> Replicas:
         seen = self.observer.workers or Replicas()
-        if self.mode is PlannerMode.AGG:
-            return Replicas(0, seen.decode)
-        return Replicas(seen.prefill if self.mode is not PlannerMode.DECODE else 0,
-                        seen.decode if self.mode is not PlannerMode.PREFILL else 0)
+        plans_prefill = self.mode in (PlannerMode.DISAGG, PlannerMode.PREFILL)
+        return Replicas(seen.prefill if plans_prefill else 0, 0 if self.mode is PlannerMode.PREFILL else seen.decode)
 
     async def scale(self, target: Replicas) -> None:
         raise RuntimeError("an observing planner cannot change the deployment")

@@ -63,39 +63,34 @@ class Totals:
                                mean("duration"), seconds)
 
 
-def parse_totals(text: str, model: str | None = None) -> Totals:
-    """The planner's series on a frontend's /metrics page (only `model`'s, when given)."""
+# Series of a /metrics page -> the Page value they add to.
+_SERIES = {f"{PREFIX}requests_total": "requests", f"{PREFIX}inflight_requests": "inflight",
+           f"{PREFIX}model_prefill_workers": "prefill_workers", f"{PREFIX}model_workers": "workers"}
+for _short, _name in HISTOGRAMS.items():
+    _SERIES[f"{PREFIX}{_name}_sum"] = f"{_short}_sum"
+    _SERIES[f"{PREFIX}{_name}_count"] = f"{_short}_count"
+
+
+@dataclass(frozen=True)
+class Page:
+    """What the planner reads on one frontend's /metrics page."""
+
+    totals: Totals  # the cumulative series
+    inflight: float  # requests being served now
+    workers: Replicas  # the prefill and the other (decode or aggregated) workers requests are routed to
+
+
+def parse_page(text: str, model: str | None = None) -> Page:
+    """The planner's series on a frontend's /metrics page (only `model`'s, when given), read in one pass."""
     values: dict[str, float] = {}
-    wanted = {f"{PREFIX}requests_total": "requests"}
-    for short, name in HISTOGRAMS.items():
-        wanted[f"{PREFIX}{name}_sum"] = f"{short}_sum"
-        wanted[f"{PREFIX}{name}_count"] = f"{short}_count"
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            field = wanted.get(sample.name)
+            field = _SERIES.get(sample.name)
             if field is not None and (model is None or sample.labels.get("model") == model):
                 values[field] = values.get(field, 0.0) + sample.value
-    return Totals(**values)
-
-
-def parse_workers(text: str, model: str | None = None) -> Replicas:
-    """The prefill and the other (decode or aggregated) workers a frontend routes `model`'s requests to."""
-    counts = {f"{PREFIX}model_prefill_workers": 0.0, f"{PREFIX}model_workers": 0.0}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in counts and (model is None or sample.labels.get("model") == model):
-                counts[sample.name] += sample.value
-    return Replicas(int(counts[f"{PREFIX}model_prefill_workers"]), int(counts[f"{PREFIX}model_workers"]))
-
-
-def parse_inflight(text: str, model: str | None = None) -> float:
-    """The requests a frontend is serving now (`model`'s only, when given)."""
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == f"{PREFIX}inflight_requests" and (model is None or sample.labels.get("model") == model):
-                total += sample.value
-    return total
+    inflight = values.pop("inflight", 0.0)
+    workers = Replicas(int(values.pop("prefill_workers", 0)), int(values.pop("workers", 0)))
+    return Page(Totals(**values), inflight, workers)
 
 
 class FrontendObserver:
@@ -105,17 +100,17 @@ class FrontendObserver:
         self.urls = [url.rstrip("/") for url in urls]
         self.model = model
         self.timeout = aiohttp.ClientTimeout(total=timeout)
-        self._last: dict[str, tuple[Totals, float]] = {}  # url -> its totals and requests in flight
+        self._last: dict[str, Page] = {}
         self.workers: Replicas | None = None  # as the frontends reported at the last sample (None: no answer)
 
-    async def _scrape(self, session: aiohttp.ClientSession, url: str) -> tuple[Totals, float, Replicas] | None:
+    async def _scrape(self, session: aiohttp.ClientSession, url: str) -> Page | None:
         try:
             async with session.get(f"{url}/metrics") as response:
                 response.raise_for_status()
                 text = await response.text()
         except (aiohttp.ClientError, TimeoutError):
             return None
-        return parse_totals(text, self.model), parse_inflight(text, self.model), parse_workers(text, self.model)
+        return parse_page(text, self.model)
 
     async def sample(self, seconds: float) -> IntervalMetrics:
         """The traffic since the previous call (the first call only sets the starting point). A frontend that
@@ -125,20 +120,21 @@ class FrontendObserver:
         workers: Replicas | None = None
         async with aiohttp.ClientSession(timeout=self.timeout) as session:
             for url in self.urls:
-                scraped = await self._scrape(session, url)
-                if scraped is None:
+                page = await self._scrape(session, url)
+                if page is None:
                     self._last.pop(url, None)
                     continue
-                now, inflight, seen = scraped
                 # Frontends see the same workers (one may not have caught up yet): the most any reports.
+                seen = page.workers
                 workers = seen if workers is None else Replicas(max(workers.prefill, seen.prefill),
                                                                 max(workers.decode, seen.decode))
                 before = self._last.get(url)
-                self._last[url] = (now, inflight)
+                self._last[url] = page
                 if before is not None:
-                    increase = now.increase_since(before[0])
+                    increase = page.totals.increase_since(before.totals)
                     total = total + increase
-                    restarted = now.requests < before[0].requests  # its requests in flight went with it
-                    arrived += max(increase.requests + inflight - (0.0 if restarted else before[1]), 0.0)
+                    # A restarted frontend's requests in flight went with it: all those in flight are new.
+                    restarted = page.totals.requests < before.totals.requests
+                    arrived += max(increase.requests + page.inflight - (0.0 if restarted else before.inflight), 0.0)
         self.workers = workers
         return replace(total.interval(seconds), requests=arrived)
