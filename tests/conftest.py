@@ -401,3 +401,30 @@ def etcd(etcd_server: EtcdServer, monkeypatch: pytest.MonkeyPatch) -> EtcdServer
     etcd_server.wipe()
     monkeypatch.setenv("ETCD_ENDPOINTS", etcd_server.url)
     return etcd_server
+
+
+@pytest.fixture(params=["mem", "file", "etcd"])
+async def make_store(request, tmp_path):
+    """Stores of one discovery backend (mem, file, etcd): each call is another process's store."""
+    from tandem.runtime.discovery import EtcdStore, FileStore, MemoryStore
+    from tandem.runtime.discovery.etcd import EtcdConfig
+    from tandem.runtime.discovery.mem import _Table
+
+    stores = []
+    table = _Table()
+    etcd = request.getfixturevalue("etcd") if request.param == "etcd" else None
+
+    async def make(**options):
+        if request.param == "mem":
+            store = MemoryStore(table)
+        elif etcd is not None:
+            store = EtcdStore(EtcdConfig([etcd.url]), **options)
+        else:
+            store = FileStore(str(tmp_path / "kv"), poll_interval=0.02, **options)
+        await store.start()
+        stores.append(store)
+        return store
+
+    yield make
+    for store in stores:
+        await store.close()

@@ -173,8 +173,8 @@ def plain_env(container: Manifest) -> dict[str, str]:
 
 
 def container_kind(container: Manifest) -> str:
-    """What runs in the container: `tandem frontend`, `tandem vllm`, `tandem mocker`, `etcd`, `nats-server`,
-    or `model download` (python with huggingface_hub)."""
+    """What runs in the container: `tandem frontend`, `tandem vllm`, `tandem mocker`, `tandem planner`, `etcd`,
+    `nats-server`, or `model download` (python with huggingface_hub)."""
     command = container.get("command", [])
     if command[:1] == ["tandem"]:
         return f"tandem {command[1]}"
@@ -203,6 +203,9 @@ def served(container: Manifest) -> dict[int, frozenset[str]]:
         if kind == "tandem vllm" and "VLLM_NIXL_SIDE_CHANNEL_PORT" in env:
             ports[int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"])] = frozenset()
         return ports
+    if kind == "tandem planner":
+        port = flag(args, "--planner-metrics-port") or env.get("PLANNER_PROMETHEUS_PORT")
+        return {int(port): frozenset({"/metrics"})} if port and int(port) else {}
     if kind == "etcd":
         client = urlsplit(flag(command, "--listen-client-urls") or "").port
         peer = urlsplit(flag(command, "--listen-peer-urls") or "").port
@@ -218,7 +221,7 @@ def served(container: Manifest) -> dict[int, frozenset[str]]:
 def env_readers(container: Manifest) -> frozenset[str] | None:
     """The env var names the container's program reads; None where that is not known."""
     kind = container_kind(container)
-    if kind in ("tandem frontend", "tandem mocker"):
+    if kind in ("tandem frontend", "tandem mocker", "tandem planner"):
         return tandem_env_names()
     if kind == "tandem vllm":
         return tandem_env_names() | vllm_env_names() | hf_env_names()
@@ -247,6 +250,10 @@ def flag_problems(container: Manifest) -> list[str]:
                 from tandem.mocker.args import build_parser as build_mocker_parser
 
                 build_mocker_parser().parse_args(args)
+            elif kind == "tandem planner":
+                from tandem.planner.main import build_parser as build_planner_parser
+
+                build_planner_parser().parse_args(args)
             elif kind == "tandem vllm":
                 from tandem.vllm.args import _normalize_dynamo_flags, build_dynamo_parser, build_vllm_parser
 

@@ -12,31 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tandem.runtime.discovery import EtcdStore, FileStore, MemoryStore, WatchEvent
+from tandem.runtime.discovery import EtcdStore, FileStore, WatchEvent
 from tandem.runtime.discovery.etcd import EtcdConfig, EtcdUnavailable
-from tandem.runtime.discovery.mem import _Table
-
-
-@pytest.fixture(params=["mem", "file", "etcd"])
-async def make_store(request, tmp_path):
-    stores = []
-    table = _Table()
-    etcd = request.getfixturevalue("etcd") if request.param == "etcd" else None
-
-    async def make(**options):
-        if request.param == "mem":
-            store = MemoryStore(table)
-        elif etcd is not None:
-            store = EtcdStore(EtcdConfig([etcd.url]), **options)
-        else:
-            store = FileStore(str(tmp_path / "kv"), poll_interval=0.02, **options)
-        await store.start()
-        stores.append(store)
-        return store
-
-    yield make
-    for store in stores:
-        await store.close()
 
 
 async def next_event(watch, timeout=5.0) -> WatchEvent:

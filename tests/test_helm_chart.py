@@ -1,5 +1,5 @@
 """The Helm chart in deploy/helm/tandem: every variant (aggregated or disaggregated; etcd and NATS bundled,
-external or absent; vLLM or mocker engines; the production extras) renders with Helm's own engine into
+external or absent; vLLM or mocker engines; the production extras; the planner) renders with Helm's own engine into
 objects the Kubernetes schemas accept and whose references hold (tests/k8s.py); contradicting values stop
 the render with the reason; and two releases run here, pod by pod, each pod in its own network namespace
 (tests/kubelet.py): their probes pass and clients are served through their Services."""
@@ -20,6 +20,7 @@ from tests.engines import engine_memory_args, on_cpu
 from tests.k8s import (
     CHART,
     RenderError,
+    flag,
     of_kind,
     reference_problems,
     render,
@@ -30,7 +31,8 @@ from tests.k8s import (
 from tests.kubelet import Image, LocalCluster, venv_program
 
 MODES = ("agg.yaml", "disagg.yaml")
-SERVICES = ((), ("nats.yaml",), ("external.yaml",), ("nats.yaml", "production.yaml"), ("external.yaml", "production.yaml"))
+SERVICES = ((), ("nats.yaml",), ("external.yaml",), ("nats.yaml", "production.yaml"), ("external.yaml", "production.yaml"),
+            ("planner.yaml",), ("external.yaml", "production.yaml", "planner.yaml"))
 ENGINES = ((), ("mocker.yaml",))
 VARIANTS = [(mode, *services, *engine) for mode in MODES for services in SERVICES for engine in ENGINES]
 
@@ -48,7 +50,8 @@ def env_of(c: dict) -> dict[str, dict]:
     return {e["name"]: e for e in c.get("env", [])}
 
 
-@pytest.mark.parametrize("files", [("agg.yaml",), ("disagg.yaml", "external.yaml", "production.yaml")])
+@pytest.mark.parametrize("files", [("agg.yaml",), ("disagg.yaml", "external.yaml", "production.yaml"),
+                                   ("disagg.yaml", "planner.yaml")])
 def test_helm_lint_strict_finds_nothing_worse_than_advice(files: tuple[str, ...]) -> None:
     import helm_python as helm
 
@@ -65,13 +68,14 @@ def test_every_variant_renders_valid_objects_whose_references_hold(files: tuple[
 
     values = values_of(*files)
     disagg = values.get("mode") == "disagg"
-    assert {"llm-tandem-frontend", *(("llm-tandem-prefill", "llm-tandem-decode") if disagg else ("llm-tandem-worker",))} \
-        == names(docs, "Deployment")
+    planner = "planner.yaml" in files
+    assert {"llm-tandem-frontend", *(("llm-tandem-prefill", "llm-tandem-decode") if disagg else ("llm-tandem-worker",)),
+            *(("llm-tandem-planner",) if planner else ())} == names(docs, "Deployment")
     bundled = {part for part in ("etcd", "nats") if values.get(part, {}).get("enabled", part == "etcd")}
     assert names(docs, "StatefulSet") == {f"llm-tandem-{part}" for part in bundled}
     production = "production.yaml" in files
     assert names(docs, "ServiceMonitor") == ({"llm-tandem"} if production else set())
-    assert names(docs, "RoleBinding") == ({"llm-tandem-planner"} if production else set())
+    assert names(docs, "RoleBinding") == ({"llm-tandem-planner"} if production or planner else set())
 
     for workload in workloads(docs):
         c = workload["spec"]["template"]["spec"]["containers"][0]
@@ -110,6 +114,18 @@ def test_the_checks_find_what_a_cluster_would_not_forgive() -> None:
         assert expected in problems
 
 
+def test_the_checks_cover_the_planner_container() -> None:
+    docs = render("disagg.yaml", "planner.yaml", values={"planner": {
+        "extraArgs": ["--no-such-planner-flag"], "extraEnv": [{"name": "DYN_PLANNER_NOPE", "value": "1"}]}})
+    planner = container(docs, "llm-tandem-planner")
+    planner["ports"].append({"name": "extra", "containerPort": 7000})
+    problems = "\n".join(reference_problems(docs))
+    for expected in ("tandem planner refuses its arguments", "unrecognized arguments: --no-such-planner-flag",
+                     "sets DYN_PLANNER_NOPE, which tandem planner never reads", "declares port extra 7000"):
+        assert expected in problems
+    assert "metrics 9090" not in problems  # --planner-metrics-port 9090 is served
+
+
 def test_a_variable_that_nothing_reads_fails_the_check() -> None:
     extra = {"extraEnv": [{"name": "DYN_HTTP_BODY_LIMIT_MB", "value": "64"}, {"name": "DYN_BODY_LIMIT", "value": "64"}]}
     docs = render("agg.yaml", values={"frontend": extra})
@@ -131,11 +147,75 @@ def test_a_variable_that_nothing_reads_fails_the_check() -> None:
     ({"frontend": {"numProcesses": 0}}, "at '/frontend/numProcesses'"),
     ({"workers": {"agg": {"replica": 3}}}, "additional properties 'replica' not allowed"),
     ({"frontnd": {}}, "additional properties 'frontnd' not allowed"),
+    ({"planner": {"enabled": True}}, "planner.enabled needs a ServiceAccount that may get and patch deployments/scale"),
+    ({"planner": {"enabled": True, "rbac": {"create": True}}}, "set planner.profile.volume"),
+    ({"planner": {"enabled": True, "rbac": {"create": True}, "throughputScaling": False}},
+     "the planner would have nothing to scale by"),
+    ({"planner": {"enabled": True, "rbac": {"create": True}, "mode": "prefill", "throughputScaling": False,
+                  "loadBasedScaling": True}}, "planner.mode prefill plans a pool of a disaggregated deployment"),
+    ({"planner": {"prometheusEndpoint": "http://prometheus:9090"}}, "planner.enabled is false: nothing would use it"),
+    ({"planner": {"mode": "both"}}, "at '/planner/mode'"),
 ], ids=lambda v: v if isinstance(v, str) else json.dumps(v, separators=(",", ":")))
 def test_contradicting_or_misspelled_values_stop_the_render_with_the_reason(values: dict, reason: str) -> None:
     with pytest.raises(RenderError, match=None) as refused:
         render("agg.yaml", values=values)
     assert reason in str(refused.value)
+
+
+@pytest.mark.parametrize(("release", "mode", "planner_mode"), [
+    ("llm", "agg", ""), ("llm", "disagg", ""), ("tandem-prod", "disagg", "decode"), ("llm", "disagg", "prefill")])
+def test_the_planner_scales_the_deployments_the_chart_renders_with_the_rights_it_grants(
+        release: str, mode: str, planner_mode: str, tmp_path: Path) -> None:
+    """The planner's connector, built from the planner pod's own arguments, names exactly the release's worker
+    Deployments of the pools it plans (as `--helm-release` would name them); its ServiceAccount is bound to a Role
+    that may get and patch their scale; it reads the frontend Service."""
+    from tandem.planner.kubernetes import (
+        KubernetesConnector,
+        chart_deployments,
+        chart_fullname,
+        parse_kubernetes_args,
+    )
+
+    docs = render("agg.yaml", "planner.yaml", values={"mode": mode, "planner": {"mode": planner_mode}}, release=release)
+    pod = next(w for w in workloads(docs) if w["metadata"]["name"].endswith("-planner"))["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    planned = planner_mode or mode
+    kubeconfig = tmp_path / "config"
+    kubeconfig.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": "http://127.0.0.1:9"}}], "users": [{"name": "u", "user": {}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
+    known = parse_kubernetes_args([*args[args.index("--kube-namespace"):], "--kubeconfig", str(kubeconfig)])
+    connector = KubernetesConnector.from_args(known, planned)
+    assert connector.namespace == "serving"
+    expected = [name for name in chart_deployments(release, planned) if name]
+    assert connector.deployments == expected
+    assert set(expected) <= names(docs, "Deployment")
+    assert flag(args, "--mode") == planned
+    assert flag(args, "--frontend-url") == f"http://{chart_fullname(release)}-frontend:8000"
+    assert f"{chart_fullname(release)}-frontend" in names(docs, "Service")
+    # RBAC: the pod's ServiceAccount is bound to a Role that may get and patch deployments/scale.
+    binding = next(iter(of_kind(docs, "RoleBinding")))
+    assert pod["serviceAccountName"] in {s["name"] for s in binding["subjects"]}
+    role = next(r for r in of_kind(docs, "Role") if r["metadata"]["name"] == binding["roleRef"]["name"])
+    allowed = {verb for rule in role["rules"] if "apps" in rule["apiGroups"] and "deployments/scale" in rule["resources"]
+               for verb in rule["verbs"]}
+    assert {"get", "patch"} <= allowed
+    # The profile is where --profile-results-dir says, from the volume the values name.
+    assert flag(args, "--profile-results-dir") == "/profile"
+    assert next(v for v in pod["volumes"] if v["name"] == "profile")["configMap"]["name"] == "tandem-profile"
+
+
+def test_a_load_based_planner_needs_no_profile() -> None:
+    docs = render("disagg.yaml", "planner.yaml", values={"planner": {
+        "throughputScaling": False, "loadBasedScaling": True, "profile": {"volume": None},
+        "prometheusEndpoint": "http://prometheus.monitoring:9090", "metricsPort": 0}})
+    planner = container(docs, "llm-tandem-planner")
+    assert {"--disable-throughput-scaling", "--enable-loadbased-scaling"} <= set(planner["args"])
+    assert "--profile-results-dir" not in planner["args"] and "--planner-metrics-port" not in planner["args"]
+    assert flag(planner["args"], "--metric-pulling-prometheus-endpoint") == "http://prometheus.monitoring:9090"
+    assert "volumeMounts" not in planner and "ports" not in planner
+    assert env_of(planner)["DYN_EVENT_PLANE"]["value"] == "zmq"  # it follows the workers' load on the event plane
 
 
 def test_the_frontend_downloads_exactly_the_files_the_model_card_checks() -> None:

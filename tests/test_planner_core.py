@@ -247,7 +247,7 @@ def test_a_mooncake_trace_becomes_per_interval_history_that_warms_the_predictors
     ({"mode": "hybrid"}, "planner setting mode must be one of disagg, agg, prefill, decode"),
     ({"load-predictor": "lstm"}, "planner setting load_predictor must be one of"),
     ({"min_endpoint": 0}, "planner setting min_endpoint must be an integer >= 1"),
-    ({"max_gpu_budget": 1}, "max_gpu_budget (1) is below what min_endpoint (1) workers of each pool need (2 GPUs)"),
+    ({"max_gpu_budget": 1}, "max_gpu_budget (1) is below what the min endpoints of the pools need (2 GPUs)"),
     ({"max_replica_change": 0}, "max_replica_change must be an integer >= 1"),
     ({"worker_startup_time": -3}, "worker_startup_time must be a number of seconds >= 0"),
     ({"no_operation": "yes"}, "planner setting no_operation must be true or false"),

@@ -46,7 +46,7 @@ def test_the_planner_scales_a_run_up_under_load_and_down_without_failing_a_reque
     run = launch("-f", str(tmp_path / "run.yaml"), "--workers", "1", "--router-mode", "kv")
     try:
         url = run.serving()
-        run.wait_for(r"SLA planner \(agg\): TTFT 500 ms, ITL 50 ms, every 2 s, constant predictor")
+        run.wait_for(r"SLA planner every 2 s, constant predictor \(agg\): TTFT 500 ms, ITL 50 ms")
         heavy = Load(url, clients=6, pause=0)
         try:
             wait_instances(url, 3, timeout=60)  # thousands of prompt tokens/s: 1 -> the budget of 3
@@ -122,7 +122,7 @@ async def test_each_decision_is_logged_and_counted_and_no_operation_changes_noth
         def __init__(self) -> None:
             self.now, self.asked = Replicas(1, 1), []
 
-        def replicas(self) -> Replicas:
+        async def replicas(self) -> Replicas:
             return self.now
 
         async def scale(self, target: Replicas) -> None:
@@ -136,8 +136,8 @@ async def test_each_decision_is_logged_and_counted_and_no_operation_changes_noth
         config = PlannerConfig(itl=30, adjustment_interval=60, load_predictor=PredictorKind.CONSTANT,
                                no_correction=True, **settings).validate()
         connector, registry = Connector(), CollectorRegistry()
-        return (PlannerLoop(SlaPlanner(config, prefill_profile(), decode_profile()), Observer(), connector, registry),
-                connector, registry)
+        sla = SlaPlanner(config, prefill_profile(), decode_profile())
+        return PlannerLoop(config, connector, sla=sla, observer=Observer(), registry=registry), connector, registry
 
     acting, connector, registry = loop()
     decision = await acting.step(60)

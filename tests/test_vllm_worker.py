@@ -319,3 +319,50 @@ def test_validation_errors_exit_2(smollm2):
         outs = list(pool.map(run, [argv for argv, _ in cases]))
     for (argv, message), out in zip(cases, outs, strict=True):
         assert out.returncode == 2 and message in out.stderr, (argv, out.stderr[-500:])
+
+
+async def test_the_worker_publishes_each_engine_step_for_the_load_based_planner(vllm):
+    """vLLM's per-step details reach `forward_pass_metrics`: the prompt's tokens in a step with its wall time,
+    decode steps over the KV tokens held, and the queue back to empty once the request is answered."""
+    from tandem.runtime import DistributedRuntime, RuntimeConfig
+    from tandem.worker.forward_pass import FORWARD_PASS_TOPIC, forward_pass_metrics_from_builtins
+
+    group = vllm.group
+    runtime = await DistributedRuntime.create(RuntimeConfig(
+        discovery_backend="file", file_kv_root=group.env["DYN_FILE_KV"], namespace=group.namespace,
+        tcp_host="127.0.0.1"))
+    try:
+        subscriber = await runtime.namespace(group.namespace).component("backend").subscribe(FORWARD_PASS_TOPIC)
+        worker = vllm.worker.instance_id
+        words = " ".join(f"word{i}" for i in range(200))
+        prompt_tokens = 0
+
+        def ask_pinned() -> None:
+            nonlocal prompt_tokens
+            reply = vllm.client().chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": words}], max_tokens=12, temperature=0,
+                extra_headers=vllm.pin)
+            prompt_tokens = reply.usage.prompt_tokens
+
+        reports = []
+        asking = asyncio.create_task(asyncio.to_thread(ask_pinned))
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                event = await asyncio.wait_for(subscriber.__anext__(), timeout=5)
+            except TimeoutError:
+                continue
+            report = forward_pass_metrics_from_builtins(event)
+            if report.worker_id == worker:
+                reports.append(report)
+            if asking.done() and any(r.passes for r in reports) and not reports[-1].passes:
+                break  # an idle report after the request's steps
+        await asking
+        passes = [p for r in reports for p in r.passes]
+        assert passes and all(p.wall_time > 0 for p in passes)
+        assert sum(p.prefill_tokens for p in passes) > prompt_tokens // 2 > 100  # the prompt (its head may be cached)
+        assert any(p.prefill_tokens == 0 and p.kv_tokens > 0 for p in passes)  # decode steps over the KV held
+        last = reports[-1].state
+        assert last.queued_prefill_tokens == 0 and last.max_num_batched_tokens > 0
+    finally:
+        await runtime.shutdown()

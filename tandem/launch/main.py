@@ -30,6 +30,7 @@ from tandem.launch.spec import ENGINES, DeploymentSpec, SpecError, build_spec, l
 from tandem.launch.supervisor import Child, Deployment, LogMux, describe_exit
 from tandem.models.prepare import PrepareError
 from tandem.models.resolve import ModelNotFoundError, resolve_model
+from tandem.planner.config import add_load_scaling_args
 from tandem.planner.sla import SlaPlanner
 from tandem.runtime.config import ConfigError, env_str
 from tandem.runtime.options import ROUTER_MODES
@@ -81,7 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     place.add_argument("--system-port-base", type=int, metavar="PORT",
                        help="worker i serves /health and /metrics on this port + i [default: none]")
     plan = parser.add_argument_group("Planner (docs/planner.md)")
-    plan.add_argument("--planner", choices=("sla",), help="size the worker groups to meet --ttft and --itl (sla)")
+    plan.add_argument("--planner", choices=("sla", "load"),
+                      help="size the worker groups to meet --ttft and --itl: from profiles and predicted traffic (sla), "
+                      "or from the engines' load (load)")
     plan.add_argument("--planner-config", metavar="FILE", help="planner settings (YAML or JSON); flags override them")
     plan.add_argument("--ttft", type=float, metavar="MS", help="time-to-first-token target [500]")
     plan.add_argument("--itl", type=float, metavar="MS", help="inter-token-latency target [50]")
@@ -92,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--max-gpu-budget", type=int, metavar="N", help="engines' GPUs (here: workers) at most [8]")
     plan.add_argument("--min-endpoint", type=int, metavar="N", help="workers each group keeps at least [1]")
     plan.add_argument("--max-replica-change", type=int, metavar="N", help="workers a group gains or loses per decision")
+    add_load_scaling_args(plan, "with --planner sla: load-based scaling too, above the SLA planner's floor")
+    plan.add_argument("--disable-throughput-scaling", action="store_true", default=None,
+                      help="load-based scaling only (as --planner load)")
     plan.add_argument("--planner-metrics-port", type=int, metavar="PORT",
                       help="serve the planner's decisions as Prometheus metrics [env PLANNER_PROMETHEUS_PORT]")
     life = parser.add_argument_group("Lifecycle")
@@ -190,10 +196,10 @@ async def run_deployment(spec: DeploymentSpec, model_path: str, mux: LogMux | No
     plan = Plan(spec, model_path, discovery_dir, warn=say)
     deployment = Deployment(plan, mux)
     stop = asyncio.Event()
-    planner = None
-    if spec.planner is not None:
+    sla: SlaPlanner | None = None
+    if spec.planner is not None and spec.planner.enable_throughput_scaling:
         try:
-            planner = SlaPlanner.from_config(spec.planner)
+            sla = SlaPlanner.from_config(spec.planner)
         except ConfigError as e:
             print(f"tandem run: {e}", file=sys.stderr)
             return 2
@@ -217,7 +223,7 @@ async def run_deployment(spec: DeploymentSpec, model_path: str, mux: LogMux | No
             f"{env_str('NATS_SERVER') or 'nats://localhost:4222'} (NATS_SERVER)")
     try:
         deployment.start()
-        return await _serve(deployment, plan, stop, mux, planner)
+        return await _serve(deployment, plan, stop, mux, sla)
     except BaseException:
         deployment.kill()  # whatever went wrong in the launcher, leave no process behind
         raise
@@ -231,7 +237,7 @@ async def run_deployment(spec: DeploymentSpec, model_path: str, mux: LogMux | No
 
 
 async def _serve(deployment: Deployment, plan: Plan, stop: asyncio.Event, mux: LogMux,
-                 planner: SlaPlanner | None = None) -> int:
+                 sla: SlaPlanner | None = None) -> int:
     stopped = asyncio.create_task(stop.wait())
     ready = asyncio.create_task(wait_until_serving(deployment, plan.served_name, plan.spec.ready_timeout))
     frontend = deployment.frontend
@@ -253,11 +259,11 @@ async def _serve(deployment: Deployment, plan: Plan, stop: asyncio.Event, mux: L
         else:
             mux.plain(f"\n==> serving {plan.served_name} at {url} (OpenAI API under /v1); Ctrl-C stops everything\n"
                       f"    {curl_example(url, plan.served_name)}\n")
-            if planner is not None:
+            if plan.spec.planner is not None:
                 mux.add_label("planner")
                 port = env_str("PLANNER_PROMETHEUS_PORT")
                 metrics_port = plan.spec.planner_metrics_port or (int(port) if port else None)
-                planning = asyncio.create_task(run_planner(planner, deployment, url, plan.served_name, stop,
+                planning = asyncio.create_task(run_planner(plan.spec.planner, sla, deployment, url, stop,
                                                            lambda text: mux.line("planner", text), metrics_port))
         await asyncio.wait({stopped, frontend_gone}, return_when=asyncio.FIRST_COMPLETED)
         if stop.is_set():

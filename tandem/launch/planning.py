@@ -1,4 +1,4 @@
-"""`tandem run --planner sla`: the SLA planner sizing this run's own worker groups (the local connector)."""
+"""`tandem run --planner sla|load`: the planner sizing this run's own worker groups (the local connector)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,15 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, start_http_server
 
+from tandem.launch.plan import Plan
 from tandem.launch.supervisor import Deployment
+from tandem.planner.config import PlannerConfig
+from tandem.planner.engines import EngineFollower
+from tandem.planner.load import LoadPlanner
 from tandem.planner.loop import PlannerLoop
 from tandem.planner.observe import FrontendObserver
 from tandem.planner.sla import Replicas, SlaPlanner
+from tandem.runtime import DistributedRuntime, RuntimeConfig
 
 
 class LocalConnector:
@@ -22,7 +27,7 @@ class LocalConnector:
         self.deployment = deployment
         self.aggregated = "agg" in deployment.groups
 
-    def replicas(self) -> Replicas:
+    async def replicas(self) -> Replicas:
         workers = self.deployment.workers
         if self.aggregated:
             return Replicas(0, len(workers["agg"]))
@@ -48,9 +53,20 @@ class _ToMux(logging.Handler):
         self.say(record.getMessage().removeprefix("planner: "))
 
 
-async def run_planner(planner: SlaPlanner, deployment: Deployment, frontend_url: str, model: str,
+def runtime_config(plan: Plan) -> RuntimeConfig:
+    """This run's discovery and event plane, for the planner to follow the engines' forward-pass metrics."""
+    env = plan.common_env
+    return RuntimeConfig.from_env().replace(
+        namespace=plan.spec.namespace, discovery_backend=plan.spec.discovery_backend,
+        request_plane=plan.spec.request_plane, event_plane=plan.spec.event_plane, file_kv_root=env["DYN_FILE_KV"],
+        system_port=None)
+
+
+async def run_planner(config: PlannerConfig, sla: SlaPlanner | None, deployment: Deployment, frontend_url: str,
                       stop: asyncio.Event, say: Callable[[str], None], metrics_port: int | None = None) -> None:
-    """Plan until `stop`; the planner's lines go to `say`, its metrics to `metrics_port` (if given)."""
+    """Plan until `stop`: throughput-based with `sla` (observing the frontend), load-based when the config enables
+    it (following the engines on this run's event plane). The planner's lines go to `say`, its metrics to
+    `metrics_port` (if given)."""
     registry = CollectorRegistry()
     if metrics_port is not None:
         start_http_server(metrics_port, registry=registry)
@@ -59,11 +75,23 @@ async def run_planner(planner: SlaPlanner, deployment: Deployment, frontend_url:
     handler = _ToMux(say)
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
+    runtime: DistributedRuntime | None = None
+    follower: EngineFollower | None = None
     try:
-        loop = PlannerLoop(planner, FrontendObserver([frontend_url], model), LocalConnector(deployment), registry)
-        config = planner.config
-        say(f"SLA planner ({config.mode.value}): TTFT {config.ttft:g} ms, ITL {config.itl:g} ms, every "
-            f"{config.adjustment_interval:g} s, {config.load_predictor.value} predictor")
+        load = None
+        if config.enable_load_scaling:
+            runtime = await DistributedRuntime.create(runtime_config(deployment.plan))
+            load = LoadPlanner(config)
+            follower = EngineFollower(runtime, deployment.plan.spec.namespace, load)
+            await follower.start()
+        observer = FrontendObserver([frontend_url], deployment.plan.served_name) if sla is not None else None
+        loop = PlannerLoop(config, LocalConnector(deployment), sla=sla, observer=observer, load=load,
+                           registry=registry)
+        say(config.describe())
         await loop.run(stop)
     finally:
+        if follower is not None:
+            await follower.close()
+        if runtime is not None:
+            await runtime.shutdown()
         logger.removeHandler(handler)

@@ -114,9 +114,9 @@ class DeploymentSpec:
             raise SpecError("--planner: the planner observes this run's frontend, and --no-frontend starts none")
         if "--num-processes" in self.frontend.args or any(a.startswith("--num-processes=") for a in self.frontend.args):
             raise SpecError("--planner: the planner reads one frontend process's metrics; leave out --num-processes")
-        if planner.profile_results_dir is None:
+        if planner.enable_throughput_scaling and planner.profile_results_dir is None:
             raise SpecError("--planner: the SLA planner needs the workers' profiles: --profile-results-dir DIR "
-                            "(docs/planner.md)")
+                            "(docs/planner.md); --planner load scales on the engines' load alone")
 
 
 # -- value checks, shared by the YAML file and the flags ----------------------------------------------------------
@@ -192,7 +192,11 @@ _SETTINGS: dict[str, Check] = {
 _FILE_KEYS = (*_SETTINGS, "frontend", "workers", "planner")
 # `tandem run` flags that set a planner setting (the rest come from --planner-config or the file's `planner:`).
 PLANNER_FLAGS = ("ttft", "itl", "adjustment_interval", "profile_results_dir", "load_predictor", "max_gpu_budget",
-                 "max_replica_change", "min_endpoint")
+                 "max_replica_change", "min_endpoint", "load_adjustment_interval", "load_scaling_down_sensitivity",
+                 "load_min_observations")
+# Dynamo's switches for the two scaling modes: the flag -> (setting, value).
+PLANNER_SWITCHES = {"enable_loadbased_scaling": ("enable_load_scaling", True),
+                    "disable_throughput_scaling": ("enable_throughput_scaling", False)}
 _GROUP_KEYS = ("role", "count", "args", "env", "cores")
 
 
@@ -321,9 +325,11 @@ def _apply_planner(spec: DeploymentSpec, flags: Mapping[str, Any], document: Map
     follows the workers (aggregated or disaggregated)."""
     in_file = (document or {}).get("planner")
     given = [name for name in PLANNER_FLAGS if name in flags]
+    switched = [name for name in PLANNER_SWITCHES if flags.get(name)]
     if in_file is None and "planner" not in flags and "planner_config" not in flags:
-        if given:
-            raise SpecError(f"--{given[0].replace('_', '-')} is a planner setting: add --planner sla")
+        if given or switched:
+            raise SpecError(f"--{(given + switched)[0].replace('_', '-')} is a planner setting: add --planner sla "
+                            "(or load)")
         return
     values: dict[str, Any] = {}
     where = source
@@ -337,6 +343,9 @@ def _apply_planner(spec: DeploymentSpec, flags: Mapping[str, Any], document: Map
             values.update(read_settings(flags["planner_config"]))
             where = flags["planner_config"]
         values.update({name: flags[name] for name in given})
+        if flags.get("planner") == "load":  # load-based scaling alone: no profiles needed
+            values.update(enable_load_scaling=True, enable_throughput_scaling=False)
+        values.update(PLANNER_SWITCHES[name] for name in switched)
         mode = PlannerMode.DISAGG if spec.disaggregated else PlannerMode.AGG
         if values.get("mode", mode.value) != mode.value:
             raise SpecError(f"{where}: planner mode {values['mode']} does not fit the workers ({mode.value})")

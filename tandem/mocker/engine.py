@@ -111,11 +111,13 @@ class MockEngine:
     duration divided by the speedup ratios, then hands each request its new token."""
 
     def __init__(self, scheduler: Scheduler, *, speedup_ratio: float = 1.0, decode_speedup_ratio: float = 1.0,
-                 on_load: Callable[[SchedulerLoad], None] | None = None) -> None:
+                 on_load: Callable[[SchedulerLoad], None] | None = None,
+                 on_step: Callable[[StepResult, float], None] | None = None) -> None:
         self.scheduler = scheduler
         self.speedup_ratio = speedup_ratio
         self.decode_speedup_ratio = decode_speedup_ratio
         self.on_load = on_load
+        self.on_step = on_step  # each step's result and simulated seconds (forward-pass metrics)
         self.steps = 0
         # Lag: wall time spent busy against the time the timing model says those steps take. Equal when the
         # mocker keeps up; busy > simulated when the host cannot run it at this speedup.
@@ -184,6 +186,8 @@ class MockEngine:
             # the next sleep instead of adding up; more than a step behind (overloaded), restart from now.
             seconds = self.step_seconds(result)
             self.simulated_seconds += seconds
+            if self.on_step is not None:
+                self.on_step(result, seconds)
             now = loop.time()
             deadline += seconds
             if deadline < now - seconds:

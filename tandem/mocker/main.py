@@ -4,7 +4,7 @@ Each of the `--num-workers` engines is its own worker instance (own runtime, lea
 event stream and load metrics) in this one process; only the first serves DYN_SYSTEM_PORT. To the
 frontend and routers a mocker worker looks like the vLLM worker: same model card (real tokenizer),
 same endpoints (`generate`, `clear_kv_blocks`, `worker_kv_indexer_query`), same events on
-`kv-events` and `kv_metrics`, same `READY <instance id> <endpoint>` line.
+`kv-events`, `kv_metrics` and `forward_pass_metrics` (each simulated step), same `READY <instance id> <endpoint>` line.
 """
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ from tandem.mocker.args import MockerConfig, parse_args
 from tandem.mocker.engine import MockEngine, SyntheticTokens
 from tandem.mocker.handlers import MockerHandler
 from tandem.mocker.perf_model import load_perf_model
-from tandem.mocker.scheduler import Scheduler
+from tandem.mocker.scheduler import Scheduler, SchedulerLoad, StepResult
 from tandem.router.protocols import KV_EVENT_TOPIC, KV_METRICS_TOPIC
 from tandem.router.publisher import KvEventPublisher, SupportsPublish
 from tandem.runtime import DistributedRuntime, configure_logging, run
 from tandem.runtime.runtime import install_signal_handlers
+from tandem.worker.forward_pass import FORWARD_PASS_TOPIC, EngineState, ForwardPassRecorder
 from tandem.worker.harness import WorkerSpec, serve_worker
 from tandem.worker.load import KvMetricsStatLogger
 
@@ -69,6 +70,28 @@ class LagCollector(Collector):
         yield busy
 
 
+class EngineReports:
+    """What a simulated engine reports: its KV usage (`kv_metrics`) and its steps (`forward_pass_metrics`)."""
+
+    def __init__(self, scheduler: Scheduler, load: KvMetricsStatLogger) -> None:
+        self.scheduler = scheduler
+        self.load = load
+        self.recorder: ForwardPassRecorder | None = None
+
+    def on_load(self, state: SchedulerLoad) -> None:
+        self.load.record_usage(state.gpu_cache_usage)
+
+    def on_step(self, result: StepResult, seconds: float) -> None:
+        if self.recorder is not None:
+            self.recorder.record(result.num_prefill_tokens, self.scheduler.kv.num_active * self.scheduler.config.block_size,
+                                 seconds)
+
+    def state(self) -> EngineState:
+        load, config = self.scheduler.load(), self.scheduler.config
+        return EngineState(load.active_prefill_tokens, load.kv_used_blocks * config.block_size,
+                           config.max_num_batched_tokens)
+
+
 async def start_worker(config: MockerConfig, runtime: DistributedRuntime, tokenizer: Tokenizer) -> list[MockEngine]:
     """One worker instance on `runtime`: a simulated engine per data-parallel rank."""
     component = runtime.namespace(config.namespace).component(config.component)
@@ -83,6 +106,7 @@ async def start_worker(config: MockerConfig, runtime: DistributedRuntime, tokeni
                         "published", every, every - 1, 2 * every - 1)
             event_plane = DroppingPublisher(event_plane, config.drop_kv_events)
     metrics_plane = await component.event_publisher(KV_METRICS_TOPIC)
+    passes_plane = await component.event_publisher(FORWARD_PASS_TOPIC)
     engines: list[MockEngine] = []
     publishers: list[KvEventPublisher] = []
     for rank in range(config.data_parallel_size):
@@ -96,10 +120,15 @@ async def start_worker(config: MockerConfig, runtime: DistributedRuntime, tokeni
         load.init_publish()
         scheduler = Scheduler(engine_config, load_perf_model(config.planner_profile_data),
                               kv_events=events.emit if events is not None else None)
+        reports = EngineReports(scheduler, load)
+        reports.recorder = ForwardPassRecorder(worker_id=worker_id, dp_rank=rank, publisher=passes_plane,
+                                               state=reports.state)
         engine = MockEngine(scheduler, speedup_ratio=config.speedup_ratio,
-                            decode_speedup_ratio=config.decode_speedup_ratio,
-                            on_load=lambda state, load=load: load.record_usage(state.gpu_cache_usage))
+                            decode_speedup_ratio=config.decode_speedup_ratio, on_load=reports.on_load,
+                            on_step=reports.on_step)
         engine.start()
+        reports.recorder.start()
+        runtime.add_shutdown_hook(reports.recorder.stop)
         engines.append(engine)
     runtime.registry.register(LagCollector(engines))
     handler = MockerHandler(config, engines, SyntheticTokens(tokenizer, config.seed), worker_id)

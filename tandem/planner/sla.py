@@ -18,9 +18,7 @@ Each adjustment interval:
      `ceil(requests * OSL / interval / that throughput / GPUs per decode engine)` workers;
    - aggregated workers do both, so their busy fractions add:
      `ceil(prefill load / prefill capacity + decode load / decode capacity)` workers;
-   - every pool keeps `min_endpoint` workers;
-   - over `max_gpu_budget`, both pools shrink in proportion (`round`, never under `min_endpoint`), the
-     decode pool taking what the prefill pool leaves;
+   - then the limits (`limits.py`): each pool's min and max endpoints, and the GPU budget;
    - `max_replica_change` caps how far a pool moves in one decision.
 """
 
@@ -31,6 +29,7 @@ import math
 from dataclasses import dataclass, replace
 
 from tandem.planner.config import PlannerConfig, PlannerMode
+from tandem.planner.limits import Replicas, within_limits
 from tandem.planner.perf import DecodeProfile, PrefillProfile
 from tandem.planner.predictors import LoadPredictor, make_predictor
 from tandem.planner.trace import interval_history
@@ -54,14 +53,6 @@ class IntervalMetrics:
     def has_traffic(self) -> bool:
         values = (self.requests, self.isl, self.osl, self.ttft_ms, self.itl_ms, self.request_duration_s)
         return self.requests > 0 and all(math.isfinite(v) for v in values)
-
-
-@dataclass(frozen=True)
-class Replicas:
-    """Workers per pool. Aggregated deployments count theirs as `decode`; a pool the mode does not plan is 0."""
-
-    prefill: int = 0
-    decode: int = 0
 
 
 @dataclass(frozen=True)
@@ -158,7 +149,7 @@ class SlaPlanner:
         interval = interval_s or self.config.adjustment_interval
         forecast = self.forecast(1 + math.ceil(max(startup_s, 0.0) / interval))
         wanted = self._wanted(forecast, interval)
-        target = self._capped(self._within_budget(wanted), current)
+        target = self._capped(within_limits(wanted, self.config), current)
         return Decision(target, forecast, self.prefill_correction, self.decode_correction, wanted)
 
     # -- sizing ------------------------------------------------------------------------------------
@@ -179,29 +170,12 @@ class SlaPlanner:
         return f.requests * f.osl / interval / capacity
 
     def _wanted(self, f: Forecast, interval: float) -> Replicas:
-        mode, floor = self.config.mode, self.config.min_endpoint
+        """The workers the load needs, before the limits (each pool's floor, the budget)."""
+        mode = self.config.mode
         if mode is PlannerMode.AGG:
-            busy = self.prefill_workers(f, interval) + self.decode_workers(f, interval)
-            return Replicas(0, max(math.ceil(busy), floor))
-        prefill = max(math.ceil(self.prefill_workers(f, interval)), floor) if mode is not PlannerMode.DECODE else 0
-        decode = max(math.ceil(self.decode_workers(f, interval)), floor) if mode is not PlannerMode.PREFILL else 0
-        return Replicas(prefill, decode)
-
-    def _within_budget(self, wanted: Replicas) -> Replicas:
-        c = self.config
-        p_gpu, d_gpu = c.prefill_engine_num_gpu, c.decode_engine_num_gpu
-        total = wanted.prefill * p_gpu + wanted.decode * d_gpu
-        if total <= c.max_gpu_budget:
-            return wanted
-        if wanted.prefill == 0:
-            return Replicas(0, max(c.min_endpoint, c.max_gpu_budget // d_gpu))
-        if wanted.decode == 0:
-            return Replicas(max(c.min_endpoint, c.max_gpu_budget // p_gpu), 0)
-        scale = c.max_gpu_budget / total
-        prefill = max(c.min_endpoint, round(wanted.prefill * scale))
-        decode = max(c.min_endpoint, round((c.max_gpu_budget - prefill * p_gpu) / d_gpu))
-        log.warning("the wanted replicas (prefill %d, decode %d) need %d GPUs, over max_gpu_budget %d: prefill %d, "
-                    "decode %d", wanted.prefill, wanted.decode, total, c.max_gpu_budget, prefill, decode)
+            return Replicas(0, math.ceil(self.prefill_workers(f, interval) + self.decode_workers(f, interval)))
+        prefill = math.ceil(self.prefill_workers(f, interval)) if mode is not PlannerMode.DECODE else 0
+        decode = math.ceil(self.decode_workers(f, interval)) if mode is not PlannerMode.PREFILL else 0
         return Replicas(prefill, decode)
 
     def _capped(self, target: Replicas, current: Replicas) -> Replicas:

@@ -1,4 +1,4 @@
-"""Bearer-key checks shared by the frontend's API and the system status server."""
+"""Bearer-key checks shared by the frontend's API, the system status server and the planner's control API."""
 
 from __future__ import annotations
 
@@ -20,3 +20,13 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False  # a name that may resolve anywhere
+
+
+def refusal(authorization: str, key: str | None, host: str, allow_unauthenticated: bool) -> int | None:
+    """The status a guarded route answers: 401 without the key when one is set; 403 when none is set and the
+    server listens beyond loopback (unless opted out); None to serve it."""
+    if key:
+        return None if bearer_matches(authorization, key) else 401
+    if not allow_unauthenticated and not is_loopback(host):
+        return 403
+    return None

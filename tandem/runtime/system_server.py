@@ -17,7 +17,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from tandem.runtime.auth import bearer_matches, is_loopback
+from tandem.runtime.auth import refusal
 from tandem.runtime.config import ConfigError, RuntimeConfig
 
 log = logging.getLogger(__name__)
@@ -119,10 +119,11 @@ class SystemStatusServer:
         if request.method in ("GET", "HEAD") and request.path in self._builtin_paths():
             return await handler(request)
         config = self._config
-        if config.system_api_key:
-            if not bearer_matches(request.headers.get("Authorization", ""), config.system_api_key):
-                return _error(401, "this route of the system port needs Authorization: Bearer <DYN_SYSTEM_API_KEY>")
-        elif not config.system_allow_unauthenticated and not is_loopback(config.system_host):
+        status = refusal(request.headers.get("Authorization", ""), config.system_api_key, config.system_host,
+                         config.system_allow_unauthenticated)
+        if status == 401:
+            return _error(401, "this route of the system port needs Authorization: Bearer <DYN_SYSTEM_API_KEY>")
+        if status == 403:
             return _error(403, f"this route of the system port is disabled: the port listens on "
                                f"{config.system_host}, not loopback, and no key is set. Set DYN_SYSTEM_API_KEY, "
                                "or bind DYN_SYSTEM_HOST=127.0.0.1, or set DYN_SYSTEM_ALLOW_UNAUTHENTICATED=true")

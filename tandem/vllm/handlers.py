@@ -27,6 +27,7 @@ from tandem.llm.protocols import (
 )
 from tandem.runtime import Context
 from tandem.vllm.abort import abort_monitor
+from tandem.worker.forward_pass import PendingPrompts
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +157,7 @@ class BaseWorkerHandler:
         shutdown_event: asyncio.Event,
         lora: Any = None,
         disagg_metrics: DisaggMetrics | None = None,
+        pending_prompts: PendingPrompts | None = None,
     ) -> None:
         self.runtime = runtime
         self.engine_client = engine_client
@@ -165,6 +167,7 @@ class BaseWorkerHandler:
         self.shutdown_event = shutdown_event
         self.lora = lora
         self.disagg_metrics = disagg_metrics
+        self.pending_prompts = pending_prompts or PendingPrompts()  # this engine's prefill queue, in tokens
         self.on_sleep: Callable[[], Awaitable[None]] | None = None  # leave / rejoin discovery, set by main
         self.on_wake: Callable[[], Awaitable[None]] | None = None
 
@@ -208,38 +211,42 @@ class BaseWorkerHandler:
         prefill_details = request.prefill_result.prompt_tokens_details if request.prefill_result else None
         generated = 0
         first = True
-        async with abort_monitor(self.engine_client, context, request_id, self.shutdown_event) as monitor:
-            async for result in monitor.stream(self.engine_client.generate(
-                prompt, sampling, request_id, lora_request=self._lora_request(request),
-                data_parallel_rank=request.dp_rank,
-            )):
-                if not result.outputs:
-                    yield LLMEngineOutput.failed("No outputs from vLLM engine")
-                    return
-                output = result.outputs[0]
-                new_ids = list(output.token_ids)
-                generated += len(new_ids)
-                item = LLMEngineOutput(new_ids)
-                if remote_prefill and first:
-                    waited = _kv_wait_ms(result)
-                    if waited is not None:
-                        item.kv_transfer_ms = waited
-                        if self.disagg_metrics is not None:
-                            self.disagg_metrics.kv_transfer_seconds.observe(waited / 1000)
-                first = False
-                if sampling.logprobs is not None and new_ids:
-                    parsed = _logprobs(output, new_ids)
-                    if parsed is not None:
-                        item.log_probs, item.top_logprobs = parsed
-                if prefill and result.kv_transfer_params:
-                    item.disaggregated_params = DisaggregatedParams(result.kv_transfer_params)
-                if output.finish_reason is not None or (prefill and result.finished):
-                    item.finish_reason = _finish_reason(output.finish_reason)
-                    item.stop_reason = output.stop_reason
-                    # A disaggregated request's cache hits were on the prefill worker.
-                    item.completion_usage = CompletionUsage.of(prompt_len, generated, result.num_cached_tokens,
-                                                               prefill_details)
-                yield item
+        # A remote prefill's prompt was computed on the prefill worker: nothing queued here.
+        with self.pending_prompts.prompt(0 if remote_prefill else prompt_len) as first_token_out:
+            async with abort_monitor(self.engine_client, context, request_id, self.shutdown_event) as monitor:
+                async for result in monitor.stream(self.engine_client.generate(
+                    prompt, sampling, request_id, lora_request=self._lora_request(request),
+                    data_parallel_rank=request.dp_rank,
+                )):
+                    if not result.outputs:
+                        yield LLMEngineOutput.failed("No outputs from vLLM engine")
+                        return
+                    output = result.outputs[0]
+                    new_ids = list(output.token_ids)
+                    generated += len(new_ids)
+                    if new_ids:
+                        first_token_out()
+                    item = LLMEngineOutput(new_ids)
+                    if remote_prefill and first:
+                        waited = _kv_wait_ms(result)
+                        if waited is not None:
+                            item.kv_transfer_ms = waited
+                            if self.disagg_metrics is not None:
+                                self.disagg_metrics.kv_transfer_seconds.observe(waited / 1000)
+                    first = False
+                    if sampling.logprobs is not None and new_ids:
+                        parsed = _logprobs(output, new_ids)
+                        if parsed is not None:
+                            item.log_probs, item.top_logprobs = parsed
+                    if prefill and result.kv_transfer_params:
+                        item.disaggregated_params = DisaggregatedParams(result.kv_transfer_params)
+                    if output.finish_reason is not None or (prefill and result.finished):
+                        item.finish_reason = _finish_reason(output.finish_reason)
+                        item.stop_reason = output.stop_reason
+                        # A disaggregated request's cache hits were on the prefill worker.
+                        item.completion_usage = CompletionUsage.of(prompt_len, generated, result.num_cached_tokens,
+                                                                   prefill_details)
+                    yield item
 
     # -- other endpoints -----------------------------------------------------------------------
     async def clear_kv_blocks(self) -> None:

@@ -18,9 +18,11 @@ from tandem.runtime import DistributedRuntime, configure_logging, run
 from tandem.vllm.args import Config, dump_config, parse_args
 from tandem.vllm.checkpoint_restore import get_checkpoint_config
 from tandem.vllm.engine_monitor import VllmEngineMonitor
+from tandem.vllm.forward_pass import ForwardPasses, ForwardPassLoggerFactory, enable_iteration_details
 from tandem.vllm.handlers import DisaggMetrics, handler_class
 from tandem.vllm.health_check import bos_token_id_of
 from tandem.vllm.lifeline import mark_owner
+from tandem.worker.forward_pass import FORWARD_PASS_TOPIC
 from tandem.worker.harness import ServedWorker, WorkerSpec, serve_worker
 
 log = logging.getLogger("tandem.vllm")
@@ -35,6 +37,7 @@ def setup_vllm_engine(config: Config, stat_loggers: list[Any] | None = None) -> 
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     mark_owner()  # the engine's processes die with this one, however it ends
     engine_args = config.engine_args
+    enable_iteration_details(engine_args)  # per-step details for the forward-pass metrics
     if engine_args.enable_lora:
         os.environ.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
         os.environ.setdefault("VLLM_LORA_MODULES_LOADING_TIMEOUT", "600")
@@ -84,10 +87,10 @@ async def _serve(config: Config, runtime: DistributedRuntime, shutdown_event: as
     stat_factory = None
     if not config.is_prefill_worker:
         stat_factory = StatLoggerFactory(None, worker_id=worker_id, registry=runtime.registry, dp_rank=dp_rank)
+    passes = ForwardPasses(worker_id, dp_rank)
     if engine is None:
-        engine, vllm_config, defaults = await asyncio.to_thread(
-            setup_vllm_engine, config, [stat_factory] if stat_factory else None
-        )
+        loggers = [ForwardPassLoggerFactory(passes), *([stat_factory] if stat_factory else [])]
+        engine, vllm_config, defaults = await asyncio.to_thread(setup_vllm_engine, config, loggers)
     try:
         num_blocks = vllm_config.cache_config.num_gpu_blocks or 0
         block_size = vllm_config.cache_config.block_size
@@ -96,6 +99,9 @@ async def _serve(config: Config, runtime: DistributedRuntime, shutdown_event: as
             stat_factory.set_publisher(await component.event_publisher(KV_METRICS_TOPIC))
             stat_factory.set_num_gpu_blocks(num_blocks)
             stat_factory.init_publish()
+        passes.start(await component.event_publisher(FORWARD_PASS_TOPIC), num_blocks, block_size,
+                     vllm_config.scheduler_config.max_num_batched_tokens)
+        runtime.add_shutdown_hook(passes.stop)
         _expose_engine_metrics(runtime)
 
         lora = None
@@ -105,7 +111,7 @@ async def _serve(config: Config, runtime: DistributedRuntime, shutdown_event: as
             lora = LoRAService(engine)
         handler = handler_class(prefill=config.is_prefill_worker, text_input=config.use_vllm_tokenizer)(
             runtime, engine, config, default_sampling_params=defaults, model_max_len=model_max_len,
-            shutdown_event=shutdown_event, lora=lora,
+            shutdown_event=shutdown_event, lora=lora, pending_prompts=passes.pending,
             disagg_metrics=None if config.is_prefill_worker else DisaggMetrics(runtime.registry,
                                                                                config.served_model_name),
         )

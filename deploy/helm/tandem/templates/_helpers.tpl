@@ -89,6 +89,36 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- if and (not .Values.model.download) (or (not .Values.model.volume) (hasKey .Values.model.volume "emptyDir")) -}}
 {{- fail "model.download is false but model.volume is an emptyDir: nothing would put the model there" -}}
 {{- end -}}
+{{- $p := .Values.planner -}}
+{{- if $p.enabled -}}
+{{- if and (not $p.rbac.create) (not $p.rbac.serviceAccountName) -}}
+{{- fail "planner.enabled needs a ServiceAccount that may get and patch deployments/scale: set planner.rbac.create (or planner.rbac.serviceAccountName to one you bound yourself)" -}}
+{{- end -}}
+{{- if and $p.throughputScaling (not $p.profile.volume) -}}
+{{- fail "planner.throughputScaling sizes the pools from the workers' profile: set planner.profile.volume (the output of `tandem profile`), or turn throughputScaling off and loadBasedScaling on" -}}
+{{- end -}}
+{{- if and (not $p.throughputScaling) (not $p.loadBasedScaling) -}}
+{{- fail "planner.throughputScaling and planner.loadBasedScaling are both off: the planner would have nothing to scale by" -}}
+{{- end -}}
+{{- $mode := include "tandem.plannerMode" . -}}
+{{- if and (eq .Values.mode "agg") (ne $mode "agg") -}}
+{{- fail (printf "planner.mode %s plans a pool of a disaggregated deployment, but mode is agg" $mode) -}}
+{{- end -}}
+{{- if and (eq .Values.mode "disagg") (eq $mode "agg") -}}
+{{- fail "planner.mode agg plans one aggregated pool, but mode is disagg: use disagg, prefill or decode" -}}
+{{- end -}}
+{{- else if or $p.profile.volume $p.prometheusEndpoint -}}
+{{- fail "planner.profile or planner.prometheusEndpoint is set but planner.enabled is false: nothing would use it" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The planner's ServiceAccount: the one its RBAC creates (or names). */}}
+{{- define "tandem.plannerServiceAccount" -}}
+{{- .Values.planner.rbac.serviceAccountName | default (printf "%s-planner" (include "tandem.fullname" .)) -}}
+{{- end -}}
+
+{{- define "tandem.plannerMode" -}}
+{{- .Values.planner.mode | default .Values.mode -}}
 {{- end -}}
 
 {{/* Environment every tandem process gets: discovery, planes, addresses, logging. */}}
