@@ -116,6 +116,7 @@ class PlannerLoop:
         self.connector = connector
         self.metrics = PlannerMetrics(registry) if registry is not None else None
         self.floor: Replicas | None = None  # the throughput decision, when load scaling runs too
+        self._last_verdicts: tuple[Verdict, ...] = ()
         self._scaling: set[asyncio.Task[None]] = set()
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -186,8 +187,10 @@ class PlannerLoop:
         target = within_limits(decision.target, self.config) if decision.target != current else current
         decision = replace(decision, target=target)
         action = self._act(target, current)
-        if action != "unchanged" or any(e.verdict is not Verdict.HOLD for e in decision.estimates.values()):
+        verdicts = tuple(e.verdict for e in decision.estimates.values())
+        if action != "unchanged" or verdicts != self._last_verdicts:  # a line per change, not per second
             log.info("planner: %s (%s)", decision.describe(current), action)
+            self._last_verdicts = verdicts
         if self.metrics is not None:
             self.metrics.record_load(decision, current)
         return decision
