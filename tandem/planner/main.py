@@ -41,7 +41,7 @@ from tandem.planner.limits import Replicas
 from tandem.planner.load import LoadPlanner
 from tandem.planner.loop import Connector, Observer, PlannerLoop
 from tandem.planner.observe import FrontendObserver
-from tandem.planner.prometheus import PrometheusObserver
+from tandem.planner.prometheus import ENDPOINT_ENV, PrometheusObserver
 from tandem.planner.sla import SlaPlanner
 from tandem.planner.virtual import DEFAULT_TIMEOUT, VirtualConnector
 from tandem.runtime import DistributedRuntime, RuntimeConfig, add_runtime_args
@@ -155,7 +155,7 @@ def config_from(args: argparse.Namespace) -> PlannerConfig:
 
 
 def prometheus_endpoint(args: argparse.Namespace) -> str | None:
-    return args.metric_pulling_prometheus_endpoint or env_str("PROMETHEUS_ENDPOINT")
+    return args.metric_pulling_prometheus_endpoint or env_str(ENDPOINT_ENV)
 
 
 def control_settings(args: argparse.Namespace) -> ControlSettings:
