@@ -1,4 +1,5 @@
-"""The SLA planner against static deployments and a threshold autoscaler, on mocker workers replaying traces.
+"""The SLA planner (throughput-based, load-based, or both) against static deployments and a threshold autoscaler,
+on mocker workers replaying traces.
 
     .venv/bin/python bench/planner_bench.py                    # about 40 minutes; --help for the knobs
 
@@ -18,22 +19,41 @@
      target)` for the workers' mean KV-cache usage and the frontend's queue of requests waiting for their
      first token, the larger of the two, within 10% tolerance kept as is; a scale-down only to the largest
      recommendation of the last `--stabilization` intervals (HPA's scale-down stabilization window);
-   - `sla`: the SLA planner (agg mode, `tandem run --planner sla`'s code: the local connector).
+   - `sla`: the SLA planner (agg mode, `tandem run --planner sla`'s code: the local connector), throughput-based:
+     every interval, from the profile and the predicted traffic;
+   - `load`: the planner's load-based scaling alone (`enable_load_scaling`, no throughput scaling, no profile):
+     every `--load-interval` s, one worker more or fewer from the engines' forward-pass metrics;
+   - `sla+load`: both: the throughput decision is a floor, load-based scaling moves above it.
+   The three planner policies get the same targets (times `--planner-margin`), budget (`--max-workers`) and
+   floor (the static-min size). `--load-interval` defaults to 1 s, a quarter of the 4 s interval (the load
+   mode must decide more often than the throughput mode): a busy engine reports every 0.5 s, so each decision
+   still averages about two reports per engine, and 1 s is under a worker's start-up here (about 2 s), so
+   growing is paced by the start-up (no step while a new worker has not reported yet) rather than by the
+   cadence. Dynamo's defaults (5 s against 180 s) are likewise much shorter than the throughput interval and
+   than a worker's start-up.
 4. **Measures**, per policy: the fraction of intervals whose mean TTFT and mean ITL (the frontend's
    histograms over that interval, the planner's definition) meet the targets; worker-seconds (workers
    running or starting, integrated over the run); scaling actions; failed requests (those while a worker
    was being stopped listed apart; all must be 0); the mockers' lag (wall time busy over the time their
    timing model gave those steps, minus one). A run whose lag is over 5% measured the host, not the
    policy: it is marked discarded.
+   The planner runs on this process's event loop, as in `tandem run`, and can hold it up (the ARIMA fit
+   takes seconds on busy cores), so nothing measured depends on that loop being on time: the worker count
+   is recorded as each change is made (`scale`) and integrated exactly, and the frontend is read at each
+   interval's end from a thread with its own event loop. Each run's log has one `bench` line per interval
+   (when it was read, and how long the deployment's loop was held up) and the planner's lines, timed.
 
 Writes a table (markdown) to stdout and `--json`, and one plot per trace (load, workers, TTFT, ITL per policy)
-to `--plots`.
+to `--plots`. `--from-json` runs nothing: it redraws the table and plots from one or more `--json` files (a row
+of a later file replaces the same trace and policy of an earlier one; each row's "vs static-max" is against the
+static-max row of its own file).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import math
@@ -52,7 +72,10 @@ from _common import model_path, scrape, total
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-POLICIES = ("static-min", "static-max", "threshold", "sla")
+POLICIES = ("static-min", "static-max", "threshold", "sla", "load", "sla+load")
+PLANNED = ("sla", "load", "sla+load")  # the policies the planner runs
+# One colour per policy in every plot (the first four as matplotlib's default cycle gave them before).
+COLOURS = {"static-min": "C0", "static-max": "C1", "threshold": "C2", "sla": "C3", "load": "C4", "sla+load": "C5"}
 TRACES = ("step", "ramp", "sinusoid", "mooncake")
 CALIBRATION_STEPS = 12
 TOKEN_IDS = (1000, 30000)  # prompt token ids drawn from ordinary vocabulary
@@ -179,6 +202,7 @@ class Settings:
     queue_target: float
     drain: float
     margin: float
+    load_interval: float = 1.0
 
 
 @dataclass
@@ -209,6 +233,7 @@ class RunResult:
     lag: float
     discarded: bool
     timeline: Timeline
+    held_up: float | None = None  # the longest the deployment's event loop was held up, s (None: not measured)
 
 
 class Threshold:
@@ -250,7 +275,24 @@ async def run_policy(policy: str, trace_name: str, trace: Path, shape: list[floa
     from tandem.launch.supervisor import Deployment, LogMux
     from tandem.planner.config import PlannerConfig, PlannerMode, PredictorKind
     from tandem.planner.observe import FrontendObserver
-    from tandem.planner.sla import Replicas, SlaPlanner
+    from tandem.planner.sla import IntervalMetrics, Replicas, SlaPlanner
+
+    class CountedDeployment(Deployment):
+        """Records each change of the worker count as it is made: `scale` changes the list of workers before
+        its first await, and nothing else changes it."""
+
+        changes: list[tuple[float, int]]  # (time.monotonic(), workers from then on)
+
+        async def scale(self, role: str, count: int) -> None:
+            self.changes.append((time.monotonic(), count))
+            await super().scale(role, count)
+
+        def worker_seconds(self, start: float, end: float) -> float:
+            total, (at, count) = 0.0, self.changes[0]
+            for when, new in [*self.changes[1:], (end, 0)]:
+                total += count * max(min(when, end) - max(at, start), 0.0)
+                at, count = max(at, when), new
+            return total
 
     s = settings
     start_workers = {"static-min": static_min, "static-max": s.max_workers}.get(policy, static_min)
@@ -259,9 +301,15 @@ async def run_policy(policy: str, trace_name: str, trace: Path, shape: list[floa
                        "system_port_base": system_base}, worker_args=s.mocker_args)
     discovery = tempfile.mkdtemp(prefix="planner-bench-")
     log_path = work / f"{trace_name}-{policy}.log"
+    opened = time.monotonic()
     with open(log_path, "w") as log:
         mux = LogMux(log, color=False)
-        deployment = Deployment(Plan(spec, model_dir, discovery), mux)
+
+        def say(source: str, text: str) -> None:  # seconds since the deployment started, to line up with the bench's
+            mux.line(source, f"[{time.monotonic() - opened:6.1f} s] {text}")
+
+        deployment = CountedDeployment(Plan(spec, model_dir, discovery), mux)
+        deployment.changes = [(time.monotonic(), start_workers)]
         connector = LocalConnector(deployment)
         deployment.start()
         stop = asyncio.Event()
@@ -270,14 +318,18 @@ async def run_policy(policy: str, trace_name: str, trace: Path, shape: list[floa
             url = await wait_until_serving(deployment, deployment.plan.served_name, spec.ready_timeout)
             assert url is not None
             model = deployment.plan.served_name
-            if policy == "sla":
+            if policy in PLANNED:
+                throughput = policy in ("sla", "sla+load")
                 config = PlannerConfig(mode=PlannerMode.AGG, ttft=s.ttft_ms * s.margin, itl=s.itl_ms * s.margin,
                                        adjustment_interval=s.interval, load_predictor=PredictorKind(s.predictor),
-                                       profile_results_dir=s.profile, max_gpu_budget=s.max_workers,
-                                       min_endpoint=static_min).validate()
-                planner = SlaPlanner.from_config(config)
-                tasks.append(asyncio.create_task(run_planner(planner, deployment, url, model, stop,
-                                                             lambda text: mux.line("planner", text))))
+                                       profile_results_dir=s.profile if throughput else None,
+                                       max_gpu_budget=s.max_workers, min_endpoint=static_min,
+                                       enable_throughput_scaling=throughput,
+                                       enable_load_scaling=policy in ("load", "sla+load"),
+                                       load_adjustment_interval=s.load_interval).validate()
+                sla = SlaPlanner.from_config(config) if throughput else None
+                tasks.append(asyncio.create_task(run_planner(config, sla, deployment, url, stop,
+                                                             lambda text: say("planner", text))))
             observer = FrontendObserver([url], model)
             await observer.sample(0.0)
             results = work / f"{trace_name}-{policy}.json"
@@ -285,13 +337,24 @@ async def run_policy(policy: str, trace_name: str, trace: Path, shape: list[floa
                 sys.executable, __file__, "--replay", str(trace), "--url", url, "--model", model, "--out",
                 str(results), stdout=log, stderr=log)
             began = time.monotonic()
-            timeline = Timeline()
+            main = asyncio.get_running_loop()
             threshold = Threshold(s, static_min) if policy == "threshold" else None
-            scaling: set[asyncio.Task[None]] = set()
-            worker_seconds, actions = 0.0, 0
-            scale_downs: list[tuple[float, float]] = []  # (from, to) seconds into the run
-            last_count = connector.replicas().decode
+            scaling: list[concurrent.futures.Future[None]] = []  # the threshold policy's changes, on this loop
             lag_seen: dict[int, tuple[float, float]] = {}  # port -> (simulated, busy), last read
+            stall = [0.0, 0.0]  # the longest this event loop was held up since the last interval, and in all, s
+
+            async def watch_loop() -> None:
+                while True:
+                    before = time.monotonic()
+                    await asyncio.sleep(0.05)
+                    held = time.monotonic() - before - 0.05
+                    stall[0], stall[1] = max(stall[0], held), max(stall[1], held)
+
+            watch = asyncio.create_task(watch_loop())
+
+            def note(source: str, text: str) -> None:  # from the meter's thread
+                stamped = f"[{time.monotonic() - opened:6.1f} s] {text}"
+                main.call_soon_threadsafe(mux.line, source, stamped)
 
             async def worker_samples() -> float:
                 """Mean KV usage of the workers; records each one's lag counters."""
@@ -307,39 +370,54 @@ async def run_policy(policy: str, trace_name: str, trace: Path, shape: list[floa
             async def queued() -> float:
                 return total(await asyncio.to_thread(scrape, url), "dynamo_frontend_queued_requests")
 
-            # Workers are counted every tick; the threshold policy's metrics are read every second (few
-            # scrapes: this process shares the two cores with the deployment).
-            tick, next_read = 0.25, 0.0
-            for index in range(len(shape)):
-                interval_end = began + (index + 1) * s.interval
-                counts = []
-                while time.monotonic() < interval_end:
-                    now = time.monotonic()
-                    count = connector.replicas().decode
-                    counts.append(count)
-                    if count < last_count:
-                        scale_downs.append((now - began, now - began + spec.stop_timeout))
-                    last_count = count
-                    if threshold is not None and now >= next_read:
-                        next_read = now + 1.0
-                        threshold.sample(await worker_samples(), await queued())
-                    await asyncio.sleep(max(0.0, min(tick, interval_end - time.monotonic())))
-                    worker_seconds += count * (time.monotonic() - now)
-                if threshold is None:
-                    await worker_samples()  # the lag counters
-                metrics = await observer.sample(s.interval)
+            async def meter() -> tuple[list[IntervalMetrics], int]:
+                """The frontend's latencies at the end of each interval (and the threshold policy's reads and
+                decisions), on a thread with its own event loop: the planner's work on this process's loop (an
+                ARIMA fit can take seconds on these busy cores) must not shift the intervals. Reads the lag
+                counters after each interval; the threshold policy's metrics every second (few scrapes: this
+                process shares the two cores with the deployment), its changes made on the deployment's loop."""
+                measured: list[IntervalMetrics] = []
+                actions, tick, next_read = 0, 0.25, 0.0
+                for index in range(len(shape)):
+                    interval_end = began + (index + 1) * s.interval
+                    while (now := time.monotonic()) < interval_end:
+                        if threshold is not None and now >= next_read:
+                            next_read = now + 1.0
+                            threshold.sample(await worker_samples(), await queued())
+                        await asyncio.sleep(max(0.0, min(tick, interval_end - time.monotonic())))
+                    measured.append(await observer.sample(s.interval))
+                    late = time.monotonic() - interval_end
+                    if threshold is None:
+                        await worker_samples()  # the lag counters
+                    held, stall[0] = stall[0], 0.0
+                    note("bench", f"interval {index + 1} (load {shape[index]:.0%}): TTFT {measured[-1].ttft_ms:.1f} ms, "
+                         f"ITL {measured[-1].itl_ms:.2f} ms (read {late:.2f} s after its end); the deployment's "
+                         f"loop was held up for up to {held:.2f} s")
+                    if threshold is not None:
+                        current = (await connector.replicas()).decode
+                        wanted = threshold.decide(current)
+                        note("threshold", f"workers {current} -> {wanted}")
+                        if wanted != current:  # as the SLA planner: without waiting for a change in progress
+                            scaling.append(asyncio.run_coroutine_threadsafe(connector.scale(Replicas(0, wanted)),
+                                                                            main))
+                            actions += 1
+                return measured, actions
+
+            measured, actions = await asyncio.to_thread(asyncio.run, meter())
+            # Workers running or starting, from the changes as they were made: exact however late anything read.
+            timeline = Timeline()
+            worker_seconds = 0.0
+            for index, metrics in enumerate(measured):
+                spent = deployment.worker_seconds(began + index * s.interval, began + (index + 1) * s.interval)
+                worker_seconds += spent
                 timeline.t.append((index + 1) * s.interval)
                 timeline.offered.append(shape[index])
-                timeline.workers.append(sum(counts) / len(counts) if counts else float(last_count))
+                timeline.workers.append(spent / s.interval)
                 timeline.ttft_ms.append(metrics.ttft_ms)
                 timeline.itl_ms.append(metrics.itl_ms)
-                if threshold is not None:
-                    current = connector.replicas().decode
-                    wanted = threshold.decide(current)
-                    mux.line("threshold", f"workers {current} -> {wanted}")
-                    if wanted != current:  # as the SLA planner: without waiting for a change in progress
-                        scaling.add(asyncio.create_task(connector.scale(Replicas(0, wanted))))
-                        actions += 1
+            scale_downs = [(when - began, when - began + spec.stop_timeout)
+                           for (when, count), (_, before) in zip(deployment.changes[1:], deployment.changes, strict=False)
+                           if count < before]
             # The trace is over: let what is in flight finish (or give up on it after --drain s).
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(load.wait(), s.drain)
@@ -348,10 +426,11 @@ async def run_policy(policy: str, trace_name: str, trace: Path, shape: list[floa
                 await load.wait()
             await worker_samples()
             stop.set()
+            watch.cancel()
             for task in tasks:
                 await asyncio.gather(task, return_exceptions=True)
-            await asyncio.gather(*scaling, return_exceptions=True)
-            if policy == "sla":
+            await asyncio.gather(*(asyncio.wrap_future(f) for f in scaling), return_exceptions=True)
+            if policy in PLANNED:  # one "(scaled)" line per decision that changed the workers, either mode's
                 actions = log_path.read_text().count("(scaled)")
         finally:
             stop.set()
@@ -370,7 +449,7 @@ async def run_policy(policy: str, trace_name: str, trace: Path, shape: list[floa
         (t <= s.ttft_ms for t in timeline.ttft_ms), (t <= s.itl_ms for t in timeline.itl_ms), strict=True)]
     return RunResult(trace_name, policy, len(both), sum(both) / max(len(both), 1), sum(ttft_ok) / max(len(ttft_ok), 1),
                      sum(itl_ok) / max(len(itl_ok), 1), worker_seconds, actions, sent, len(failed), len(during),
-                     sent - len(records), lag, lag > 0.05, timeline)
+                     sent - len(records), lag, lag > 0.05, timeline, stall[1])
 
 
 # -- capacity, report, plots -------------------------------------------------------------------------
@@ -406,17 +485,26 @@ async def calibrate(settings: Settings, lengths: Lengths, work: Path, model_dir:
     return best
 
 
-def report(results: list[RunResult], settings: Settings) -> str:
+def report(results: list[RunResult], settings: Settings,
+           baselines: dict[tuple[str, str], float | None] | None = None) -> str:
+    """The table; `baselines` gives a row's static-max worker-seconds (trace, policy -> s, None: none) when it is
+    not the static-max row of `results` (rows merged from several runs)."""
+    held = any(r.held_up is not None for r in results)  # a column only for runs that measured it
     lines = ["| trace | policy | intervals within SLA | TTFT met | ITL met | worker-s | vs static-max | "
-             "scaling actions | requests | failed (in scale-down) | unfinished | mocker lag |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "scaling actions | requests | failed (in scale-down) | unfinished | mocker lag |"
+             + (" loop held up |" if held else ""),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if held else "")]
     for r in results:
-        top = next((x.worker_seconds for x in results if x.trace == r.trace and x.policy == "static-max"), None)
+        if baselines is not None and (r.trace, r.policy) in baselines:
+            top = baselines[(r.trace, r.policy)]
+        else:
+            top = next((x.worker_seconds for x in results if x.trace == r.trace and x.policy == "static-max"), None)
         ratio = f"{r.worker_seconds / top:.2f}" if top else "-"
         lag = f"{r.lag * 100:.1f}%" + (" (discarded)" if r.discarded else "")
         lines.append(f"| {r.trace} | {r.policy} | {r.within_sla * 100:.0f}% | {r.ttft_met * 100:.0f}% | "
                      f"{r.itl_met * 100:.0f}% | {r.worker_seconds:.0f} | {ratio} | {r.scaling_actions} | "
-                     f"{r.requests} | {r.failed} ({r.failed_during_scale_down}) | {r.unfinished} | {lag} |")
+                     f"{r.requests} | {r.failed} ({r.failed_during_scale_down}) | {r.unfinished} | {lag} |"
+                     + ((f" {r.held_up:.1f} s |" if r.held_up is not None else " - |") if held else ""))
     return "\n".join(lines)
 
 
@@ -437,21 +525,40 @@ def plot(results: list[RunResult], settings: Settings, capacity: float, folder: 
         axes[0].set(ylabel="load (% of static-max)", title=f"{trace} trace: {settings.max_workers} workers "
                     f"= {capacity:.1f} req/s at the targets")
         for r in runs:
-            axes[1].step(r.timeline.t, r.timeline.workers, where="pre", label=r.policy)
-            axes[2].plot(r.timeline.t, r.timeline.ttft_ms, marker=".", label=r.policy)
-            axes[3].plot(r.timeline.t, r.timeline.itl_ms, marker=".", label=r.policy)
+            colour = COLOURS.get(r.policy)
+            axes[1].step(r.timeline.t, r.timeline.workers, where="pre", label=r.policy, color=colour)
+            axes[2].plot(r.timeline.t, r.timeline.ttft_ms, marker=".", label=r.policy, color=colour)
+            axes[3].plot(r.timeline.t, r.timeline.itl_ms, marker=".", label=r.policy, color=colour)
         axes[1].set(ylabel="workers")
         axes[2].axhline(settings.ttft_ms, color="grey", linestyle="--")
         axes[2].set(ylabel="mean TTFT (ms)", yscale="log")
         axes[3].axhline(settings.itl_ms, color="grey", linestyle="--")
         axes[3].set(ylabel="mean ITL (ms)", xlabel="seconds", yscale="log")
-        axes[1].legend(loc="upper left", fontsize="small")
+        axes[1].legend(loc="upper left", fontsize="small", ncol=2)
         fig.tight_layout()
         path = folder / f"planner-{trace}.png"
         fig.savefig(path, dpi=80)
         plt.close(fig)
         written.append(path)
     return written
+
+
+def merge(files: list[Path]) -> tuple[list[RunResult], dict[tuple[str, str], float | None]]:
+    """The rows of several `--json` files, a later file's row replacing the same trace and policy of an earlier
+    one, in trace order (as first seen), then policy order; with each row's static-max worker-seconds from its
+    own file."""
+    rows: dict[tuple[str, str], RunResult] = {}
+    baselines: dict[tuple[str, str], float | None] = {}
+    for path in files:
+        results = [RunResult(**{**r, "timeline": Timeline(**r["timeline"])}) for r in json.loads(path.read_text())]
+        tops = {r.trace: r.worker_seconds for r in results if r.policy == "static-max"}
+        for r in results:
+            rows[(r.trace, r.policy)] = r
+            baselines[(r.trace, r.policy)] = tops.get(r.trace)
+    traces = list(dict.fromkeys(trace for trace, _ in rows))
+    order = {policy: i for i, policy in enumerate(POLICIES)}
+    keys = sorted(rows, key=lambda k: (traces.index(k[0]), order.get(k[1], len(order))))
+    return [rows[k] for k in keys], baselines
 
 
 # -- main --------------------------------------------------------------------------------------------
@@ -472,6 +579,8 @@ def main() -> int:
     parser.add_argument("--planner-margin", type=float, default=0.8,
                         help="the SLA planner is given the targets times this (it is judged on the targets)")
     parser.add_argument("--predictor", default="arima", help="the SLA planner's load predictor")
+    parser.add_argument("--load-interval", type=float, default=1.0,
+                        help="load and sla+load policies: the planner's load_adjustment_interval, s (under --interval)")
     parser.add_argument("--stabilization", type=int, default=3, help="threshold policy: scale-down window, intervals")
     parser.add_argument("--kv-target", type=float, default=0.7, help="threshold policy: KV usage target")
     parser.add_argument("--queue-target", type=float, default=1.0,
@@ -485,9 +594,10 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--plots", type=Path, default=None, help="write one PNG per trace into this folder")
     parser.add_argument("--keep", type=Path, default=None, help="keep the logs, traces and profile here")
-    parser.add_argument("--from-json", type=Path, default=None,
-                        help="run nothing: the table and plots of an earlier run's --json (with its --max-workers, "
-                        "--ttft, --itl and the capacity it printed as --per-worker)")
+    parser.add_argument("--from-json", type=Path, nargs="+", default=None,
+                        help="run nothing: the table and plots of earlier runs' --json (with their --max-workers, "
+                        "--ttft, --itl and the capacity they printed as --per-worker); with several files, a row of "
+                        "a later one replaces the same trace and policy of an earlier one")
     parser.add_argument("--replay", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -500,17 +610,22 @@ def main() -> int:
     # is shortened alike (the default 5 s would span more than an interval).
     os.environ["DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS"] = str(args.grace)
     if args.from_json is not None:
-        results = [RunResult(**{**r, "timeline": Timeline(**r["timeline"])}) for r in json.loads(args.from_json.read_text())]
+        results, baselines = merge(args.from_json)
         settings = Settings(args.max_workers, args.interval, args.intervals, args.ttft, args.itl, [], Path(),
                             args.predictor, args.stabilization, args.kv_target, args.queue_target, args.drain,
-                            args.planner_margin)
-        print(report(results, settings))
+                            args.planner_margin, args.load_interval)
+        print(report(results, settings, baselines))
         if args.plots is not None:
             for path in plot(results, settings, (args.per_worker or 0.0) * args.max_workers * args.headroom,
                              args.plots):
                 print(path)
         return 0
 
+    unknown = set(args.policies.split(",")) - set(POLICIES)
+    if unknown:
+        parser.error(f"unknown policies: {', '.join(sorted(unknown))} (known: {', '.join(POLICIES)})")
+    if any(p in ("load", "sla+load") for p in args.policies.split(",")) and not args.load_interval < args.interval:
+        parser.error("--load-interval must be under --interval")
     model = model_path()
     work = Path(tempfile.mkdtemp(prefix="planner-bench-")) if args.keep is None else args.keep
     work.mkdir(parents=True, exist_ok=True)
@@ -525,7 +640,7 @@ def main() -> int:
     lengths = Lengths()
     settings = Settings(args.max_workers, args.interval, args.intervals, args.ttft, args.itl, mocker_args, profile,
                         args.predictor, args.stabilization, args.kv_target, args.queue_target, args.drain,
-                        args.planner_margin)
+                        args.planner_margin, args.load_interval)
     per_worker = args.per_worker or asyncio.run(calibrate(settings, lengths, work, model, args.seed))
     capacity = per_worker * args.max_workers * args.headroom
     print(f"capacity: one worker meets TTFT {args.ttft:g} ms and ITL {args.itl:g} ms up to {per_worker:.2f} req/s "
@@ -545,8 +660,8 @@ def main() -> int:
             result = asyncio.run(run_policy(policy, trace_name, trace, shape, settings, static_min, work, model))
             results.append(result)
             print(f"  {policy}: {result.within_sla * 100:.0f}% of intervals within SLA, {result.worker_seconds:.0f} "
-                  f"worker-s, {result.scaling_actions} actions, {result.failed} failed, lag {result.lag * 100:.1f}% "
-                  f"({time.monotonic() - began:.0f} s)", flush=True)
+                  f"worker-s, {result.scaling_actions} actions, {result.failed} failed, lag {result.lag * 100:.1f}%, loop held "
+                  f"up {result.held_up:.1f} s ({time.monotonic() - began:.0f} s)", flush=True)
     print()
     print(report(results, settings))
     for where in (args.json, work / "results.json" if args.keep is not None else None):

@@ -152,6 +152,16 @@ def test_dynamo_names_of_the_settings_are_accepted() -> None:
     assert (config.ttft, config.itl, config.adjustment_interval, config.load_adjustment_interval) == (200, 20, 60, 3)
 
 
+def test_only_the_workers_in_discovery_count() -> None:
+    """A worker being stopped leaves discovery first: its last reports no longer speak for the pool."""
+    planner = trained(PlannerMode.DECODE)
+    planner.members = lambda pool: {3}
+    planner.ingest("decode", report(3, kv=12_000), now=1.0)
+    planner.ingest("decode", report(4, kv=0), now=1.0)  # stopping: idle, would hold the pool back
+    assert planner.engine_counts(now=1.5) == Replicas(0, 1)
+    assert planner.decide(Replicas(0, 1), now=1.5).target == Replicas(0, 2)
+
+
 # -- the workers' side -------------------------------------------------------------------------------------------
 
 async def test_the_recorder_publishes_the_steps_and_the_queue_and_idle_engines_still_report() -> None:
@@ -217,3 +227,4 @@ def test_load_scaling_grows_a_run_under_a_step_load_and_shrinks_it_after_without
         assert heavy.served > served + 50 - 1 and light.served >= 3
     finally:
         assert run.stop() == 0
+

@@ -15,15 +15,18 @@ import msgspec
 
 from tandem.planner.load import LoadPlanner
 from tandem.runtime import DistributedRuntime
+from tandem.runtime.client import Client
 from tandem.worker.forward_pass import FORWARD_PASS_TOPIC, forward_pass_metrics_from_builtins
 
 log = logging.getLogger(__name__)
 
 DEFAULT_COMPONENTS = {"prefill": "prefill", "decode": "backend"}
+GENERATE_ENDPOINT = "generate"
 
 
 class EngineFollower:
-    """Feeds each pool's reports into `planner` until closed."""
+    """Feeds each pool's reports into `planner` until closed, and tells it which workers each pool has in
+    discovery (the instances of the component's `generate` endpoint)."""
 
     def __init__(self, runtime: DistributedRuntime, namespace: str, planner: LoadPlanner,
                  components: dict[str, str] | None = None) -> None:
@@ -32,12 +35,19 @@ class EngineFollower:
         self.planner = planner
         self.components = {**DEFAULT_COMPONENTS, **(components or {})}
         self._tasks: list[asyncio.Task[None]] = []
+        self._clients: dict[str, Client] = {}
 
     async def start(self) -> None:
         for pool in self.planner.config.pools:
-            subscriber = await self.runtime.namespace(self.namespace).component(self.components[pool]).subscribe(
-                FORWARD_PASS_TOPIC)
+            component = self.runtime.namespace(self.namespace).component(self.components[pool])
+            self._clients[pool] = await component.endpoint(GENERATE_ENDPOINT).client()
+            subscriber = await component.subscribe(FORWARD_PASS_TOPIC)
             self._tasks.append(asyncio.create_task(self._follow(pool, subscriber), name=f"follow-{pool}-engines"))
+        self.planner.members = self.members
+
+    def members(self, pool: str) -> set[int] | None:
+        client = self._clients.get(pool)
+        return set(client.instance_ids()) if client is not None else None
 
     async def _follow(self, pool: str, subscriber: object) -> None:
         bad = 0
@@ -57,3 +67,6 @@ class EngineFollower:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks.clear()
+        for client in self._clients.values():
+            await client.close()
+        self._clients.clear()

@@ -24,8 +24,9 @@ would still fit one engine fewer: the busiest engine's busy fraction times n / (
 percentage. Without that check a pool sized between two counts flaps, since queueing is not linear: n
 engines can be far under the targets while n - 1 are far over them.
 A pool whose fit has fewer than `load_min_observations` steps does not move.
-A pool with fewer engines reporting than workers (some starting or stopping) does not move either: what
-those change is not seen yet.
+A pool with fewer engines reporting than workers (some still starting) does not move either: what they
+change is not seen yet. Only the engines of workers in discovery count (`members`): a worker being stopped
+leaves discovery first, so the next decision already sees the pool without it.
 
 Steps kept per pool are bounded (`max_num_fpm_samples`): when full, the oldest step of the most crowded of
 `fpm_sample_bucket_size` load buckets goes, so the fit keeps seeing light and heavy steps alike.
@@ -123,8 +124,9 @@ class Engine:
     carried: bool = False  # `states` is the latest report before the last decision (replaced by the next one)
 
     def utilization(self, now: float) -> float:
-        """The fraction of the time since `since` the engine was busy."""
-        return self.busy / (now - self.since) if now > self.since else 0.0
+        """The fraction of the time since `since` the engine was busy (a report's steps may end a little before
+        the window starts: at most 1)."""
+        return min(self.busy / (now - self.since), 1.0) if now > self.since else 0.0
 
     def prefill_per_step(self) -> float:
         """Prompt tokens a step carries, over all steps: what an aggregated engine's decode steps also do."""
@@ -167,8 +169,11 @@ class LoadDecision:
 class LoadPlanner:
     """Keeps each pool's step-time fit and each engine's latest queue; decides one step at a time."""
 
-    def __init__(self, config: PlannerConfig) -> None:
+    def __init__(self, config: PlannerConfig, members: Callable[[str], set[int] | None] | None = None) -> None:
+        """`members(pool)`: the worker ids a pool has in discovery now (None: not known). A worker being stopped
+        leaves discovery first, so its reports stop counting at once; one starting counts once it serves."""
         self.config = config
+        self.members = members
         self.aggregated = config.mode is PlannerMode.AGG
         features = 2 if self.aggregated else 1
         self.fits = {pool: StepTimeFit(features, config.max_num_fpm_samples, config.fpm_sample_bucket_size)
@@ -183,12 +188,15 @@ class LoadPlanner:
             return
         key = (report.worker_id, report.dp_rank)
         now = time.monotonic() if now is None else now
+        first = key not in self.engines
         before = self.engines.get(key) or Engine(pool, (), now, since=now)
         prefills = [step.prefill_tokens for step in report.passes if step.prefill_tokens > 0]
         earlier = () if before.carried else before.states
+        # An engine's first report covers time before `since`: its busy time would overstate the fraction.
+        busy = before.busy + (0.0 if first else report.busy)
         self.engines[key] = Engine(pool, (*earlier, report.state)[-MAX_STATES:], now, before.since,
                                    before.steps + len(report.passes), before.prefill_steps + len(prefills),
-                                   before.prefill_tokens + sum(prefills), before.busy + report.busy)
+                                   before.prefill_tokens + sum(prefills), busy)
         for step in report.passes:
             if self.aggregated:
                 fit.add((step.prefill_tokens, step.kv_tokens), step.wall_time)
@@ -206,12 +214,17 @@ class LoadPlanner:
     def engine_counts(self, now: float | None = None) -> Replicas:
         """The workers reporting, per pool: what an observing planner knows of them without a frontend."""
         now = time.monotonic() if now is None else now
-        workers = {pool: {key[0] for key, e in self.engines.items() if e.pool == pool and now - e.seen <= REPORT_TIMEOUT}
-                   for pool in ("prefill", "decode")}
+        workers = {pool: {key[0] for key, _ in self._reporting(pool, now)} for pool in ("prefill", "decode")}
         return Replicas(len(workers["prefill"]), len(workers["decode"]))
 
     def reporting(self, pool: str, now: float) -> list[Engine]:
-        return [e for e in self.engines.values() if e.pool == pool and now - e.seen <= REPORT_TIMEOUT]
+        return [engine for _, engine in self._reporting(pool, now)]
+
+    def _reporting(self, pool: str, now: float) -> list[tuple[tuple[int, int], Engine]]:
+        """(worker id, dp rank) and engine, of the engines of `pool` that report and whose worker is a member."""
+        members = self.members(pool) if self.members is not None and pool in self.fits else None
+        return [(key, e) for key, e in self.engines.items() if e.pool == pool and now - e.seen <= REPORT_TIMEOUT
+                and (members is None or key[0] in members)]
 
     # -- estimates ---------------------------------------------------------------------------------
     def ttft_seconds(self, pool: str, engine: Engine, state: EngineState) -> float:

@@ -152,7 +152,9 @@ class PlannerLoop:
         assert self.sla is not None and self.observer is not None
         observed = await self.observer.sample(elapsed)
         current = await self.connector.replicas()
-        if not self.sla.observe(observed, current):
+        # Fitting the predictors (ARIMA tries many models) takes up to seconds of CPU: off the event loop, which
+        # also runs the load-based decisions, the connector and, in `tandem run`, the supervisor.
+        if not await asyncio.to_thread(self.sla.observe, observed, current):
             log.info("planner: no traffic in the last %.0f s; keeping prefill %d, decode %d", elapsed,
                      current.prefill, current.decode)
             if self.metrics is not None:
@@ -161,7 +163,7 @@ class PlannerLoop:
         startup = self.config.worker_startup_time
         if startup is None:
             startup = self.connector.startup_seconds() or 0.0
-        decision = self.sla.decide(current, elapsed, startup)
+        decision = await asyncio.to_thread(self.sla.decide, current, elapsed, startup)
         target = decision.target
         if self.load is not None:  # a floor: raise the pools to it now, load scaling moves above it
             self.floor = target

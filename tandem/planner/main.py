@@ -35,7 +35,7 @@ from tandem.planner.config import (
     read_settings,
 )
 from tandem.planner.control import ControlServer, ControlSettings
-from tandem.planner.engines import DEFAULT_COMPONENTS, EngineFollower
+from tandem.planner.engines import DEFAULT_COMPONENTS, GENERATE_ENDPOINT, EngineFollower
 from tandem.planner.kubernetes import KubernetesConnector, add_kubernetes_args
 from tandem.planner.limits import Replicas
 from tandem.planner.load import LoadPlanner
@@ -243,7 +243,7 @@ async def registered_workers(runtime: DistributedRuntime, config: PlannerConfig,
     counts = {"prefill": 0, "decode": 0}
     for pool in config.pools:
         client = await runtime.namespace(runtime.config.namespace).component(components[pool]).endpoint(
-            "generate").client()
+            GENERATE_ENDPOINT).client()
         counts[pool] = len(client.instance_ids())
         await client.close()
     return Replicas(counts["prefill"], counts["decode"])
