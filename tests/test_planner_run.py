@@ -98,6 +98,8 @@ def test_planner_settings_come_from_the_file_then_the_config_then_the_flags(tmp_
         ({"planner": "sla", "profile_results_dir": str(tmp_path), "itl": -5.0}, None,
          "planner setting itl must be a number > 0"),
         ({"planner_metrics_port": 9091}, None, "--planner-metrics-port: no planner runs"),
+        ({"planner": "load"}, {"planner": {"environment": "kubernetes"}},
+         "planner setting environment is for `tandem planner`"),
         ({"planner": "sla", "profile_results_dir": str(tmp_path), "frontend_args": "--num-processes 2"}, None,
          "leave out --num-processes"),
     ]:

@@ -350,6 +350,9 @@ def _apply_planner(spec: DeploymentSpec, flags: Mapping[str, Any], document: Map
         if values.get("mode", mode.value) != mode.value:
             raise SpecError(f"{where}: planner mode {values['mode']} does not fit the workers ({mode.value})")
         values["mode"] = mode.value
+        if "environment" in values:  # where `tandem planner`'s decisions go; here they go to the run's own workers
+            raise SpecError(f"{where}: planner setting environment is for `tandem planner`; `tandem run` scales "
+                            "its own workers")
         spec.planner = PlannerConfig.from_mapping(values, where=where)
     except ConfigError as e:
         raise SpecError(str(e)) from None
