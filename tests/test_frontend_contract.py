@@ -47,9 +47,11 @@ def api_schema(deployment):
     return schemathesis.openapi.from_url(f"{deployment.url}/openapi.json")
 
 
-GENERATE = [("/v1/chat/completions", "POST", 40), ("/v1/completions", "POST", 40)]
+GENERATE = [("/v1/chat/completions", "POST", 40), ("/v1/completions", "POST", 40), ("/v1/responses", "POST", 40),
+            ("/v1/responses/input_tokens", "POST", 20), ("/v1/messages", "POST", 40),
+            ("/v1/messages/count_tokens", "POST", 20)]
 READ = [("/v1/models/{model}", "GET", 10), ("/v1/models", "GET", 1), ("/health", "GET", 1), ("/live", "GET", 1),
-        ("/metrics", "GET", 1)]
+        ("/metrics", "GET", 1), ("/v1/responses/{response_id}", "GET", 5), ("/v1/responses/{response_id}", "DELETE", 5)]
 # Bodies can be made invalid; the read routes have nothing to invalidate (a string path parameter at most).
 CASES = ([(*op, GenerationMode.POSITIVE) for op in GENERATE + READ]
          + [(*op, GenerationMode.NEGATIVE) for op in GENERATE])
@@ -86,7 +88,8 @@ _JSON_VALUES = st.recursive(
 )
 _FIELDS = ["model", "messages", "prompt", "stream", "stream_options", "max_tokens", "max_completion_tokens",
            "temperature", "top_p", "top_k", "stop", "seed", "n", "logprobs", "top_logprobs", "response_format",
-           "nvext", "tools", "tool_choice", "guided_json", "structured_outputs", "min_tokens", "echo"]
+           "nvext", "tools", "tool_choice", "guided_json", "structured_outputs", "min_tokens", "echo",
+           "input", "instructions", "max_output_tokens", "text", "reasoning", "previous_response_id", "include"]
 
 
 @st.composite
@@ -100,7 +103,7 @@ def _bodies(draw: st.DrawFn) -> bytes:
     if kind == "json":
         return json.dumps(draw(_JSON_VALUES)).encode()
     body = {"model": MODEL, "messages": [{"role": "user", "content": "[[say:ok]]"}], "prompt": "[[say:ok]]",
-            "max_tokens": 8}
+            "input": "[[say:ok]]", "max_tokens": 8}
     for name in draw(st.lists(st.sampled_from(_FIELDS), max_size=4, unique=True)):
         body[name] = draw(_JSON_VALUES)
     text = json.dumps(body, allow_nan=True)
@@ -113,7 +116,7 @@ def _bodies(draw: st.DrawFn) -> bytes:
 _MESSAGE = f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "%s"}}], "prompt": "%s", "max_tokens": 2.0}}'
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"])
 @FUZZ
 @given(body=_bodies())
 @example(body=(_MESSAGE % ("a\\xff", "b")).encode().replace(b"\\xff", b"\xff"))  # invalid UTF-8 in a string

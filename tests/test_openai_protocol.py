@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from tandem.frontend import anthropic, responses
 from tandem.frontend import openai as oai
 from tandem.frontend.openai import RequestError
 from tandem.frontend.openapi import openapi_spec
@@ -627,3 +628,33 @@ def test_openapi_schema_rejects_the_reported_cases(fields):
     assert not jsonschema.Draft202012Validator(schema).is_valid(json.loads(chat_body(**fields)))
     with pytest.raises(RequestError):
         oai.parse_chat_request(chat_body(**fields))
+
+
+BEYOND_64_BITS = -(2**75)
+
+
+@pytest.mark.parametrize(("parse", "body", "param"), [
+    (oai.parse_chat_request, {"messages": [{"role": "user", "content": "x"}], "guided_json": {"a": BEYOND_64_BITS}},
+     "guided_json"),
+    (oai.parse_chat_request, {"messages": [{"role": "user", "content": "x"}], "nvext": {"x": [BEYOND_64_BITS]}},
+     "nvext"),
+    (oai.parse_chat_request, {"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"maximum": BEYOND_64_BITS}}}]},
+     "tools[0].function.parameters"),
+    (responses.parse_request, {"input": "x", "text": {"format": {"type": "json_schema", "name": "n",
+                                                                 "schema": {"a": BEYOND_64_BITS}}}}, "text.format.schema"),
+    (responses.parse_request, {"input": "x", "tools": [{"type": "function", "name": "f",
+                                                        "parameters": {"a": BEYOND_64_BITS}}]}, "tools[0].parameters"),
+    (anthropic.parse_messages_request, {"max_tokens": 3, "messages": [{"role": "user", "content": "x"}],
+                                        "output_config": {"format": {"type": "json_schema",
+                                                                     "schema": {"a": BEYOND_64_BITS}}}},
+     "output_config.format.schema"),
+    (anthropic.parse_messages_request, {"max_tokens": 3, "messages": [{"role": "user", "content": "x"}], "tools": [
+        {"name": "f", "input_schema": {"type": "object", "maximum": BEYOND_64_BITS}}]}, "tools[0].input_schema"),
+])
+def test_integers_the_request_plane_cannot_carry_are_a_400(parse, body, param):
+    """Free-form JSON that travels to the worker (schemas, nvext) is msgpack there: an integer beyond 64 bits
+    is the client's mistake, named, not a failure to send."""
+    with pytest.raises(RequestError) as e:
+        parse(json.dumps({"model": "m", **body}).encode())
+    assert (e.value.status, e.value.param) == (400, param)

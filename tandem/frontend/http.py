@@ -1,8 +1,10 @@
-"""The OpenAI-compatible HTTP server (aiohttp).
+"""The HTTP server (aiohttp): OpenAI's chat completions, completions and Responses routes, Anthropic's
+Messages route, /v1/models, /health, /live, /metrics, /openapi.json.
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, /health, /live, /metrics,
-/openapi.json. Client mistakes get OpenAI error JSON with a 4xx status; a client that disconnects
-kills its request on the worker at once (handler cancellation).
+Every generation route runs the same way (`_serve`: preprocess, route, stream the worker's deltas) and
+writes its answer through its own `Answer` (`tandem.frontend.answers`). Client mistakes get the route's
+error shape with a 4xx status; a client that disconnects kills its request on the worker at once
+(handler cancellation).
 """
 
 from __future__ import annotations
@@ -12,28 +14,35 @@ import logging
 import ssl
 import time
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from tandem.frontend import openai
+from tandem.frontend import anthropic, openai, responses
+from tandem.frontend.answers import Answer, ChatAnswer, CompletionAnswer, Ending, Outcome, Usage, openai_error
 from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.models import ModelManager, ServedModel
 from tandem.frontend.openapi import openapi_spec
 from tandem.frontend.pipeline import Attempt, ModelPipeline, StreamLost
+from tandem.frontend.preprocess import Prepared, Preprocessor
+from tandem.frontend.response_store import ResponseStore
 from tandem.frontend.routing import NoWorkerError
-from tandem.llm.parsers import ChatParser, ParsedDelta, ToolCallDelta
+from tandem.llm.parsers import ChatParser, ParsedDelta
 from tandem.llm.postprocess import OutputProcessor, ProcessedDelta
 from tandem.llm.protocols import RoutingHints
 from tandem.runtime import Context, DistributedRuntime, RemoteError, StreamIncompleteError
-from tandem.runtime.auth import bearer_matches
+from tandem.runtime.auth import bearer_matches, key_matches
 
 log = logging.getLogger("tandem.frontend")
 
 SSE_BATCH = 16  # most SSE events held back for one write while the worker's outputs are already here
+# (request id, the prepared request) -> the request's answer in its route's format
+AnswerFactory = Callable[[str, Prepared], Answer]
+ErrorShape = Callable[[openai.RequestError], dict[str, Any]]
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
 
 
@@ -48,30 +57,8 @@ class HttpConfig:
     body_read_timeout: float = 60.0  # a client that declares a body and never sends it is cut off after this
     reasoning_field: str = "reasoning_content"  # or "reasoning" (vLLM's newer name)
     reuse_port: bool = False  # one of several frontend processes on the port (`--num-processes`)
-
-
-@dataclass
-class Outcome:
-    """What one request produced, for the response, metrics and the log line."""
-
-    text: list[str] = field(default_factory=list)
-    reasoning: list[str] = field(default_factory=list)
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # OpenAI's message.tool_calls
-    reasoning_tokens: int | None = None  # counted when the model has a reasoning parser
-    logprobs: list[Any] = field(default_factory=list)
-    finish_reason: str | None = None
-    usage: dict[str, Any] | None = None
-    completion_tokens: int = 0
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-
-    def add_calls(self, deltas: list[ToolCallDelta]) -> None:
-        for d in deltas:
-            if d.id is not None:
-                self.tool_calls.append({"id": d.id, "type": "function",
-                                        "function": {"name": d.name, "arguments": d.arguments}})
-            else:
-                self.tool_calls[d.index]["function"]["arguments"] += d.arguments
+    responses_store_size: int = 1024  # responses kept for previous_response_id (0: none)
+    anthropic_api: bool = True  # /v1/messages
 
 
 @dataclass
@@ -85,15 +72,20 @@ class Exchange:
     outcome: Outcome
     processor: OutputProcessor
     parser: ChatParser | None  # thinking and tool calls in a chat answer
-    chunks: openai.ChatStream | openai.CompletionStream
+    answer: Answer
     prompt_ids: list[int]
     first: dict[str, Any]  # the worker's first output (routing failures were answered before)
     outputs: Any  # the rest of the worker's outputs
 
 
-def _error(status: int, message: str, param: str | None = None, type_: str | None = None) -> web.Response:
-    return web.json_response(openai.RequestError(message, status=status, param=param, type=type_).body(),
-                             status=status)
+def _error(request: web.Request, status: int, message: str) -> web.Response:
+    """An error the server answers before any route handler ran, in the shape of the route asked for."""
+    error = openai.RequestError(message, status=status)
+    return web.json_response(_error_shape(request.path)(error), status=status)
+
+
+def _error_shape(path: str) -> ErrorShape:
+    return anthropic.error_body if path.startswith("/v1/messages") else openai_error
 
 
 class FrontendServer:
@@ -108,6 +100,7 @@ class FrontendServer:
         self._inflight: dict[str, Context] = {}  # generation requests being served, by request id
         self.draining = False  # new generation requests are refused (shutdown)
         self._drain_expired = False  # the drain's bound passed: what still runs is being cut off
+        self.responses = ResponseStore(config.responses_store_size, runtime.instance_id)
 
     # -- app -----------------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -115,6 +108,13 @@ class FrontendServer:
                               middlewares=[self._errors, self._gate, self._auth])
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/responses", self.create_response)
+        app.router.add_post("/v1/responses/input_tokens", self.count_response_tokens)
+        app.router.add_get("/v1/responses/{response_id}", self.get_response)
+        app.router.add_delete("/v1/responses/{response_id}", self.delete_response)
+        if self.config.anthropic_api:
+            app.router.add_post("/v1/messages", self.messages)
+            app.router.add_post("/v1/messages/count_tokens", self.count_message_tokens)
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_get("/v1/models/{model:.+}", self.get_model)
         app.router.add_get("/health", self.health)
@@ -146,25 +146,25 @@ class FrontendServer:
         try:
             return await handler(request)
         except openai.RequestError as e:
-            return web.json_response(e.body(), status=e.status)
+            return web.json_response(_error_shape(request.path)(e), status=e.status)
         except web.HTTPException as e:
             if e.status == 413:
-                return _error(413, f"request body exceeds the limit of {self.config.body_limit_bytes} bytes")
+                return _error(request, 413, f"request body exceeds the limit of {self.config.body_limit_bytes} bytes")
             if isinstance(e, web.HTTPMethodNotAllowed):
-                response = _error(405, f"{request.method} {request.path}: {e.reason}")
+                response = _error(request, 405, f"{request.method} {request.path}: {e.reason}")
                 response.headers["Allow"] = ", ".join(sorted(e.allowed_methods))
                 return response
             if e.status == 404:
-                return _error(404, f"{request.method} {request.path}: {e.reason}")
+                return _error(request, 404, f"{request.method} {request.path}: {e.reason}")
             raise
         except Exception:  # a defect here, never the client's mistake: the route's error shape, one log record
             log.exception("unexpected error serving %s %s", request.method, request.path)
-            return _error(500, "internal error while serving the request")
+            return _error(request, 500, "internal error while serving the request")
 
     @web.middleware
     async def _gate(self, request: web.Request, handler: Any) -> web.StreamResponse:
         if self.draining and request.method == "POST" and request.path.startswith("/v1/"):
-            response = _error(503, "the server is shutting down; send the request to another frontend")
+            response = _error(request, 503, "the server is shutting down; send the request to another frontend")
             response.headers["Connection"] = "close"
             return response
         return await handler(request)
@@ -192,12 +192,12 @@ class FrontendServer:
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
         key = self.config.api_key
         if key and request.path.startswith("/v1/"):
-            if not bearer_matches(request.headers.get("Authorization", ""), key):
-                return web.json_response(
-                    {"error": {"message": "Incorrect or missing API key", "type": "invalid_request_error",
-                               "param": None, "code": "invalid_api_key"}},
-                    status=401,
-                )
+            headers = request.headers
+            # Anthropic's clients send the key as x-api-key, OpenAI's as a bearer token: either will do.
+            if not (bearer_matches(headers.get("Authorization", ""), key) or key_matches(headers.get("x-api-key"), key)):
+                error = openai.RequestError("Incorrect or missing API key", status=401,
+                                            type="invalid_request_error", code="invalid_api_key")
+                return web.json_response(_error_shape(request.path)(error), status=401)
         return await handler(request)
 
     # -- infra routes --------------------------------------------------------------------------
@@ -236,7 +236,8 @@ class FrontendServer:
         return web.Response(body=generate_latest(self.runtime.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def openapi(self, request: web.Request) -> web.Response:
-        return web.json_response(openapi_spec([entry[0] for entry in self.list_entries()]))
+        return web.json_response(openapi_spec([entry[0] for entry in self.list_entries()],
+                                              anthropic=self.config.anthropic_api))
 
     # -- inference routes ----------------------------------------------------------------------
     async def _body(self, request: web.Request) -> bytes:
@@ -270,7 +271,13 @@ class FrontendServer:
         if pipeline.preprocessor is None:
             _check_text_input(chat, model.name)
             return await self._relay_text(request, chat, msgspec.json.decode(body), pipeline, "chat_completions")
-        return await self._serve(request, chat, len(body), pipeline, "chat_completions")
+        reasoning_field = self.config.reasoning_field
+
+        def answer(request_id: str, prepared: Prepared) -> Answer:
+            chunks = openai.ChatStream(model.name, include_usage=chat.include_usage, id=f"chatcmpl-{request_id}")
+            return ChatAnswer(chunks, reasoning_field, parsed_reasoning=prepared.parser is not None)
+
+        return await self._serve(request, chat, len(body), pipeline, "chat_completions", answer)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
@@ -279,26 +286,97 @@ class FrontendServer:
         pipeline: ModelPipeline = model.pipeline
         if pipeline.preprocessor is None:
             raise openai.RequestError(f"model {model.name!r} only serves chat completions", param="model")
-        return await self._serve(request, completion, len(body), pipeline, "completions")
 
-    async def _serve(self, request: web.Request, req: Any, body_size: int, pipeline: ModelPipeline,
-                     endpoint: str) -> web.StreamResponse:
+        def answer(request_id: str, prepared: Prepared) -> Answer:
+            return CompletionAnswer(openai.CompletionStream(model.name, include_usage=completion.include_usage,
+                                                            id=f"cmpl-{request_id}"))
+
+        return await self._serve(request, completion, len(body), pipeline, "completions", answer)
+
+    async def create_response(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        parsed = responses.parse_request(body)
+        model = self._model(parsed.model)
+        _token_input(model, "/v1/responses")
+        history = self._history(parsed.previous_response_id)
+        conversation = [*history, *parsed.input]
+        store = self.responses
+
+        def answer(request_id: str, prepared: Prepared) -> Answer:
+            return responses.ResponseAnswer(parsed, store.new_id(request_id), model.name, conversation, store)
+
+        return await self._serve(request, parsed.chat(history), len(body), model.pipeline, "responses", answer)
+
+    async def count_response_tokens(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        parsed = responses.parse_request(body)
+        model = self._model(parsed.model)
+        chat = parsed.chat(self._history(parsed.previous_response_id))
+        count = await _token_input(model, "/v1/responses/input_tokens").count_prompt_tokens(chat, len(body))
+        return web.json_response({"object": "response.input_tokens", "input_tokens": count})
+
+    async def get_response(self, request: web.Request) -> web.Response:
+        response_id = request.match_info["response_id"]
+        stored = self.responses.get(response_id)
+        if stored is None:
+            raise openai.RequestError(self.responses.why_missing(response_id), status=404, param="response_id")
+        return web.Response(body=msgspec.json.encode(stored.response), content_type="application/json")
+
+    async def delete_response(self, request: web.Request) -> web.Response:
+        response_id = request.match_info["response_id"]
+        if not self.responses.delete(response_id):
+            raise openai.RequestError(self.responses.why_missing(response_id), status=404, param="response_id")
+        return web.json_response({"id": response_id, "object": "response.deleted", "deleted": True})
+
+    def _history(self, previous_response_id: str | None) -> list[dict[str, Any]]:
+        """The conversation a response continues (`previous_response_id`), as chat messages."""
+        if previous_response_id is None:
+            return []
+        stored = self.responses.get(previous_response_id)
+        if stored is None:
+            raise openai.RequestError(self.responses.why_missing(previous_response_id), param="previous_response_id")
+        return stored.messages
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        body, model, chat = await self._anthropic(request, anthropic.parse_messages_request, "/v1/messages")
+
+        def answer(request_id: str, prepared: Prepared) -> Answer:
+            return anthropic.MessagesAnswer(model.name, f"msg_{request_id}", len(prepared.prompt_ids))
+
+        return await self._serve(request, chat, len(body), model.pipeline, "messages", answer)
+
+    async def count_message_tokens(self, request: web.Request) -> web.Response:
+        route = "/v1/messages/count_tokens"
+        body, model, chat = await self._anthropic(request, anthropic.parse_count_tokens_request, route)
+        count = await _token_input(model, route).count_prompt_tokens(chat, len(body))
+        return web.json_response({"input_tokens": count})
+
+    async def _anthropic(self, request: web.Request, parse: Callable[[bytes], anthropic.MessagesRequest],
+                         route: str) -> tuple[bytes, ServedModel, openai.ChatRequest]:
+        """A Messages API body, its model, and the chat request it means for that model."""
+        body = await self._body(request)
+        parsed = parse(body)
+        model = self._model(parsed.model)
+        reasoning = _token_input(model, route).parsers.reasoning is not None
+        return body, model, parsed.chat(reasoning=reasoning)
+
+    async def _serve(self, request: web.Request, req: openai.AnyRequest, body_size: int, pipeline: ModelPipeline,
+                     endpoint: str, answer_for: AnswerFactory) -> web.StreamResponse:
         """A token-input request: preprocess, then the same frame (metrics, log line, cancellation) around
-        the streaming or the unary answer."""
+        the streaming or the unary answer, which `answer_for(request_id)` writes in the route's format."""
         assert pipeline.preprocessor is not None
         hints = openai.routing_hints(req, request.headers)
         pinned = _pinned_instance(hints, pipeline, request)
         prepared = await pipeline.preprocessor.prepare(req, body_size, hints)
         prompt_ids, processor = prepared.prompt_ids, prepared.processor
-        chat = endpoint == "chat_completions"
         request_id = uuid.uuid4().hex  # never the client's x-request-id: two clients may send the same one
         context = Context(request_id)
         attempt = Attempt()
         outputs = pipeline.generate(prepared.request, context, attempt, pinned=pinned, guided=req.is_guided)
         model_name = pipeline.model.name
-        stream_cls = openai.ChatStream if chat else openai.CompletionStream
-        chunks = stream_cls(model_name, include_usage=req.include_usage, id=f"{stream_cls._prefix}{request_id}")
+        answer = answer_for(request_id, prepared)
         started = time.perf_counter()
+        chat = isinstance(req, openai.ChatRequest)
         outcome = Outcome(reasoning_tokens=0 if chat and pipeline.preprocessor.parsers.reasoning else None)
         metrics = self.metrics
         request_type = "stream" if req.stream else "unary"
@@ -313,13 +391,13 @@ class FrontendServer:
             try:
                 first: dict[str, Any] = await anext(outputs, {})
             except Exception as e:
-                return self._failure(e, model_name, endpoint)
+                return self._failure(e, model_name, endpoint, answer.error_body)
             exchange = Exchange(model_name, request_id, context, attempt, outcome, processor, prepared.parser,
-                                chunks, prompt_ids, first, outputs)
+                                answer, prompt_ids, first, outputs)
             if req.stream:
                 response = web.StreamResponse(headers=SSE_HEADERS)
                 await response.prepare(request)
-                if await self._stream(response, exchange, include_usage=req.include_usage):
+                if await self._stream(response, exchange):
                     status = "success"
                 return response
             reply, ok = await self._unary(exchange, endpoint)
@@ -355,88 +433,50 @@ class FrontendServer:
                 f"{ttft * 1000:.1f}" if ttft is not None else "-", elapsed * 1000,
             )
 
-    async def _stream(self, response: web.StreamResponse, exchange: Exchange, *, include_usage: bool) -> bool:
-        """The streaming answer: SSE events as the deltas come, then finish, usage and [DONE]. Returns
-        whether the request succeeded; a failure mid-stream ends the stream with an error event."""
-        chunks, outcome = exchange.chunks, exchange.outcome
-        chat = isinstance(chunks, openai.ChatStream)
+    async def _stream(self, response: web.StreamResponse, exchange: Exchange) -> bool:
+        """The streaming answer: the route's events as the deltas come, then its closing events. Returns
+        whether the request succeeded; a failure mid-stream ends the stream with the route's error event."""
+        answer = exchange.answer
         # Events wait in `pending` while the worker's next output is already here, so a burst goes out
         # in one write; the first content, and any event before a wait, go out at once.
-        pending: list[bytes] = [openai.sse(chunks.start())] if chat else []
-        text_offset = 0
+        pending: list[bytes] = answer.opening()
         flushed = False
-        reasoning_field = self.config.reasoning_field
         try:
             async for delta, parsed in self._deltas(exchange):
-                if isinstance(chunks, openai.CompletionStream):
-                    if delta.text or delta.logprobs:
-                        logprobs = (openai.completion_logprobs(delta.logprobs, text_offset) if delta.logprobs
-                                    else None)
-                        pending.append(openai.sse(chunks.text(delta.text, logprobs)))
-                        text_offset += len(delta.text)
-                elif parsed is None:  # no parser: the text is content
-                    if delta.text or delta.logprobs:
-                        logprobs = openai.chat_logprobs(delta.logprobs) if delta.logprobs else None
-                        pending.append(openai.sse(chunks.content(delta.text, logprobs)))
-                else:
-                    logprobs = openai.chat_logprobs(delta.logprobs) if delta.logprobs else None
-                    if parsed.reasoning:
-                        pending.append(openai.sse(chunks.reasoning(parsed.reasoning, reasoning_field, logprobs)))
-                        logprobs = None
-                    if parsed.content or logprobs:
-                        pending.append(openai.sse(chunks.content(parsed.content, logprobs)))
-                    if parsed.tool_calls:
-                        pending.append(openai.sse(chunks.tool_calls([d.openai() for d in parsed.tool_calls])))
+                pending.extend(answer.delta(delta, parsed))
                 if pending and (not flushed or not exchange.attempt.output_ready or len(pending) >= SSE_BATCH):
                     await response.write(b"".join(pending))
                     pending.clear()
                     flushed = True
         except (StreamIncompleteError, RemoteError, NoWorkerError) as e:
             log.warning("request %s failed mid-stream: %s", exchange.request_id, e)
-            pending.append(openai.sse_error(_status_of(e), _public_message(e)))
+            pending.append(answer.failure(openai.RequestError(_public_message(e), status=_status_of(e))))
             await response.write(b"".join(pending))
             await response.write_eof()
             return False
-        pending.append(openai.sse(chunks.finish(self._finish_reason(exchange))))
-        if include_usage:
-            pending.append(openai.sse(chunks.usage(self._usage(exchange.prompt_ids, outcome))))
-        pending.append(openai.SSE_DONE)
+        pending.extend(answer.closing(exchange.outcome, self._ending(exchange)))
         await response.write(b"".join(pending))
         await response.write_eof()
         return True
 
     async def _unary(self, exchange: Exchange, endpoint: str) -> tuple[web.Response, bool]:
         """The whole answer in one JSON body, once the worker has finished; and whether it succeeded."""
+        answer = exchange.answer
         try:
-            async for _ in self._deltas(exchange):
-                pass
+            async for delta, parsed in self._deltas(exchange):
+                answer.collect(delta, parsed)
         except (StreamIncompleteError, RemoteError, NoWorkerError) as e:
-            return self._failure(e, exchange.model, endpoint), False
-        outcome, chunks, model = exchange.outcome, exchange.chunks, exchange.model
-        usage = self._usage(exchange.prompt_ids, outcome)
-        finish = self._finish_reason(exchange)
-        if isinstance(chunks, openai.ChatStream):
-            content = "".join(outcome.text)
-            body = openai.chat_completion(chunks.id, chunks.created, model,
-                                          content=None if outcome.tool_calls and not content else content,
-                                          finish_reason=finish, usage=usage,
-                                          logprobs=openai.chat_logprobs(outcome.logprobs) if outcome.logprobs else None,
-                                          tool_calls=outcome.tool_calls,
-                                          reasoning=("".join(outcome.reasoning) or None) if exchange.parser else None,
-                                          reasoning_field=self.config.reasoning_field)
-        else:
-            body = openai.completion(chunks.id, chunks.created, model, text="".join(outcome.text),
-                                     finish_reason=finish, usage=usage,
-                                     logprobs=openai.completion_logprobs(outcome.logprobs) if outcome.logprobs else None)
+            return self._failure(e, exchange.model, endpoint, answer.error_body), False
+        body = answer.body(exchange.outcome, self._ending(exchange))
         return web.Response(body=msgspec.json.encode(body), content_type="application/json"), True
 
     @staticmethod
-    def _finish_reason(exchange: Exchange) -> str:
-        finish = openai.finish_reason(exchange.outcome.finish_reason) or "stop"
-        parser = exchange.parser
-        if finish == "stop" and parser is not None and parser.calls_finish:
-            return "tool_calls"
-        return finish
+    def _ending(exchange: Exchange) -> Ending:
+        outcome, parser = exchange.outcome, exchange.parser
+        usage = Usage(len(exchange.prompt_ids), outcome.completion_tokens, _cached(outcome.usage),
+                      outcome.reasoning_tokens)
+        return Ending(outcome.finish_reason or "stop", exchange.processor.stop_reason,
+                      parser is not None and parser.calls_finish, usage)
 
     async def _deltas(self, exchange: Exchange) -> Any:
         """Engine outputs -> (processed delta, what it means for the client), one per output; stops the
@@ -528,25 +568,24 @@ class FrontendServer:
         if self._drain_expired and context.is_killed():
             raise NoWorkerError("the server is shutting down: the request was cut off before it finished")
 
-    @staticmethod
-    def _usage(prompt_ids: list[int], outcome: Outcome) -> dict[str, Any]:
-        return openai.usage(len(prompt_ids), outcome.completion_tokens, _cached(outcome.usage),
-                            reasoning_tokens=outcome.reasoning_tokens)
-
-    def _failure(self, error: BaseException, model: str, endpoint: str) -> web.Response:
-        status = _status_of(error)
+    def _failure(self, error: BaseException, model: str, endpoint: str,
+                 shape: ErrorShape = openai_error) -> web.Response:  # fmt: skip
+        """A request that failed before its answer began, in the route's error shape."""
         if isinstance(error, NoWorkerError) and error.busy:
             self.metrics.rejections.labels(model, endpoint).inc()
-            return web.json_response({"message": str(error), "type": "service_unavailable", "code": 503,
-                                      "error": {"message": str(error), "type": "service_unavailable",
-                                                "param": None, "code": 503}}, status=503)
+            busy = openai.RequestError(str(error), status=503, type="service_unavailable", code=503)
+            body = shape(busy)
+            if shape is openai_error:  # Dynamo's busy answer repeats the error's fields at the top
+                body = {"message": busy.message, "type": busy.type, "code": 503, **body}
+            return web.json_response(body, status=503)
         if isinstance(error, openai.RequestError):
-            return web.json_response(error.body(), status=error.status)
+            return web.json_response(shape(error), status=error.status)
         if not isinstance(error, (NoWorkerError, StreamIncompleteError, RemoteError)):
             log.exception("unexpected error serving %s", model, exc_info=error)
         else:
             log.warning("%s request to %s failed: %s", endpoint, model, error)
-        return _error(status, _public_message(error))
+        status = _status_of(error)
+        return web.json_response(shape(openai.RequestError(_public_message(error), status=status)), status=status)
 
     async def _relay_text(self, request: web.Request, chat: Any, raw: dict[str, Any], pipeline: ModelPipeline,
                           endpoint: str) -> web.StreamResponse:
@@ -624,6 +663,16 @@ def _check_text_input(chat: openai.ChatRequest, model: str) -> None:
                                   param=next((name for name in given if getattr(chat, name) is not None), None))
     if chat.ext.max_thinking_tokens is not None:
         raise openai.RequestError(f"{why}, with no reasoning parser", param="nvext.max_thinking_tokens")
+
+
+def _token_input(model: ServedModel, route: str) -> Preprocessor:
+    """The model's preprocessor; a text-input model's engine templates chat requests itself and its output
+    is relayed as OpenAI chat chunks, which only /v1/chat/completions can answer with."""
+    preprocessor = model.pipeline.preprocessor
+    if preprocessor is None:
+        raise openai.RequestError(f"model {model.name!r} takes text input (--use-vllm-tokenizer) and is served on "
+                                  f"/v1/chat/completions only, not {route}", param="model")
+    return preprocessor
 
 
 def _is_json(content_type: str) -> bool:

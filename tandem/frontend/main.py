@@ -54,6 +54,8 @@ class FrontendConfig:
     dyn_tool_call_parser: str | None = None
     dyn_reasoning_parser: str | None = None
     reasoning_field_name: str = "reasoning_content"
+    responses_store_size: int = 1024
+    enable_anthropic_api: bool = True
 
 
 _HTTP = (
@@ -72,6 +74,13 @@ _HTTP = (
     Option("tls_cert_path", ("--tls-cert-path",), ("DYN_TLS_CERT_PATH",), "serve HTTPS with this certificate",
            kind=str),
     Option("tls_key_path", ("--tls-key-path",), ("DYN_TLS_KEY_PATH",), "... and this key", kind=str),
+)
+_APIS = (
+    Option("responses_store_size", ("--responses-store-size",), ("DYN_RESPONSES_STORE_SIZE",),
+           "responses each frontend process keeps for previous_response_id and GET /v1/responses/{id}, the least "
+           "recently used evicted first; 0 keeps none", kind=int, minimum=0),
+    Option("enable_anthropic_api", ("--enable-anthropic-api",), ("DYN_ENABLE_ANTHROPIC_API",),
+           "serve Anthropic's Messages API (/v1/messages); --no-enable-anthropic-api turns it off", kind=bool),
 )
 _MODELS = (
     Option("model_path", ("--model-path",), ("DYN_MODEL_PATH",), "local copy of the model's tokenizer files when "
@@ -111,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem frontend", description=__doc__)
     defaults = FrontendConfig()
     add_options(parser.add_argument_group("HTTP"), _HTTP, defaults)
+    add_options(parser.add_argument_group("Responses and Anthropic APIs"), _APIS, defaults)
     add_options(parser.add_argument_group("Models and routing"), _MODELS, defaults)
     add_options(parser.add_argument_group("Tool calls and reasoning"), _PARSERS, defaults)
     add_options(parser.add_argument_group("Overload"), _OVERLOAD, defaults)
@@ -180,7 +190,8 @@ async def serve(args: argparse.Namespace, frontend: FrontendConfig) -> int:
         tls_key_path=frontend.tls_key_path,
         body_limit_bytes=int(frontend.http_body_limit_mb * 1024 * 1024),
         body_read_timeout=frontend.http_body_timeout, reasoning_field=frontend.reasoning_field_name,
-        reuse_port=REPLICA_ENV in os.environ,
+        reuse_port=REPLICA_ENV in os.environ, responses_store_size=frontend.responses_store_size,
+        anthropic_api=frontend.enable_anthropic_api,
     ))
     await server.start()
     runtime.add_drain(server.drain)  # SIGTERM: finish the HTTP streams before the planes close
@@ -204,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parse_args_with_router_config(parser, sys.argv[1:] if argv is None else argv)
     try:
-        frontend = apply_options(FrontendConfig(), _HTTP + _MODELS + _PARSERS + _OVERLOAD, args)
+        frontend = apply_options(FrontendConfig(), _HTTP + _APIS + _MODELS + _PARSERS + _OVERLOAD, args)
         ParserNames(frontend.dyn_tool_call_parser, frontend.dyn_reasoning_parser).checked()
     except ValueError as e:  # including a parser name that is not built
         parser.error(str(e))

@@ -45,7 +45,7 @@ class RequestError(Exception):
     """A request the frontend refuses; `body()` is OpenAI's error JSON."""
 
     def __init__(self, message: str, *, status: int = 400, param: str | None = None, type: str | None = None,
-                 code: str | None = None) -> None:  # fmt: skip
+                 code: str | int | None = None) -> None:  # fmt: skip
         super().__init__(message)
         self.status = status
         self.message = message
@@ -69,7 +69,7 @@ class RequestError(Exception):
 _AT = re.compile(r"^(.*?)(?: - at `\$(.*)`)?$", re.S)
 
 
-def _from_validation(err: msgspec.ValidationError, prefix: str = "") -> RequestError:
+def from_validation(err: msgspec.ValidationError, prefix: str = "") -> RequestError:
     """msgspec's "Expected `float | null`, got `str` - at `$.a[0].b`" -> param "a[0].b"."""
     m = _AT.match(str(err))
     reason, path = (m.group(1), m.group(2) or "") if m else (str(err), "")
@@ -84,8 +84,18 @@ def _from_validation(err: msgspec.ValidationError, prefix: str = "") -> RequestE
     return RequestError(f"Invalid value for '{path}': {reason[:1].lower()}{reason[1:]}.", param=path)
 
 
-def _fail(param: str | None, message: str) -> RequestError:
+def fail(param: str | None, message: str) -> RequestError:
     return RequestError(message, param=param)
+
+
+def check_wire(value: Any, param: str) -> Any:
+    """`value` (free-form JSON the workers get: a schema, nvext's extras) as it is; a 400 naming `param`
+    when it holds an integer the request plane cannot carry (msgpack's are at most 64 bits)."""
+    try:
+        msgspec.msgpack.encode(value)
+    except OverflowError:
+        raise fail(param, f"'{param}' holds an integer beyond 64 bits, which cannot be sent to a worker.") from None
+    return value
 
 
 # -- requests --------------------------------------------------------------------------------------
@@ -204,6 +214,17 @@ class _Derived:
         return bool(self.stream and self.stream_options is not None and self.stream_options.include_usage)
 
 
+class FieldNames(msgspec.Struct, frozen=True):
+    """What a route calls the fields its errors name when the chat pipeline checks them."""
+
+    prompt: str = "messages"
+    max_tokens: str = "max_tokens"
+
+
+CHAT_NAMES = FieldNames()
+COMPLETION_NAMES = FieldNames(prompt="prompt")
+
+
 class ChatRequest(_ChatBody, _Derived, kw_only=True):
     """A validated chat request. `messages` are plain dicts for the chat template, with text-part
     lists joined into one string; `max_tokens` already holds max_completion_tokens when given;
@@ -217,6 +238,10 @@ class ChatRequest(_ChatBody, _Derived, kw_only=True):
     ext: Nvext = msgspec.field(default_factory=Nvext)
     guided: GuidedDecoding | None = None
     forced_function: str | None = None
+    # max_tokens is a ceiling the client sends whatever the model (Anthropic's clients must send one): more
+    # than the context leaves is lowered to fit instead of refused.
+    fit_max_tokens: bool = False
+    names: FieldNames = CHAT_NAMES
 
     @property
     def thinking(self) -> bool:
@@ -245,9 +270,9 @@ _chat_decoder = msgspec.json.Decoder(_ChatBody)
 _completion_decoder = msgspec.json.Decoder(_CompletionBody)
 _any_decoder = msgspec.json.Decoder()
 
-_Range = tuple[str, Callable[[Any], bool], str]
+Range = tuple[str, Callable[[Any], bool], str]
 # (field, valid?, message); each message is formatted with the offending value.
-_COMMON_RANGES: list[_Range] = [
+_COMMON_RANGES: list[Range] = [
     ("n", lambda v: v == 1, "only n=1 is supported (got {})"),
     # No upper bound here: the model's context length bounds it (`check_max_tokens`).
     ("max_tokens", lambda v: 1 <= v, "max_tokens must be at least 1 (got {})"),
@@ -261,37 +286,37 @@ _COMMON_RANGES: list[_Range] = [
     ("min_tokens", lambda v: 0 <= v < _U32, "min_tokens must be between 0 and 4294967295 (got {})"),
     ("seed", lambda v: -(2**63) <= v < 2**64, "seed must fit in 64 bits (got {})"),
 ]
-_CHAT_RANGES: list[_Range] = [
+_CHAT_RANGES: list[Range] = [
     _COMMON_RANGES[1],  # max_tokens, checked before max_completion_tokens replaces it
     ("max_completion_tokens", lambda v: 1 <= v, "max_completion_tokens must be at least 1 (got {})"),
     ("top_logprobs", lambda v: 0 <= v <= MAX_LOGPROBS, f"top_logprobs must be between 0 and {MAX_LOGPROBS} (got {{}})"),
 ]
-_COMPLETION_RANGES: list[_Range] = [
+_COMPLETION_RANGES: list[Range] = [
     ("logprobs", lambda v: 0 <= v <= MAX_LOGPROBS, f"logprobs must be between 0 and {MAX_LOGPROBS} (got {{}})"),
 ]
 
 
-def _decode(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
+def decode_body(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
     try:
         return decoder.decode(body)
     except msgspec.ValidationError as e:  # a subclass of DecodeError, so first
         if "got `float`" not in str(e):
-            raise _from_validation(e) from None
+            raise from_validation(e) from None
         first = e
     except msgspec.DecodeError as e:
-        raise _fail(None, f"The request body is not valid JSON: {e}.") from None
+        raise fail(None, f"The request body is not valid JSON: {e}.") from None
     except UnicodeDecodeError:  # raised by msgspec for invalid UTF-8 inside a JSON string
-        raise _fail(None, "The request body is not valid UTF-8.") from None
+        raise fail(None, "The request body is not valid UTF-8.") from None
     except RecursionError:
-        raise _fail(None, "The request body is nested too deeply.") from None
+        raise fail(None, "The request body is nested too deeply.") from None
     # 8.0 is an integer to JSON Schema (and to OpenAI and vLLM): read integral floats as ints and retry.
-    plain = _decode(_any_decoder, body)  # the same answers for invalid JSON, UTF-8 or nesting
+    plain = decode_body(_any_decoder, body)  # the same answers for invalid JSON, UTF-8 or nesting
     try:
         return msgspec.convert(_integral_floats_as_ints(plain), decoder.type)
     except msgspec.ValidationError as again:
-        raise _from_validation(again) from None
+        raise from_validation(again) from None
     except RecursionError:
-        raise _from_validation(first) from None
+        raise from_validation(first) from None
 
 
 def _integral_floats_as_ints(value: Any) -> Any:
@@ -304,30 +329,30 @@ def _integral_floats_as_ints(value: Any) -> Any:
     return value
 
 
-def _check_ranges(raw: Any, table: list[_Range]) -> None:
+def check_ranges(raw: Any, table: list[Range]) -> None:
     for name, ok, message in table:
         value = getattr(raw, name)
         if value is not None and not ok(value):
-            raise _fail(name, message.format(value))
+            raise fail(name, message.format(value))
 
 
 def _check_common(raw: _Body) -> dict[str, Any]:
     """Validation shared by both endpoints; returns the normalized/derived fields to override."""
     if not raw.model:
-        raise _fail("model", "'model' must be a non-empty string.")
+        raise fail("model", "'model' must be a non-empty string.")
     if raw.stream_options is not None and not raw.stream:
-        raise _fail("stream_options", "stream_options is only allowed when stream is true.")
-    _check_ranges(raw, _COMMON_RANGES)
+        raise fail("stream_options", "stream_options is only allowed when stream is true.")
+    check_ranges(raw, _COMMON_RANGES)
     if raw.min_tokens is not None and raw.max_tokens is not None and raw.min_tokens > raw.max_tokens:
-        raise _fail("min_tokens", f"min_tokens ({raw.min_tokens}) must not exceed max_tokens ({raw.max_tokens}).")
+        raise fail("min_tokens", f"min_tokens ({raw.min_tokens}) must not exceed max_tokens ({raw.max_tokens}).")
     stop = [raw.stop] if isinstance(raw.stop, str) else raw.stop
     if stop is not None:
         if len(stop) > MAX_STOP:
-            raise _fail("stop", f"at most {MAX_STOP} stop sequences are allowed (got {len(stop)}).")
+            raise fail("stop", f"at most {MAX_STOP} stop sequences are allowed (got {len(stop)}).")
         stop = [s for s in stop if s] or None  # an empty stop string would match at once: drop it
     for i, tid in enumerate(raw.stop_token_ids or ()):
         if not 0 <= tid < _U32:
-            raise _fail(f"stop_token_ids[{i}]", f"stop_token_ids must be token ids >= 0 (got {tid}).")
+            raise fail(f"stop_token_ids[{i}]", f"stop_token_ids must be token ids >= 0 (got {tid}).")
     return {"stream": bool(raw.stream), "stop": stop, "ext": _nvext(raw.nvext), "guided": _guided(raw)}
 
 
@@ -338,8 +363,8 @@ def _nvext(raw: dict[str, Any] | None) -> Nvext:
     try:
         ext = msgspec.convert(known, Nvext)
     except msgspec.ValidationError as e:
-        raise _from_validation(e, "nvext") from None
-    ext.extra = {k: v for k, v in raw.items() if k not in _NVEXT_KNOWN}
+        raise from_validation(e, "nvext") from None
+    ext.extra = check_wire({k: v for k, v in raw.items() if k not in _NVEXT_KNOWN}, "nvext")
     return ext
 
 
@@ -348,9 +373,9 @@ def _json_schema(value: dict[str, Any] | str, param: str) -> Any:
         try:
             value = msgspec.json.decode(value)
         except msgspec.DecodeError:
-            raise _fail(param, f"'{param}' is not valid JSON.") from None
+            raise fail(param, f"'{param}' is not valid JSON.") from None
         if not isinstance(value, dict):
-            raise _fail(param, f"'{param}' must be a JSON schema object.")
+            raise fail(param, f"'{param}' must be a JSON schema object.")
     return value
 
 
@@ -363,13 +388,14 @@ def _guided(raw: _Body) -> GuidedDecoding | None:
             modes.append(("response_format", GuidedDecoding(json={"type": "object"})))
         elif rf.type == "json_schema":
             if rf.json_schema is None:
-                raise _fail("response_format.json_schema", "response_format json_schema requires 'json_schema'.")
+                raise fail("response_format.json_schema", "response_format json_schema requires 'json_schema'.")
             if rf.json_schema.schema is None:
-                raise _fail("response_format.json_schema.schema", "response_format json_schema requires a 'schema'.")
-            modes.append(("response_format", GuidedDecoding(json=rf.json_schema.schema)))
+                raise fail("response_format.json_schema.schema", "response_format json_schema requires a 'schema'.")
+            schema = check_wire(rf.json_schema.schema, "response_format.json_schema.schema")
+            modes.append(("response_format", GuidedDecoding(json=schema)))
         elif rf.type != "text":
             message = f"response_format type must be one of text, json_object, json_schema (got {rf.type!r})."
-            raise _fail("response_format.type", message)
+            raise fail("response_format.type", message)
     so = raw.structured_outputs or StructuredOutputs()
     for mode in ("json", "regex", "choice", "grammar"):
         for param, value in ((f"guided_{mode}", getattr(raw, f"guided_{mode}")),
@@ -379,11 +405,11 @@ def _guided(raw: _Body) -> GuidedDecoding | None:
             if mode == "json":
                 value = _json_schema(value, param)
             elif mode == "choice" and not value:
-                raise _fail(param, f"'{param}' must list at least one choice.")
-            modes.append((param, GuidedDecoding(**{mode: value})))
+                raise fail(param, f"'{param}' must list at least one choice.")
+            modes.append((param, GuidedDecoding(**{mode: check_wire(value, param)})))
     if len(modes) > 1:
         names = ", ".join(p for p, _ in modes)
-        raise _fail(modes[1][0], f"only one guided decoding mode may be given at once (got {names}).")
+        raise fail(modes[1][0], f"only one guided decoding mode may be given at once (got {names}).")
     return modes[0][1] if modes else None
 
 
@@ -392,29 +418,29 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 def _check_messages(messages: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     if messages is None:
-        raise _fail("messages", "Missing required parameter: 'messages'.")
+        raise fail("messages", "Missing required parameter: 'messages'.")
     if not messages:
-        raise _fail("messages", "'messages' must contain at least one message.")
+        raise fail("messages", "'messages' must contain at least one message.")
     out = []
     for i, msg in enumerate(messages):
         p = f"messages[{i}]"
         role = msg.get("role")
         if role not in ROLES:
             what = "is required" if role is None else f"must be one of {', '.join(ROLES)} (got {role!r})"
-            raise _fail(f"{p}.role", f"'{p}.role' {what}.")
+            raise fail(f"{p}.role", f"'{p}.role' {what}.")
         content = msg.get("content")
         if isinstance(content, list):
             msg = {**msg, "content": _join_parts(content, f"{p}.content")}
         elif content is None:
             if not (role == "assistant" and msg.get("tool_calls")):
-                raise _fail(f"{p}.content", f"'{p}.content' is required for a {role} message.")
+                raise fail(f"{p}.content", f"'{p}.content' is required for a {role} message.")
         elif not isinstance(content, str):
-            raise _fail(f"{p}.content", f"'{p}.content' must be a string or a list of content parts.")
+            raise fail(f"{p}.content", f"'{p}.content' must be a string or a list of content parts.")
         for key in ("name", "tool_call_id"):
             if msg.get(key) is not None and not isinstance(msg[key], str):
-                raise _fail(f"{p}.{key}", f"'{p}.{key}' must be a string.")
+                raise fail(f"{p}.{key}", f"'{p}.{key}' must be a string.")
         if role == "tool" and not msg.get("tool_call_id"):
-            raise _fail(f"{p}.tool_call_id", f"'{p}.tool_call_id' is required for a tool message.")
+            raise fail(f"{p}.tool_call_id", f"'{p}.tool_call_id' is required for a tool message.")
         calls = msg.get("tool_calls")
         if calls is not None:
             _check_tool_calls(calls, f"{p}.tool_calls")
@@ -436,12 +462,12 @@ class _AssistantCall(msgspec.Struct):
 def _check_tool_calls(calls: Any, param: str) -> None:
     """An assistant message's earlier calls, as the client echoes them back (OpenAI's shape)."""
     if not isinstance(calls, list):
-        raise _fail(param, f"'{param}' must be a list of objects.")
+        raise fail(param, f"'{param}' must be a list of objects.")
     for j, item in enumerate(calls):
         try:
             msgspec.convert(item, _AssistantCall)
         except msgspec.ValidationError as e:
-            raise _from_validation(e, f"{param}[{j}]") from None
+            raise from_validation(e, f"{param}[{j}]") from None
 
 
 def _join_parts(parts: list[Any], param: str) -> str:
@@ -449,25 +475,25 @@ def _join_parts(parts: list[Any], param: str) -> str:
     texts = []
     for j, part in enumerate(parts):
         if not isinstance(part, dict) or part.get("type") != "text":
-            raise _fail(f"{param}[{j}].type", f"'{param}[{j}]': only text content parts are supported.")
+            raise fail(f"{param}[{j}].type", f"'{param}[{j}]': only text content parts are supported.")
         text = part.get("text")
         if not isinstance(text, str):
-            raise _fail(f"{param}[{j}].text", f"'{param}[{j}].text' must be a string.")
+            raise fail(f"{param}[{j}].text", f"'{param}[{j}].text' must be a string.")
         texts.append(text)
     return "\n".join(texts)
 
 
 def parse_chat_request(body: bytes) -> ChatRequest:
     """Decode and validate a /v1/chat/completions body; raises RequestError."""
-    raw: _ChatBody = _decode(_chat_decoder, body)
-    _check_ranges(raw, _CHAT_RANGES)
+    raw: _ChatBody = decode_body(_chat_decoder, body)
+    check_ranges(raw, _CHAT_RANGES)
     if raw.max_completion_tokens is not None:  # the newer name wins
         raw.max_tokens = raw.max_completion_tokens
     derived = _check_common(raw)
     if raw.top_logprobs is not None and not raw.logprobs:
-        raise _fail("top_logprobs", "top_logprobs requires logprobs to be true.")
+        raise fail("top_logprobs", "top_logprobs requires logprobs to be true.")
     if raw.reasoning_effort is not None and raw.reasoning_effort not in REASONING_EFFORTS:
-        raise _fail("reasoning_effort", f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)} "
+        raise fail("reasoning_effort", f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)} "
                                         f"(got {raw.reasoning_effort!r}).")
     fields = msgspec.structs.asdict(raw) | derived | _tool_choice(raw, derived["guided"])
     fields["messages"] = _check_messages(raw.messages)
@@ -475,7 +501,7 @@ def parse_chat_request(body: bytes) -> ChatRequest:
 
 
 REASONING_EFFORTS = ("minimal", "low", "medium", "high")
-_FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
 
 class _Function(msgspec.Struct):
@@ -505,19 +531,19 @@ def _tools(tools: list[dict[str, Any]]) -> list[_Tool]:
         try:
             item = msgspec.convert(tool, _Tool)
         except msgspec.ValidationError as e:
-            raise _from_validation(e, f"tools[{i}]") from None
+            raise from_validation(e, f"tools[{i}]") from None
         if item.type != "function":
-            raise _fail(f"tools[{i}].type", f"'tools[{i}].type' must be 'function' (got {item.type!r}).")
-        if not _FUNCTION_NAME.match(item.function.name):
-            raise _fail(f"tools[{i}].function.name", f"'tools[{i}].function.name' must be 1 to 64 letters, "
+            raise fail(f"tools[{i}].type", f"'tools[{i}].type' must be 'function' (got {item.type!r}).")
+        if not FUNCTION_NAME.match(item.function.name):
+            raise fail(f"tools[{i}].function.name", f"'tools[{i}].function.name' must be 1 to 64 letters, "
                                                      f"digits, '_', '.' or '-' (got {item.function.name!r}).")
+        check_wire(item.function.parameters, f"tools[{i}].function.parameters")
         checked.append(item)
     return checked
 
 
 def _tool_choice(raw: _ChatBody, guided: GuidedDecoding | None) -> dict[str, Any]:
-    """tool_choice as none / auto / required (+ the forced function), checked against `tools`; a forced
-    choice becomes the request's guided decoding (a JSON schema built from the tools)."""
+    """tool_choice as none / auto / required (+ the forced function), checked against `tools`."""
     tools = _tools(raw.tools) if raw.tools else []
     choice = raw.tool_choice
     forced: str | None = None
@@ -525,62 +551,88 @@ def _tool_choice(raw: _ChatBody, guided: GuidedDecoding | None) -> dict[str, Any
         try:
             named = msgspec.convert(choice, _NamedChoice)
         except msgspec.ValidationError as e:
-            raise _from_validation(e, "tool_choice") from None
+            raise from_validation(e, "tool_choice") from None
         if named.type != "function":
-            raise _fail("tool_choice.type", f"'tool_choice.type' must be 'function' (got {named.type!r}).")
+            raise fail("tool_choice.type", f"'tool_choice.type' must be 'function' (got {named.type!r}).")
         forced = named.function.name
         if forced not in {t.function.name for t in tools}:
-            raise _fail("tool_choice.function.name",
+            raise fail("tool_choice.function.name",
                         f"tool_choice names function {forced!r}, which is not in 'tools'.")
         choice = "required"
     elif choice is None:
         choice = "auto" if tools else "none"
     elif choice not in ("none", "auto", "required"):
-        raise _fail("tool_choice", f"tool_choice must be none, auto, required or an object (got {choice!r}).")
-    if choice == "required" and not tools:
-        raise _fail("tool_choice", "tool_choice 'required' needs at least one tool in 'tools'.")
+        raise fail("tool_choice", f"tool_choice must be none, auto, required or an object (got {choice!r}).")
+    parameters = {t.function.name: t.function.parameters for t in tools}
+    return tool_choice_fields(parameters, choice, forced, raw.parallel_tool_calls is not False, guided)
+
+
+def tool_choice_fields(parameters: Mapping[str, dict[str, Any] | None], choice: str, forced: str | None,
+                       parallel: bool, guided: GuidedDecoding | None, param: str = "tool_choice") -> dict[str, Any]:
+    """A ChatRequest's tool fields from a checked choice (none, auto or required; `forced` names the function
+    of a named choice) over the tools' parameter schemas by name: a forced choice becomes the request's
+    guided decoding (a JSON schema built from the tools)."""
+    if choice == "required" and not parameters:
+        raise fail(param, f"{param} 'required' needs at least one tool in 'tools'.")
     if choice != "required":
         return {"tool_choice": choice}
     if guided is not None:
-        raise _fail("tool_choice", "a forced tool_choice cannot be combined with response_format or guided "
-                                   "decoding (it is enforced through guided decoding itself).")
+        raise fail(param, f"a forced {param} cannot be combined with a structured output format or guided "
+                           "decoding (it is enforced through guided decoding itself).")
     if forced is not None:
-        function = next(t.function for t in tools if t.function.name == forced)
-        schema: dict[str, Any] = function.parameters or {"type": "object"}
+        schema: dict[str, Any] = parameters[forced] or {"type": "object"}
     else:
-        items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
-                                                   "parameters": t.function.parameters or {"type": "object"}},
-                  "required": ["name", "parameters"]} for t in tools]  # fmt: skip
+        items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
+                                                   "parameters": schema or {"type": "object"}},
+                  "required": ["name", "parameters"]} for name, schema in parameters.items()]  # fmt: skip
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
-        if raw.parallel_tool_calls is False:
+        if not parallel:
             schema["maxItems"] = 1
     return {"tool_choice": "required", "forced_function": forced, "guided": GuidedDecoding(json=schema)}
 
 
+def chat_request(*, model: str, messages: list[dict[str, Any]], stream: bool, max_tokens: int | None,
+                 tools: list[dict[str, Any]] | None = None, tool_fields: dict[str, Any] | None = None,
+                 parallel_tool_calls: bool | None = None, guided: GuidedDecoding | None = None,
+                 max_thinking_tokens: int | None = None, fit_max_tokens: bool = False,
+                 names: FieldNames = CHAT_NAMES, **sampling: Any) -> ChatRequest:
+    """The ChatRequest another route's request means, its fields already checked in that route's terms:
+    `messages` and `tools` in chat's shape, `tool_fields` from `tool_choice_fields`, `sampling` among
+    temperature, top_p, top_k, stop, reasoning_effort, chat_template_kwargs and user; `fit_max_tokens`:
+    a max_tokens beyond what the context leaves is lowered to fit; `names`: the route's names of the
+    fields the pipeline's errors name."""
+    fields = tool_fields or {"tool_choice": "auto" if tools else "none"}
+    if guided is not None and "guided" not in fields:
+        fields = {**fields, "guided": guided}
+    return ChatRequest(model=model, messages=messages, stream=stream, max_tokens=max_tokens, tools=tools or None,
+                       parallel_tool_calls=parallel_tool_calls, ext=Nvext(max_thinking_tokens=max_thinking_tokens),
+                       fit_max_tokens=fit_max_tokens, names=names, **fields, **sampling)
+
+
 def _token_ids(ids: list[Any], param: str) -> list[int]:
     if not ids:
-        raise _fail(param, f"'{param}' must not be empty.")
+        raise fail(param, f"'{param}' must not be empty.")
     for j, tid in enumerate(ids):
         if type(tid) is not int or not 0 <= tid < _U32:
-            raise _fail(f"{param}[{j}]", f"'{param}[{j}]' must be a token id (an integer >= 0).")
+            raise fail(f"{param}[{j}]", f"'{param}[{j}]' must be a token id (an integer >= 0).")
     return ids
 
 
 def _check_prompt(prompt: Any) -> str | list[int]:
     if prompt is None:
-        raise _fail("prompt", "Missing required parameter: 'prompt'.")
+        raise fail("prompt", "Missing required parameter: 'prompt'.")
     if isinstance(prompt, str):
         if not prompt:
-            raise _fail("prompt", "'prompt' must not be empty.")
+            raise fail("prompt", "'prompt' must not be empty.")
         return prompt
     if not isinstance(prompt, list):
-        raise _fail("prompt", "'prompt' must be a string, a list of token ids, or a one-item list of either.")
+        raise fail("prompt", "'prompt' must be a string, a list of token ids, or a one-item list of either.")
     if prompt and isinstance(prompt[0], str | list):  # the batch forms: [str, ...] or [[int], ...]
         if len(prompt) > 1:
-            raise _fail("prompt", "batch prompts are not supported (send one prompt per request).")
+            raise fail("prompt", "batch prompts are not supported (send one prompt per request).")
         if isinstance(prompt[0], str):
             if not prompt[0]:
-                raise _fail("prompt[0]", "'prompt[0]' must not be empty.")
+                raise fail("prompt[0]", "'prompt[0]' must not be empty.")
             return prompt[0]
         return _token_ids(prompt[0], "prompt[0]")
     return _token_ids(prompt, "prompt")
@@ -588,14 +640,14 @@ def _check_prompt(prompt: Any) -> str | list[int]:
 
 def parse_completion_request(body: bytes) -> CompletionRequest:
     """Decode and validate a /v1/completions body; raises RequestError."""
-    raw: _CompletionBody = _decode(_completion_decoder, body)
+    raw: _CompletionBody = decode_body(_completion_decoder, body)
     prompt = _check_prompt(raw.prompt)
-    _check_ranges(raw, _COMPLETION_RANGES)
+    check_ranges(raw, _COMPLETION_RANGES)
     derived = _check_common(raw)
     if raw.echo:
-        raise _fail("echo", "echo is not supported.")
+        raise fail("echo", "echo is not supported.")
     if raw.suffix:
-        raise _fail("suffix", "suffix is not supported.")
+        raise fail("suffix", "suffix is not supported.")
     return CompletionRequest(**(msgspec.structs.asdict(raw) | derived | {"prompt": prompt}))
 
 
@@ -651,7 +703,7 @@ def routing_hints(req: AnyRequest, headers: Mapping[str, str] | None = None) -> 
                 try:
                     hints[name] = int(lower[key])
                 except ValueError:
-                    raise _fail(None, f"header {key} must be an integer (got {lower[key]!r}).") from None
+                    raise fail(None, f"header {key} must be an integer (got {lower[key]!r}).") from None
                 break
     hints = {k: v for k, v in hints.items() if v is not None}
     return RoutingHints(**hints) if hints else None
@@ -846,6 +898,11 @@ def dumps(obj: Any) -> bytes:
 
 def sse(obj: Any) -> bytes:
     return b"data: " + _encoder.encode(obj) + b"\n\n"
+
+
+def named_sse(event: str, obj: Any) -> bytes:
+    """An SSE event with its type on an `event:` line (the Responses and Anthropic streams)."""
+    return b"event: " + event.encode() + b"\ndata: " + _encoder.encode(obj) + b"\n\n"
 
 
 def sse_error(status: int, message: str, *, type: str | None = None) -> bytes:

@@ -44,7 +44,7 @@ _ERROR = {
 _ERRORS = {
     "400": "Invalid request; `param` names the field",
     "401": "Missing or wrong API key",
-    "404": "Unknown model, or unknown worker instance named by the request",
+    "404": "Unknown model, unknown worker instance named by the request, or unknown stored response",
     "405": "Method not allowed (the Allow header lists the allowed ones)",
     "408": "The request body did not arrive in time",
     "413": "Request body too large",
@@ -134,16 +134,24 @@ def _sse(chunk: dict[str, Any]) -> dict[str, Any]:
         "else": {"contentMediaType": _JSON, "contentSchema": payload}}}}
 
 
+def _named_sse(event: dict[str, Any]) -> dict[str, Any]:
+    """One server-sent event with its type on the `event:` line and the same `type` in its JSON `data`."""
+    return {"type": "object", "required": ["event", "data"], "properties": {
+        "event": {"type": "string"}, "data": {"type": "string", "contentMediaType": _JSON, "contentSchema": event}}}
+
+
 def _json(schema: dict[str, Any], description: str = "OK") -> dict[str, Any]:
     return {"description": description, "content": {_JSON: {"schema": schema}}}
 
 
 def _op(summary: str, ok: dict[str, Any], errors: tuple[str, ...], *, request: str | None = None,
-        stream: dict[str, Any] | None = None, parameters: list[dict[str, Any]] | None = None) -> dict[str, Any]:  # fmt: skip
-    """`stream`: the schema of one streamed chunk, when the operation can answer with server-sent events."""
-    responses = {"200": ok} | {code: _json({"$ref": "#/components/schemas/Error"}, _ERRORS[code]) for code in errors}
+        stream: dict[str, Any] | None = None, parameters: list[dict[str, Any]] | None = None,
+        error: str = "Error") -> dict[str, Any]:  # fmt: skip
+    """`stream`: the schema of one streamed event, when the operation can answer with server-sent events;
+    `error`: the schema of the route's error bodies."""
+    responses = {"200": ok} | {code: _json({"$ref": f"#/components/schemas/{error}"}, _ERRORS[code]) for code in errors}
     if stream is not None:
-        ok["content"]["text/event-stream"] = {"schema": _sse(stream)}
+        ok["content"]["text/event-stream"] = {"schema": stream}
     op: dict[str, Any] = {"summary": summary, "responses": responses}
     if request:
         op["requestBody"] = {"required": True, "content": {_JSON: {"schema": {"$ref": f"#/components/schemas/{request}"}}}}
@@ -229,6 +237,195 @@ _MESSAGE = {"anyOf": [
 ]}
 
 
+# -- the Responses API ------------------------------------------------------------------------------
+_PART = {"anyOf": [
+    {"type": "object", "required": ["type", "text"],
+     "properties": {"type": {"enum": ["input_text", "output_text", "text", "reasoning_text", "summary_text"]},
+                    "text": {"type": "string"}}},
+    {"type": "object", "required": ["type", "refusal"],
+     "properties": {"type": {"const": "refusal"}, "refusal": {"type": "string"}}},
+]}
+_ITEM_CONTENT = {"anyOf": [{"type": "string"}, {"type": "array", "items": _PART}]}
+_INPUT_ITEM = {"anyOf": [
+    {"type": "object", "required": ["role", "content"],  # a message; `type` may be left out
+     "properties": {"type": {"const": "message"}, "role": {"enum": ["user", "assistant", "system", "developer"]},
+                    "content": _ITEM_CONTENT}},
+    {"type": "object", "required": ["type", "call_id", "name", "arguments"],
+     "properties": {"type": {"const": "function_call"}, "call_id": {"type": "string"}, "name": {"type": "string"},
+                    "arguments": {"type": "string"}}},
+    {"type": "object", "required": ["type", "call_id", "output"],
+     "properties": {"type": {"const": "function_call_output"}, "call_id": {"type": "string"},
+                    "output": _ITEM_CONTENT}},
+    {"type": "object", "required": ["type"],
+     "properties": {"type": {"const": "reasoning"}, "summary": {"type": "array", "items": _PART},
+                    "content": _nullable({"type": "array", "items": _PART})}},
+]}
+_TEXT_FORMAT = {"type": "object", "required": ["type"],
+                "properties": {"type": {"enum": ["text", "json_object", "json_schema"]}, "name": _STRING,
+                               "schema": _OBJECT, "strict": _BOOL, "description": _STRING},
+                "if": {"properties": {"type": {"const": "json_schema"}}},
+                "then": {"required": ["name", "schema"],
+                         "properties": {"name": {"type": "string", "minLength": 1}, "schema": {"type": "object"}}}}
+_NULL = {"type": "null"}
+
+
+def _responses_request(model: dict[str, Any]) -> dict[str, Any]:
+    """What /v1/responses (and its input_tokens route) checks; the settings tandem does not serve
+    (background, conversation, prompt, max_tool_calls, top_logprobs) may only be left out."""
+    return {
+        "type": "object",
+        "required": ["model", "input"],
+        "properties": {
+            "model": model,
+            "input": {"anyOf": [{"type": "string", "minLength": 1}, {"type": "array", "minItems": 1,
+                                                                      "items": _INPUT_ITEM}]},
+            "instructions": _STRING,
+            "max_output_tokens": _int(1, 2**63 - 1),
+            "temperature": _number(minimum=0, maximum=2),
+            "top_p": _number(exclusiveMinimum=0, maximum=1),
+            "tools": _nullable({"type": "array", "items": {
+                "type": "object", "required": ["type", "name"],
+                "properties": {"type": {"const": "function"}, "name": _FUNCTION_NAME, "description": _STRING,
+                               "parameters": _OBJECT, "strict": _BOOL}}}),
+            "tool_choice": _nullable({"anyOf": [{"enum": ["none", "auto", "required"]}, {
+                "type": "object", "required": ["type", "name"],
+                "properties": {"type": {"const": "function"}, "name": {"type": "string"}}}]}),
+            "parallel_tool_calls": _BOOL,
+            "reasoning": _nullable({"type": "object", "properties": {
+                "effort": _nullable({"enum": ["none", "minimal", "low", "medium", "high", "xhigh"]}),
+                "summary": _STRING, "generate_summary": _STRING}}),
+            "text": _nullable({"type": "object", "properties": {"format": _nullable(_TEXT_FORMAT),
+                                                                "verbosity": _STRING}}),
+            "stream": _BOOL,
+            "store": _BOOL,
+            "previous_response_id": _STRING,
+            "metadata": _nullable({"type": "object", "additionalProperties": {"type": "string"}}),
+            "user": _STRING,
+            "truncation": _nullable({"const": "disabled"}),
+            "include": _nullable({"type": "array", "items": {"const": "reasoning.encrypted_content"}}),
+            "background": _nullable({"const": False}),
+            "conversation": _NULL, "prompt": _NULL, "max_tool_calls": _NULL, "top_logprobs": _NULL,
+        },
+    }
+
+
+_OUTPUT_ITEM = {"type": "object", "required": ["id", "type", "status"],
+                "properties": {"id": {"type": "string"}, "status": {"enum": ["in_progress", "completed", "incomplete"]},
+                               "type": {"enum": ["message", "reasoning", "function_call"]}}}
+_RESPONSE = {
+    "type": "object",
+    "required": ["id", "object", "created_at", "status", "model", "output"],
+    "properties": {"id": {"type": "string"}, "object": {"const": "response"}, "created_at": {"type": "integer"},
+                   "status": {"enum": ["completed", "incomplete", "failed", "in_progress"]},
+                   "model": {"type": "string"}, "output": {"type": "array", "items": _OUTPUT_ITEM},
+                   "usage": _nullable({"type": "object", "required": ["input_tokens", "output_tokens", "total_tokens"],
+                                       "properties": {"input_tokens": {"type": "integer"},
+                                                      "output_tokens": {"type": "integer"},
+                                                      "total_tokens": {"type": "integer"}}})},
+}
+_RESPONSE_EVENT = {"type": "object", "required": ["type", "sequence_number"],
+                   "properties": {"type": {"type": "string"}, "sequence_number": {"type": "integer"}}}
+_INPUT_TOKENS = {"type": "object", "required": ["object", "input_tokens"],
+                 "properties": {"object": {"const": "response.input_tokens"}, "input_tokens": {"type": "integer"}}}
+_DELETED = {"type": "object", "required": ["id", "object", "deleted"],
+            "properties": {"id": {"type": "string"}, "object": {"const": "response.deleted"}, "deleted": {"const": True}}}
+
+
+# -- Anthropic's Messages API ------------------------------------------------------------------------
+_ANTHROPIC_ERROR = {
+    "type": "object",
+    "required": ["type", "error"],
+    "properties": {"type": {"const": "error"}, "error": {
+        "type": "object", "required": ["type", "message"],
+        "properties": {"type": {"type": "string"}, "message": {"type": "string"}}}},
+}
+_A_TEXT = {"type": "object", "required": ["type", "text"],
+           "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+# Image and document blocks are refused (no multimodal serving yet), so the schema leaves them out.
+_A_BLOCK = {"anyOf": [
+    _A_TEXT,
+    {"type": "object", "required": ["type", "id", "name", "input"],
+     "properties": {"type": {"const": "tool_use"}, "id": {"type": "string"}, "name": {"type": "string"},
+                    "input": {"type": "object"}}},
+    {"type": "object", "required": ["type", "tool_use_id"],
+     "properties": {"type": {"const": "tool_result"}, "tool_use_id": {"type": "string"}, "is_error": {"type": "boolean"},
+                    "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _A_TEXT}]}}},
+    {"type": "object", "required": ["type", "thinking"],
+     "properties": {"type": {"const": "thinking"}, "thinking": {"type": "string"}}},
+    {"type": "object", "required": ["type"], "properties": {"type": {"const": "redacted_thinking"}}},
+]}
+_A_TOOL_CHOICE = {"anyOf": [
+    {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["auto", "any"]},
+                                                            "disable_parallel_tool_use": {"type": "boolean"}}},
+    {"type": "object", "required": ["type", "name"], "properties": {
+        "type": {"const": "tool"}, "name": {"type": "string"}, "disable_parallel_tool_use": {"type": "boolean"}}},
+    {"type": "object", "required": ["type"], "properties": {"type": {"const": "none"}}},
+]}
+_A_THINKING = {"anyOf": [
+    {"type": "object", "required": ["type", "budget_tokens"], "properties": {
+        "type": {"const": "enabled"}, "budget_tokens": {"type": "integer", "minimum": 1024, "maximum": _U32_MAX}}},
+    {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["disabled", "adaptive"]}}},
+]}
+
+
+def _messages_prompt(model: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a Messages request that make its prompt (all count_tokens reads)."""
+    return {
+        "model": model,
+        "messages": {"type": "array", "minItems": 1, "items": {
+            "type": "object", "required": ["role", "content"],
+            "properties": {"role": {"enum": ["user", "assistant"]},
+                           "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _A_BLOCK}]}}}},
+        # A list of blocks that can only be text: the type may be left out.
+        "system": _nullable({"anyOf": [{"type": "string"}, {"type": "array", "items": _A_TEXT | {"required": ["text"]}}]}),
+        "tools": _nullable({"type": "array", "items": {
+            "type": "object", "required": ["name", "input_schema"],
+            "properties": {"name": {"type": "string", "minLength": 1}, "description": _STRING,
+                           "type": _nullable({"const": "custom"}),
+                           "input_schema": {"type": "object", "required": ["type"],
+                                            "properties": {"type": {"const": "object"}}}}}}),
+        "tool_choice": _nullable(_A_TOOL_CHOICE),
+        "thinking": _nullable(_A_THINKING),
+    }
+
+
+def _messages_request(model: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "required": ["model", "messages", "max_tokens"],
+        "properties": {
+            **_messages_prompt(model),
+            "max_tokens": {"type": "integer", "minimum": 1, "maximum": _U32_MAX},
+            "stream": {"type": "boolean"},
+            "stop_sequences": _nullable({"type": "array", "maxItems": 16, "items": {"type": "string"}}),
+            "temperature": _number(minimum=0, maximum=1),
+            "top_p": _number(exclusiveMinimum=0, maximum=1),
+            "top_k": _int(0),
+            "metadata": _nullable({"type": "object", "properties": {"user_id": _STRING}}),
+            "output_config": _nullable({"type": "object", "properties": {
+                "effort": _nullable({"enum": ["low", "medium", "high", "xhigh", "max"]}),
+                "format": _nullable({"type": "object", "required": ["schema"], "properties": {
+                    "type": {"const": "json_schema"}, "schema": {"type": "object"}}})}}),
+        },
+    }
+
+
+_MESSAGE_OBJECT = {
+    "type": "object",
+    "required": ["id", "type", "role", "model", "content", "stop_reason", "usage"],
+    "properties": {"id": {"type": "string"}, "type": {"const": "message"}, "role": {"const": "assistant"},
+                   "model": {"type": "string"},
+                   "content": {"type": "array", "items": {"type": "object", "required": ["type"], "properties": {
+                       "type": {"enum": ["text", "thinking", "tool_use"]}}}},
+                   "stop_reason": {"enum": ["end_turn", "max_tokens", "stop_sequence", "tool_use", "refusal"]},
+                   "stop_sequence": _STRING,
+                   "usage": {"type": "object", "required": ["input_tokens", "output_tokens"],
+                             "properties": {"input_tokens": {"type": "integer"}, "output_tokens": {"type": "integer"}}}},
+}
+_MESSAGE_EVENT = {"type": "object", "required": ["type"], "properties": {"type": {"type": "string"}}}
+_TOKEN_COUNT = {"type": "object", "required": ["input_tokens"], "properties": {"input_tokens": {"type": "integer"}}}
+
+
 def _requires(field: str, other: str, value: Any) -> dict[str, Any]:
     """`field`, when given (not null), needs `other` set to `value`."""
     return {"if": {"required": [field], "properties": {field: {"not": {"type": "null"}}}},
@@ -243,20 +440,41 @@ _CROSS_FIELD = [_requires("stream_options", "stream", True),
                      "json_schema": {"type": "object", "required": ["schema"]}}}}}}]
 
 
-def openapi_spec(models: list[str]) -> dict[str, Any]:
-    """The OpenAPI document; `models` are the names served now (any name when there are none)."""
+def openapi_spec(models: list[str], *, anthropic: bool = True) -> dict[str, Any]:
+    """The OpenAPI document; `models` are the names served now (any name when there are none);
+    `anthropic`: the Messages routes are served."""
     model: dict[str, Any] = {"type": "string", "minLength": 1}
     if models:
         model["enum"] = sorted(models)
     model_param = {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
+    response_param = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    messages = {
+        "/v1/messages": {"post": _op("Create a message (Anthropic Messages API)", _json(_MESSAGE_OBJECT),
+                                     _GENERATE_ERRORS, request="MessagesRequest", stream=_named_sse(_MESSAGE_EVENT),
+                                     error="AnthropicError")},
+        "/v1/messages/count_tokens": {"post": _op("Count a message's input tokens", _json(_TOKEN_COUNT),
+                                                  _GENERATE_ERRORS, request="MessagesCountRequest",
+                                                  error="AnthropicError")},
+    } if anthropic else {}
     return {
         "openapi": "3.1.0",
-        "info": {"title": "tandem OpenAI-compatible API", "version": "1"},
+        "info": {"title": "tandem: OpenAI- and Anthropic-compatible API", "version": "1"},
         "paths": {
             "/v1/chat/completions": {"post": _op("Chat completion", _json(_CHAT_COMPLETION), _GENERATE_ERRORS,
-                                                 request="ChatCompletionRequest", stream=_CHAT_CHUNK)},
+                                                 request="ChatCompletionRequest", stream=_sse(_CHAT_CHUNK))},
             "/v1/completions": {"post": _op("Text completion", _json(_COMPLETION), _GENERATE_ERRORS,
-                                            request="CompletionRequest", stream=_COMPLETION_CHUNK)},
+                                            request="CompletionRequest", stream=_sse(_COMPLETION_CHUNK))},
+            "/v1/responses": {"post": _op("Create a response (OpenAI Responses API)", _json(_RESPONSE),
+                                          _GENERATE_ERRORS, request="ResponseRequest",
+                                          stream=_named_sse(_RESPONSE_EVENT))},
+            "/v1/responses/input_tokens": {"post": _op("Count a response's input tokens", _json(_INPUT_TOKENS),
+                                                       _GENERATE_ERRORS, request="ResponseRequest")},
+            "/v1/responses/{response_id}": {
+                "get": _op("A stored response", _json(_RESPONSE), ("401", "404"), parameters=[response_param]),
+                "delete": _op("Delete a stored response", _json(_DELETED), ("401", "404"),
+                              parameters=[response_param]),
+            },
+            **messages,
             "/v1/models": {"get": _op("Models being served", _json(_MODEL_LIST), ("401",))},
             "/v1/models/{model}": {"get": _op("One model", _json(_MODEL), ("401", "404"), parameters=[model_param])},
             "/health": {"get": {"summary": "Health: 200 when at least one worker serves a model, else 503",
@@ -268,6 +486,11 @@ def openapi_spec(models: list[str]) -> dict[str, Any]:
         "components": {
             "schemas": {
                 "Error": _ERROR,
+                "ResponseRequest": _responses_request(model),
+                "AnthropicError": _ANTHROPIC_ERROR,
+                "MessagesRequest": _messages_request(model),
+                "MessagesCountRequest": {"type": "object", "required": ["model", "messages"],
+                                         "properties": _messages_prompt(model)},
                 "ChatCompletionRequest": {
                     "type": "object",
                     "required": ["model", "messages"],

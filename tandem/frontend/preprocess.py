@@ -104,6 +104,12 @@ class Preprocessor:
                                     preprocessed.sampling_options, preprocessed.output_options)
         return Prepared(preprocessed, processor, parser)
 
+    async def count_prompt_tokens(self, request: openai.ChatRequest, body_size: int) -> int:
+        """The tokens of the request's templated prompt (the token-counting routes)."""
+        render = partial(self.chat_prompt, request)
+        prompt_ids, _ = await asyncio.to_thread(render) if body_size > OFF_LOOP_PROMPT_BYTES else render()
+        return len(prompt_ids)
+
     def chat_parser(self, request: openai.ChatRequest, prompt: str) -> ChatParser | None:
         """The request's output parser: the model's parsers, as the request's tools, tool_choice and
         thinking switch use them."""
@@ -119,7 +125,7 @@ class Preprocessor:
     def chat_prompt(self, request: openai.ChatRequest) -> tuple[list[int], str]:
         """The prompt's token ids and text."""
         text = self.chat_text(request)
-        return self._encode(text, "messages"), text
+        return self._encode(text, request.names.prompt), text
 
     def _completion(self, request: openai.CompletionRequest) -> tuple[list[int], str]:
         return self.completion_prompt(request), ""
@@ -127,7 +133,8 @@ class Preprocessor:
     def chat_text(self, request: openai.ChatRequest) -> str:
         """The templated prompt (tools left out when tool_choice is none)."""
         if self.template is None:
-            raise openai.RequestError("this model has no chat template; use /v1/completions", param="messages")
+            raise openai.RequestError("this model has no chat template; use /v1/completions",
+                                      param=request.names.prompt)
         use_raw = bool(request.ext.use_raw_prompt)
         if use_raw:
             text = "".join(_text_of(m.get("content")) for m in request.messages)
@@ -137,7 +144,7 @@ class Preprocessor:
                 text = self.template.render(request.messages, tools=tools,
                                             chat_template_kwargs=request.template_kwargs())
             except ValueError as e:
-                raise openai.RequestError(f"cannot apply the chat template: {e}", param="messages") from None
+                raise openai.RequestError(f"cannot apply the chat template: {e}", param=request.names.prompt) from None
         return text
 
     def completion_prompt(self, request: openai.CompletionRequest) -> list[int]:
@@ -156,25 +163,28 @@ class Preprocessor:
         checked against the context), EOS as hidden stop ids unless `ignore_eos`."""
         tokenizer = self.tokenizer
         stop = openai.stop_conditions(request)
+        names = request.names if isinstance(request, openai.ChatRequest) else openai.COMPLETION_NAMES
         context_length = self.context_length
         if context_length:
             if len(prompt_ids) >= context_length:
                 raise openai.RequestError(
                     f"this model's maximum context length is {context_length} tokens, but the prompt has "
-                    f"{len(prompt_ids)} tokens", param="messages" if isinstance(request, openai.ChatRequest) else "prompt",
+                    f"{len(prompt_ids)} tokens", param=names.prompt,
                 )
             room = context_length - len(prompt_ids)
             if stop.max_tokens is None:
                 stop.max_tokens = room
+            elif stop.max_tokens > room and isinstance(request, openai.ChatRequest) and request.fit_max_tokens:
+                stop.max_tokens = room
             elif stop.max_tokens > room:
                 raise openai.RequestError(
                     f"this model's maximum context length is {context_length} tokens; the prompt has "
-                    f"{len(prompt_ids)} tokens and max_tokens is {stop.max_tokens}",
-                    param="max_tokens",
+                    f"{len(prompt_ids)} tokens and {names.max_tokens} is {stop.max_tokens}",
+                    param=names.max_tokens,
                 )
         elif stop.max_tokens is not None and stop.max_tokens >= openai.MAX_TOKENS_LIMIT:
-            raise openai.RequestError(f"max_tokens must be less than {openai.MAX_TOKENS_LIMIT} "
-                                      f"(got {stop.max_tokens})", param="max_tokens")
+            raise openai.RequestError(f"{names.max_tokens} must be less than {openai.MAX_TOKENS_LIMIT} "
+                                      f"(got {stop.max_tokens})", param=names.max_tokens)
         eos = list(tokenizer.eos_token_ids)
         if stop.ignore_eos:
             stop.stop = None

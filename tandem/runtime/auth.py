@@ -1,4 +1,4 @@
-"""Bearer-key checks shared by the frontend's API, the system status server and the planner's control API."""
+"""API-key checks shared by the frontend's API, the system status server and the planner's control API."""
 
 from __future__ import annotations
 
@@ -10,6 +10,11 @@ def bearer_matches(authorization: str, key: str) -> bool:
     """`Authorization: Bearer KEY`, the scheme in any case, compared in constant time."""
     scheme, _, token = authorization.partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
+def key_matches(given: str | None, key: str) -> bool:
+    """A key sent as it is (Anthropic's `x-api-key` header), compared in constant time."""
+    return given is not None and hmac.compare_digest(given.strip().encode(), key.encode())
 
 
 def is_loopback(host: str) -> bool:

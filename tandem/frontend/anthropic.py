@@ -1,0 +1,520 @@
+"""Anthropic's Messages API (`POST /v1/messages`, `POST /v1/messages/count_tokens`): request bodies
+checked in Anthropic's terms and mapped onto a chat request, answers and errors in Anthropic's shapes.
+
+Requests: `system` becomes a leading system message; content blocks become chat messages (`tool_use`
+blocks the assistant's `tool_calls`, each `tool_result` a `tool` message, `thinking` blocks the
+assistant's `reasoning_content`; `redacted_thinking` is dropped, its text being opaque); `tools` become
+function tools and `tool_choice` tandem's none / auto / required / forced function; `thinking` switches
+the chat template's `enable_thinking` and, on a model served with a reasoning parser, bounds the thinking
+with its `budget_tokens`; `output_config.format` is guided decoding. `cache_control` is accepted anywhere
+and ignored: tandem caches prompt prefixes by itself (and its router sends a request to the worker that
+holds most of it), so there are no cache breakpoints to set. Images and documents are refused by name:
+multimodal input is not served yet. Unknown top-level fields are ignored, as on the OpenAI routes.
+
+Answers: content blocks in the order the model writes them (`thinking`, `text`, `tool_use`), streamed
+as Anthropic's events. Usage follows Anthropic's split: `input_tokens` are the prompt tokens the engine
+computed, `cache_read_input_tokens` those it found in its prefix cache (their sum is the prompt).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from tandem.frontend import openai
+from tandem.frontend.answers import Answer, Ending, Outcome, Usage
+from tandem.llm.parsers import ParsedDelta
+from tandem.llm.postprocess import ProcessedDelta
+
+# Anthropic's error types by HTTP status (529 is its "overloaded"; tandem's busy answer is a 503).
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
+                503: "overloaded_error", 529: "overloaded_error"}  # fmt: skip
+
+
+def error_body(error: openai.RequestError) -> dict[str, Any]:
+    """`{"type": "error", "error": {"type", "message"}}`; the message names the field at fault."""
+    kind = _ERROR_TYPES.get(error.status) or ("invalid_request_error" if error.status < 500 else "api_error")
+    message = error.message
+    if error.param and error.param not in message:
+        message = f"{error.param}: {message}"
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+# -- requests --------------------------------------------------------------------------------------
+
+
+class _Text(msgspec.Struct, tag="text"):
+    text: str
+
+
+class _Image(msgspec.Struct, tag="image"):
+    pass
+
+
+class _Document(msgspec.Struct, tag="document"):
+    pass
+
+
+class _ToolUse(msgspec.Struct, tag="tool_use"):
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class _ToolResult(msgspec.Struct, tag="tool_result"):
+    tool_use_id: str
+    content: str | list[_Text | _Image | _Document] = ""
+    is_error: bool = False
+
+
+class _Thinking(msgspec.Struct, tag="thinking"):
+    thinking: str
+
+
+class _RedactedThinking(msgspec.Struct, tag="redacted_thinking"):
+    pass
+
+
+_Block = _Text | _Image | _Document | _ToolUse | _ToolResult | _Thinking | _RedactedThinking
+
+
+class _Message(msgspec.Struct):
+    role: Literal["user", "assistant"]
+    content: str | list[_Block]
+
+
+class _Tool(msgspec.Struct):
+    name: str
+    input_schema: dict[str, Any] | None = None  # server tools have none
+    description: str | None = None
+    type: str | None = None
+
+
+class _Auto(msgspec.Struct, tag="auto"):
+    disable_parallel_tool_use: bool = False
+
+
+class _AnyTool(msgspec.Struct, tag="any"):
+    disable_parallel_tool_use: bool = False
+
+
+class _NamedTool(msgspec.Struct, tag="tool"):
+    name: str
+    disable_parallel_tool_use: bool = False
+
+
+class _NoTool(msgspec.Struct, tag="none"):
+    pass
+
+
+class _Enabled(msgspec.Struct, tag="enabled"):
+    budget_tokens: int
+
+
+class _Disabled(msgspec.Struct, tag="disabled"):
+    pass
+
+
+class _Adaptive(msgspec.Struct, tag="adaptive"):
+    pass
+
+
+class _JsonFormat(msgspec.Struct, tag="json_schema"):
+    schema: dict[str, Any]
+
+
+class _OutputConfig(msgspec.Struct):
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: _JsonFormat | None = None
+
+
+class _Metadata(msgspec.Struct):
+    user_id: str | None = None
+
+
+class _CountBody(msgspec.Struct, kw_only=True):
+    """A /v1/messages/count_tokens body as it comes over the wire: what makes the prompt."""
+
+    model: str
+    messages: list[_Message]
+    system: str | list[_Text] | None = None
+    tools: list[_Tool] | None = None
+    tool_choice: _Auto | _AnyTool | _NamedTool | _NoTool | None = None
+    thinking: _Enabled | _Disabled | _Adaptive | None = None
+
+
+class _MessagesBody(_CountBody, kw_only=True):
+    """A /v1/messages body: the prompt's fields and the generation's."""
+
+    max_tokens: int
+    stream: bool = False
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    metadata: _Metadata | None = None
+    output_config: _OutputConfig | None = None
+
+
+_messages_decoder = msgspec.json.Decoder(_MessagesBody)
+_count_decoder = msgspec.json.Decoder(_CountBody)
+_RANGES: list[openai.Range] = [
+    ("max_tokens", lambda v: 1 <= v < 2**32, "max_tokens must be between 1 and 4294967295 (got {})"),
+    ("temperature", lambda v: 0.0 <= v <= 1.0, "temperature must be between 0 and 1 (got {})"),
+    ("top_p", lambda v: 0.0 < v <= 1.0, "top_p must be in (0, 1] (got {})"),
+    ("top_k", lambda v: 0 <= v < 2**32, "top_k must be between 0 and 4294967295 (got {})"),
+]
+MIN_THINKING_BUDGET = 1024  # Anthropic's least budget_tokens
+# Claude Code's first system block: its version and a hash that changes with every request, which would
+# make every prompt differ from its first tokens on and defeat prefix caching and KV-aware routing.
+_BILLING_HEADER = "x-anthropic-billing-header:"
+# Anthropic's efforts above "high" have no counterpart in chat templates' reasoning_effort.
+_EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
+
+
+class MessagesRequest(msgspec.Struct, kw_only=True):
+    """A checked Messages API request, already in chat's terms: what `chat` builds the chat request from.
+    `max_tokens` is None for count_tokens; `thinking` None leaves the chat template's default."""
+
+    model: str
+    stream: bool
+    max_tokens: int | None
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]]
+    tool_fields: dict[str, Any]  # tool_choice / forced_function / guided, from openai.tool_choice_fields
+    parallel_tool_calls: bool | None
+    thinking: bool | None
+    thinking_budget: int | None
+    guided: openai.GuidedDecoding | None = None
+    stop: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    reasoning_effort: str | None = None
+    user: str | None = None
+
+    def chat(self, *, reasoning: bool) -> openai.ChatRequest:
+        """The chat request; `reasoning`: the model is served with a reasoning parser, which is what
+        bounds the thinking to its budget (without one, thinking is not told apart from the answer)."""
+        template = None if self.thinking is None else {"enable_thinking": self.thinking}
+        return openai.chat_request(model=self.model, messages=self.messages, stream=self.stream,
+                                   max_tokens=self.max_tokens, tools=self.tools, tool_fields=self.tool_fields,
+                                   parallel_tool_calls=self.parallel_tool_calls, guided=self.guided,
+                                   max_thinking_tokens=self.thinking_budget if reasoning else None,
+                                   fit_max_tokens=True, stop=self.stop, temperature=self.temperature,
+                                   top_p=self.top_p, top_k=self.top_k, reasoning_effort=self.reasoning_effort,
+                                   chat_template_kwargs=template, user=self.user)
+
+
+def parse_messages_request(body: bytes) -> MessagesRequest:
+    """Decode and check a /v1/messages body; raises RequestError naming the field at fault."""
+    raw: _MessagesBody = openai.decode_body(_messages_decoder, body)
+    openai.check_ranges(raw, _RANGES)
+    if raw.stop_sequences is not None and len(raw.stop_sequences) > openai.MAX_STOP:
+        raise openai.fail("stop_sequences", f"at most {openai.MAX_STOP} stop sequences are allowed "
+                                            f"(got {len(raw.stop_sequences)}).")
+    if isinstance(raw.thinking, _Enabled) and raw.thinking.budget_tokens >= raw.max_tokens:
+        raise openai.fail("thinking.budget_tokens", f"budget_tokens ({raw.thinking.budget_tokens}) must be less "
+                                                    f"than max_tokens ({raw.max_tokens}).")
+    config = raw.output_config or _OutputConfig()
+    guided = None
+    if config.format is not None:
+        guided = openai.GuidedDecoding(json=openai.check_wire(config.format.schema, "output_config.format.schema"))
+    return msgspec.structs.replace(
+        _prompt(raw, guided), stream=raw.stream, max_tokens=raw.max_tokens, guided=guided,
+        stop=[s for s in raw.stop_sequences or () if s] or None,  # an empty one would match at once
+        temperature=raw.temperature, top_p=raw.top_p,
+        top_k=raw.top_k or None,  # 0 (Anthropic's least) samples from every token
+        reasoning_effort=_EFFORTS[config.effort] if config.effort is not None else None,
+        user=raw.metadata.user_id if raw.metadata is not None else None)
+
+
+def parse_count_tokens_request(body: bytes) -> MessagesRequest:
+    """Decode and check a /v1/messages/count_tokens body (no max_tokens, no stream); raises RequestError."""
+    return _prompt(openai.decode_body(_count_decoder, body), None)
+
+
+def _prompt(raw: _CountBody, guided: openai.GuidedDecoding | None) -> MessagesRequest:
+    """What both routes check and map: the fields that make the prompt (the rest left unset)."""
+    if not raw.model:
+        raise openai.fail("model", "'model' must be a non-empty string.")
+    if not raw.messages:
+        raise openai.fail("messages", "at least one message is required.")
+    budget = raw.thinking.budget_tokens if isinstance(raw.thinking, _Enabled) else None
+    if budget is not None and not MIN_THINKING_BUDGET <= budget < 2**32:  # engines count tokens in 32 bits
+        raise openai.fail("thinking.budget_tokens", f"budget_tokens must be between {MIN_THINKING_BUDGET} and "
+                                                    f"4294967295 (got {budget}).")
+    tools = _tools(raw.tools or [])
+    tool_fields, parallel = _tool_choice(raw.tool_choice, tools, guided)
+    return MessagesRequest(model=raw.model, stream=False, max_tokens=None,
+                           messages=_system(raw.system) + _messages(raw.messages),
+                           tools=[{"type": "function", "function": f} for f in tools.values()],
+                           tool_fields=tool_fields, parallel_tool_calls=parallel,
+                           thinking=None if raw.thinking is None else not isinstance(raw.thinking, _Disabled),
+                           thinking_budget=budget)
+
+
+def _system(system: str | list[_Text] | None) -> list[dict[str, Any]]:
+    if isinstance(system, list):
+        system = "\n".join(b.text for b in system if not b.text.startswith(_BILLING_HEADER))
+    return [{"role": "system", "content": system}] if system else []
+
+
+def _messages(messages: list[_Message]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        p = f"messages[{i}]"
+        content = message.content
+        if isinstance(content, str):
+            out.append({"role": message.role, "content": content})
+        elif message.role == "assistant":
+            out.append(_assistant(content, p))
+        else:
+            out.extend(_user(content, p))
+    return out
+
+
+def _assistant(blocks: list[_Block], p: str) -> dict[str, Any]:
+    """An assistant turn: its text, its thinking as `reasoning_content`, its tool_use blocks as `tool_calls`
+    (arguments as JSON text, OpenAI's shape)."""
+    texts, thoughts, calls = [], [], []
+    for j, block in enumerate(blocks):
+        if isinstance(block, _Text):
+            texts.append(block.text)
+        elif isinstance(block, _Thinking):
+            thoughts.append(block.thinking)
+        elif isinstance(block, _ToolUse):
+            arguments = msgspec.json.encode(block.input).decode()
+            calls.append({"id": block.id, "type": "function", "function": {"name": block.name, "arguments": arguments}})
+        elif not isinstance(block, _RedactedThinking):
+            raise _misplaced(block, f"{p}.content[{j}]", "assistant messages")
+    # No text beside calls is null content, as OpenAI's clients send it (what chat templates expect).
+    message: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts) if texts or not calls else None}
+    if thoughts:
+        message["reasoning_content"] = "\n".join(thoughts)
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _user(blocks: list[_Block], p: str) -> list[dict[str, Any]]:
+    """A user turn: a `tool` message per tool_result, then its text (Anthropic has the results first)."""
+    out: list[dict[str, Any]] = []
+    texts = []
+    for j, block in enumerate(blocks):
+        if isinstance(block, _Text):
+            texts.append(block.text)
+        elif isinstance(block, _ToolResult):
+            out.append({"role": "tool", "tool_call_id": block.tool_use_id,
+                        "content": _result_text(block, f"{p}.content[{j}]")})
+        else:
+            raise _misplaced(block, f"{p}.content[{j}]", "user messages")
+    if texts or not out:
+        out.append({"role": "user", "content": "\n".join(texts)})
+    return out
+
+
+def _result_text(result: _ToolResult, p: str) -> str:
+    if isinstance(result.content, str):
+        text = result.content
+    else:
+        for k, block in enumerate(result.content):
+            if not isinstance(block, _Text):
+                raise _misplaced(block, f"{p}.content[{k}]", "a tool_result")
+        text = "\n".join(b.text for b in result.content if isinstance(b, _Text))
+    # The chat message has no error flag: the text says it, or the model would read a failure as a result.
+    return f"Error: {text}" if result.is_error else text
+
+
+def _misplaced(block: _Block, param: str, where: str) -> openai.RequestError:
+    kind = type(block).__struct_config__.tag
+    if isinstance(block, _Image | _Document):
+        return openai.fail(param, f"{kind} blocks are not supported: multimodal input is not served yet "
+                                  "(send text).")
+    return openai.fail(param, f"{kind} blocks are not allowed in {where}.")
+
+
+def _tools(tools: list[_Tool]) -> dict[str, dict[str, Any]]:
+    """The client tools as chat functions, by name."""
+    functions: dict[str, dict[str, Any]] = {}
+    for i, tool in enumerate(tools):
+        p = f"tools[{i}]"
+        if tool.type not in (None, "custom"):
+            raise openai.fail(f"{p}.type", f"tool type {tool.type!r} is an Anthropic server tool, which tandem does "
+                                           "not run: only client tools (name, description, input_schema) are served.")
+        if not tool.name:
+            raise openai.fail(f"{p}.name", "a tool name must be a non-empty string.")
+        if tool.name in functions:
+            raise openai.fail(f"{p}.name", f"tool names must be unique ({tool.name!r} is given twice).")
+        if tool.input_schema is None:
+            raise openai.fail(f"{p}.input_schema", "Missing required parameter: 'input_schema'.")
+        if tool.input_schema.get("type") != "object":
+            raise openai.fail(f"{p}.input_schema.type", "input_schema must be a JSON schema of type 'object'.")
+        function: dict[str, Any] = {"name": tool.name,
+                                    "parameters": openai.check_wire(tool.input_schema, f"{p}.input_schema")}
+        if tool.description is not None:
+            function["description"] = tool.description
+        functions[tool.name] = function
+    return functions
+
+
+def _tool_choice(choice: _Auto | _AnyTool | _NamedTool | _NoTool | None, tools: dict[str, dict[str, Any]],
+                 guided: openai.GuidedDecoding | None) -> tuple[dict[str, Any], bool | None]:
+    """The chat request's tool fields and parallel_tool_calls for Anthropic's tool_choice."""
+    if isinstance(choice, _NoTool) or not tools:
+        if isinstance(choice, _AnyTool | _NamedTool):
+            raise openai.fail("tool_choice", f"tool_choice {type(choice).__struct_config__.tag!r} needs at least "
+                                             "one tool in 'tools'.")
+        return {"tool_choice": "none"}, None
+    parallel = False if choice is not None and choice.disable_parallel_tool_use else None
+    if isinstance(choice, _NamedTool) and choice.name not in tools:
+        raise openai.fail("tool_choice.name", f"tool_choice names tool {choice.name!r}, which is not in 'tools'.")
+    mode = "required" if isinstance(choice, _AnyTool | _NamedTool) else "auto"
+    forced = choice.name if isinstance(choice, _NamedTool) else None
+    parameters = {name: f["parameters"] for name, f in tools.items()}
+    return openai.tool_choice_fields(parameters, mode, forced, parallel is not False, guided), parallel
+
+
+# -- answers ---------------------------------------------------------------------------------------
+
+# tandem's finish reasons (eos, length, stop, cancelled, content_filter, error) as Anthropic's stop_reason.
+_STOP_REASONS = {"length": "max_tokens", "content_filter": "refusal"}
+
+
+def stop_reason(outcome: Outcome, ending: Ending) -> tuple[str, str | None]:
+    """Anthropic's stop_reason and stop_sequence: an answer that ended by itself with tool calls is a
+    tool_use (a forced tool too, unlike OpenAI's finish_reason); a stop string is a stop_sequence."""
+    if ending.reason in ("eos", "stop") and (ending.called_tools or outcome.tool_calls):
+        return "tool_use", None
+    if ending.reason == "stop" and isinstance(ending.stop_reason, str):
+        return "stop_sequence", ending.stop_reason
+    return _STOP_REASONS.get(ending.reason, "end_turn"), None
+
+
+def message_usage(counts: Usage) -> dict[str, Any]:
+    """Anthropic's usage: `input_tokens` leaves out the prompt tokens read from the cache."""
+    cached = counts.cached_tokens
+    out: dict[str, Any] = {"input_tokens": counts.prompt_tokens - (cached or 0),
+                           "output_tokens": counts.completion_tokens}
+    if cached is not None:
+        out["cache_read_input_tokens"] = cached
+    if counts.reasoning_tokens is not None:
+        out["output_tokens_details"] = {"thinking_tokens": counts.reasoning_tokens}
+    return out
+
+
+def tool_input(arguments: str) -> dict[str, Any]:
+    """A call's arguments as tool_use's `input` object. Arguments that are no JSON object (a call cut off
+    by max_tokens, which stop_reason tells) give an empty input: Anthropic's input is always an object."""
+    try:
+        value = msgspec.json.decode(arguments)
+    except msgspec.DecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def sse(event: dict[str, Any]) -> bytes:
+    """One server-sent event, named by its type as Anthropic's are."""
+    return openai.named_sse(event["type"], event)
+
+
+_EMPTY_BLOCKS: dict[str, dict[str, Any]] = {"text": {"type": "text", "text": ""},
+                                            "thinking": {"type": "thinking", "thinking": "", "signature": ""}}
+_DELTAS = {"text": "text_delta", "thinking": "thinking_delta"}
+
+
+class MessagesAnswer(Answer):
+    """`/v1/messages`: a Message object, or Anthropic's events: message_start, ping, then per content block
+    content_block_start / content_block_delta... / content_block_stop (a new kind of output closes the open
+    block), message_delta (stop reason, usage) and message_stop; `error` when the stream fails midway."""
+
+    error_body = staticmethod(error_body)
+
+    def __init__(self, model: str, message_id: str, input_tokens: int) -> None:
+        self.model = model
+        self.message_id = message_id
+        self.input_tokens = input_tokens
+        self._content: list[dict[str, Any]] = []  # the blocks so far, in the order they were written
+        self._parts: list[list[str]] = []  # each block's text, thinking or input JSON so far
+        self._open: str | None = None  # the type of the block being written
+        self._quiet = False  # a unary answer: blocks are kept, events not written
+
+    def _message(self, content: list[dict[str, Any]], stop: tuple[str | None, str | None],
+                 usage: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+        return {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model,
+                "content": content, "stop_reason": stop[0], "stop_sequence": stop[1], "usage": usage}
+
+    def opening(self) -> list[bytes]:
+        start = self._message([], (None, None), {"input_tokens": self.input_tokens, "output_tokens": 0})
+        return [sse({"type": "message_start", "message": start}), sse({"type": "ping"})]
+
+    def delta(self, delta: ProcessedDelta, parsed: ParsedDelta | None) -> list[bytes]:
+        if parsed is None:  # no parser: the text is the answer
+            return self._write("text", delta.text)
+        events = self._write("thinking", parsed.reasoning) + self._write("text", parsed.content)
+        for call in parsed.tool_calls:
+            if call.id is not None:  # a call's first piece: its own block
+                events += self._start({"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
+            if call.arguments and self._open == "tool_use":
+                events.append(self._delta({"type": "input_json_delta", "partial_json": call.arguments}, call.arguments))
+        return events
+
+    def _write(self, kind: str, text: str) -> list[bytes]:
+        if not text:
+            return []
+        events = [] if self._open == kind else self._start(dict(_EMPTY_BLOCKS[kind]))
+        events.append(self._delta({"type": _DELTAS[kind], kind: text}, text))
+        return events
+
+    def _start(self, block: dict[str, Any]) -> list[bytes]:
+        events = self._stop()
+        self._content.append(block)
+        self._parts.append([])
+        self._open = block["type"]
+        if not self._quiet:
+            events.append(sse({"type": "content_block_start", "index": len(self._content) - 1,
+                               "content_block": block}))
+        return events
+
+    def _delta(self, delta: dict[str, Any], piece: str) -> bytes:
+        self._parts[-1].append(piece)
+        if self._quiet:
+            return b""
+        return sse({"type": "content_block_delta", "index": len(self._content) - 1, "delta": delta})
+
+    def _stop(self) -> list[bytes]:
+        if self._open is None:
+            return []
+        self._open = None
+        if self._quiet:
+            return []
+        events = []
+        if self._content[-1]["type"] == "thinking":
+            # Anthropic ends every thinking block with its signature; tandem's thinking has none to verify.
+            events.append(self._delta({"type": "signature_delta", "signature": ""}, ""))
+        events.append(sse({"type": "content_block_stop", "index": len(self._content) - 1}))
+        return events
+
+    def closing(self, outcome: Outcome, ending: Ending) -> list[bytes]:
+        reason, sequence = stop_reason(outcome, ending)
+        return [*self._stop(),
+                sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                     "usage": message_usage(ending.usage)}),
+                sse({"type": "message_stop"})]  # fmt: skip
+
+    def failure(self, error: openai.RequestError) -> bytes:
+        return sse(error_body(error))
+
+    def collect(self, delta: ProcessedDelta, parsed: ParsedDelta | None) -> None:
+        """The same blocks as a stream would have, in the order the model wrote them; no events."""
+        self._quiet = True
+        self.delta(delta, parsed)
+
+    def body(self, outcome: Outcome, ending: Ending) -> Any:
+        content = []
+        for block, parts in zip(self._content, self._parts, strict=True):
+            kind, text = block["type"], "".join(parts)
+            content.append(block | ({"input": tool_input(text)} if kind == "tool_use" else {kind: text}))
+        return self._message(content, stop_reason(outcome, ending), message_usage(ending.usage))

@@ -1,0 +1,552 @@
+"""OpenAI's Responses API (`POST /v1/responses`, `POST /v1/responses/input_tokens`): request bodies
+checked in the Responses API's terms and mapped onto a chat request (input items become chat
+messages, function tools chat tools, `text.format` guided decoding, `reasoning.effort` the chat
+template's `reasoning_effort`), and the answer as a Response object or its stream of events.
+
+Output items come in the order the model writes them: its thinking as a `reasoning` item (the text in
+`content` as `reasoning_text`), its text as a `message`, each tool call as a `function_call`. Errors
+are OpenAI's shape, as on the other OpenAI routes.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import msgspec
+
+from tandem.frontend import openai
+from tandem.frontend.answers import Answer, Ending, Outcome, Usage
+from tandem.frontend.response_store import ResponseStore, StoredResponse
+from tandem.llm.parsers import ParsedDelta
+from tandem.llm.postprocess import ProcessedDelta
+
+# -- requests --------------------------------------------------------------------------------------
+
+EFFORTS = ("none", *openai.REASONING_EFFORTS, "xhigh")
+# `include` values served: reasoning items always carry their text in `content`, so a client asking for
+# the encrypted form (to pass reasoning back without a stored response) needs nothing more.
+_INCLUDES = frozenset(("reasoning.encrypted_content",))
+
+
+class _Reasoning(msgspec.Struct):
+    effort: str | None = None
+    summary: str | None = None
+    generate_summary: str | None = None
+
+
+class _TextFormat(msgspec.Struct):
+    type: str
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class _Text(msgspec.Struct):
+    format: _TextFormat | None = None
+    verbosity: str | None = None
+
+
+class _FunctionTool(msgspec.Struct):
+    type: str
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class _NamedFunction(msgspec.Struct):
+    type: str
+    name: str | None = None
+
+
+class _Body(msgspec.Struct, kw_only=True):
+    """A /v1/responses body as it comes over the wire (unknown fields are ignored)."""
+
+    model: str
+    input: str | list[dict[str, Any]] | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning: _Reasoning | None = None
+    text: _Text | None = None
+    stream: bool | None = None
+    store: bool | None = None
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    truncation: str | None = None
+    include: list[str] | None = None
+    background: bool | None = None
+    conversation: Any = None
+    prompt: Any = None
+    max_tool_calls: int | None = None
+    top_logprobs: int | None = None
+
+
+_decoder = msgspec.json.Decoder(_Body)
+_NAMES = openai.FieldNames(prompt="input", max_tokens="max_output_tokens")
+_RANGES: list[openai.Range] = [
+    ("max_output_tokens", lambda v: 1 <= v, "max_output_tokens must be at least 1 (got {})"),
+    ("temperature", lambda v: 0.0 <= v <= 2.0, "temperature must be between 0 and 2 (got {})"),
+    ("top_p", lambda v: 0.0 < v <= 1.0, "top_p must be in (0, 1] (got {})"),
+]
+# Fields of the API that tandem does not serve: refused by name rather than ignored.
+_UNSERVED = (("background", "background responses are not supported: send the request and keep the connection"),
+             ("conversation", "conversations objects are not supported: chain responses with previous_response_id"),
+             ("prompt", "prompt templates are not supported: send the input itself"),
+             ("max_tool_calls", "max_tool_calls is not supported (parallel_tool_calls false allows one call)"),
+             ("top_logprobs", "logprobs are not served on /v1/responses (use /v1/chat/completions)"))  # fmt: skip
+
+
+class ResponsesRequest(msgspec.Struct, kw_only=True):
+    """A checked /v1/responses request: its input as chat messages, and what the chat request and the
+    Response object (which echoes the request's settings) are built from."""
+
+    model: str
+    stream: bool
+    store: bool
+    input: list[dict[str, Any]]  # the input items as chat messages
+    instructions: str | None
+    previous_response_id: str | None
+    max_output_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    tools: list[_FunctionTool]
+    tool_fields: dict[str, Any]  # the chat request's tool_choice / forced_function / guided
+    tool_choice: str | dict[str, Any]  # as the client gave it, echoed
+    parallel_tool_calls: bool
+    effort: str | None
+    summary: str | None
+    text_format: dict[str, Any]
+    guided: openai.GuidedDecoding | None
+    metadata: dict[str, str] | None
+    user: str | None
+
+    def chat(self, history: list[dict[str, Any]]) -> openai.ChatRequest:
+        """The chat request: instructions, the earlier conversation (`previous_response_id`), the input."""
+        system = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        tools = [{"type": "function", "function": _chat_function(t)} for t in self.tools]
+        sampling: dict[str, Any] = {"temperature": self.temperature, "top_p": self.top_p, "user": self.user}
+        if self.effort == "none":
+            sampling["chat_template_kwargs"] = {"enable_thinking": False}
+        elif self.effort is not None:
+            sampling["reasoning_effort"] = self.effort
+        return openai.chat_request(model=self.model, messages=[*system, *history, *self.input], stream=self.stream,
+                                   max_tokens=self.max_output_tokens, tools=tools, tool_fields=self.tool_fields,
+                                   parallel_tool_calls=self.parallel_tool_calls, guided=self.guided, names=_NAMES,
+                                   **sampling)
+
+    def echo(self) -> dict[str, Any]:
+        """The request's settings as a Response object repeats them."""
+        tools = [{"type": "function", "name": t.name, "description": t.description, "parameters": t.parameters,
+                  "strict": t.strict} for t in self.tools]  # fmt: skip
+        return {"instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
+                "parallel_tool_calls": self.parallel_tool_calls, "previous_response_id": self.previous_response_id,
+                "reasoning": {"effort": self.effort, "summary": self.summary}, "store": self.store,
+                "temperature": self.temperature, "text": {"format": self.text_format}, "tool_choice": self.tool_choice,
+                "tools": tools, "top_p": self.top_p, "truncation": "disabled", "user": self.user,
+                "metadata": self.metadata or {}}  # fmt: skip
+
+
+def _chat_function(tool: _FunctionTool) -> dict[str, Any]:
+    """A function tool in chat's shape, as chat templates read it."""
+    function: dict[str, Any] = {"name": tool.name}
+    if tool.description is not None:
+        function["description"] = tool.description
+    if tool.parameters is not None:
+        function["parameters"] = tool.parameters
+    return function
+
+
+def parse_request(body: bytes) -> ResponsesRequest:
+    """Decode and check a /v1/responses (or /v1/responses/input_tokens) body; raises RequestError."""
+    raw: _Body = openai.decode_body(_decoder, body)
+    if not raw.model:
+        raise openai.fail("model", "'model' must be a non-empty string.")
+    openai.check_ranges(raw, _RANGES)
+    for name, why in _UNSERVED:
+        value = getattr(raw, name)
+        if value is not None and value is not False:  # (0 is not False here: max_tool_calls 0 is refused too)
+            raise openai.fail(name, why + ".")
+    if raw.truncation not in (None, "disabled"):
+        raise openai.fail("truncation", f"truncation {raw.truncation!r} is not supported: only 'disabled' (an input "
+                                        "longer than the context is refused)")
+    for i, value in enumerate(raw.include or ()):
+        if value not in _INCLUDES:
+            raise openai.fail(f"include[{i}]", f"include {value!r} is not supported (supported: {', '.join(_INCLUDES)}).")
+    if raw.input is None:
+        raise openai.fail("input", "Missing required parameter: 'input'.")
+    if raw.input == "" or raw.input == []:
+        raise openai.fail("input", "'input' must not be empty.")
+    effort = raw.reasoning.effort if raw.reasoning else None
+    if effort is not None and effort not in EFFORTS:
+        raise openai.fail("reasoning.effort", f"reasoning.effort must be one of {', '.join(EFFORTS)} (got {effort!r}).")
+    text_format, guided = _text_format(raw.text.format if raw.text else None)
+    tools = _tools(raw.tools or [])
+    choice, tool_fields = _tool_choice(raw.tool_choice, tools, raw.parallel_tool_calls is not False, guided)
+    messages = [{"role": "user", "content": raw.input}] if isinstance(raw.input, str) else input_messages(raw.input)
+    return ResponsesRequest(model=raw.model, stream=bool(raw.stream), store=raw.store is not False, input=messages,
+                            instructions=raw.instructions, previous_response_id=raw.previous_response_id,
+                            max_output_tokens=raw.max_output_tokens, temperature=raw.temperature, top_p=raw.top_p,
+                            tools=tools, tool_fields=tool_fields, tool_choice=choice,
+                            parallel_tool_calls=raw.parallel_tool_calls is not False, effort=effort,
+                            summary=raw.reasoning.summary if raw.reasoning else None, text_format=text_format,
+                            guided=guided, metadata=raw.metadata, user=raw.user)
+
+
+def _text_format(fmt: _TextFormat | None) -> tuple[dict[str, Any], openai.GuidedDecoding | None]:
+    """`text.format` as the Response echoes it, and the guided decoding it asks for."""
+    if fmt is None or fmt.type == "text":
+        return {"type": "text"}, None
+    if fmt.type == "json_object":
+        return {"type": "json_object"}, openai.GuidedDecoding(json={"type": "object"})
+    if fmt.type != "json_schema":
+        raise openai.fail("text.format.type", f"text.format.type must be text, json_object or json_schema "
+                                              f"(got {fmt.type!r}).")
+    if fmt.schema is None:
+        raise openai.fail("text.format.schema", "text.format json_schema requires a 'schema'.")
+    if not fmt.name:
+        raise openai.fail("text.format.name", "text.format json_schema requires a 'name'.")
+    echo = {"type": "json_schema", "name": fmt.name, "schema": fmt.schema, "strict": fmt.strict,
+            "description": fmt.description}  # fmt: skip
+    return echo, openai.GuidedDecoding(json=openai.check_wire(fmt.schema, "text.format.schema"))
+
+
+def _tools(raw: list[dict[str, Any]]) -> list[_FunctionTool]:
+    tools = []
+    for i, item in enumerate(raw):
+        kind = item.get("type")
+        if kind != "function":
+            raise openai.fail(f"tools[{i}].type", f"only function tools are served (tools[{i}].type is {kind!r}).")
+        try:
+            tool = msgspec.convert(item, _FunctionTool)
+        except msgspec.ValidationError as e:
+            raise openai.from_validation(e, f"tools[{i}]") from None
+        if not openai.FUNCTION_NAME.match(tool.name):
+            raise openai.fail(f"tools[{i}].name", f"'tools[{i}].name' must be 1 to 64 letters, digits, '_', '.' or "
+                                                  f"'-' (got {tool.name!r}).")
+        tools.append(openai.check_wire(tool, f"tools[{i}].parameters"))
+    return tools
+
+
+def _tool_choice(raw: str | dict[str, Any] | None, tools: list[_FunctionTool], parallel: bool,
+                 guided: openai.GuidedDecoding | None) -> tuple[str | dict[str, Any], dict[str, Any]]:
+    """The choice as echoed, and the chat request's tool fields."""
+    forced = None
+    if raw is None:
+        choice: str = "auto" if tools else "none"
+        echo: str | dict[str, Any] = "auto"
+    elif isinstance(raw, str):
+        if raw not in ("none", "auto", "required"):
+            raise openai.fail("tool_choice", f"tool_choice must be none, auto, required or a function (got {raw!r}).")
+        choice = echo = raw
+    else:
+        try:
+            named = msgspec.convert(raw, _NamedFunction)
+        except msgspec.ValidationError as e:
+            raise openai.from_validation(e, "tool_choice") from None
+        if named.type != "function":
+            raise openai.fail("tool_choice.type", f"only function tool choices are served (got {named.type!r}).")
+        if named.name not in {t.name for t in tools}:
+            raise openai.fail("tool_choice.name", f"tool_choice names function {named.name!r}, which is not in "
+                                                  "'tools'.")
+        choice, forced, echo = "required", named.name, {"type": "function", "name": named.name}
+    parameters = {t.name: t.parameters for t in tools}
+    return echo, openai.tool_choice_fields(parameters, choice, forced, parallel, guided)
+
+
+class _Part(msgspec.Struct):
+    type: str
+    text: str | None = None
+    refusal: str | None = None
+
+
+class _Message(msgspec.Struct):
+    role: str
+    content: str | list[_Part]
+    type: str = "message"
+
+
+class _FunctionCall(msgspec.Struct):
+    call_id: str
+    name: str
+    arguments: str
+    type: str = "function_call"
+
+
+class _FunctionCallOutput(msgspec.Struct):
+    call_id: str
+    output: str | list[_Part]
+    type: str = "function_call_output"
+
+
+class _Reasoned(msgspec.Struct):
+    type: str
+    summary: list[_Part] = []
+    content: list[_Part] | None = None
+
+
+_ROLES = ("user", "assistant", "system", "developer")
+_TEXT_PARTS = ("input_text", "output_text", "text", "reasoning_text", "summary_text")
+_ITEMS: dict[str, type[msgspec.Struct]] = {"message": _Message, "function_call": _FunctionCall,
+                                           "function_call_output": _FunctionCallOutput, "reasoning": _Reasoned}
+
+
+def input_messages(items: list[dict[str, Any]], param: str = "input") -> list[dict[str, Any]]:
+    """Input items as chat messages: messages as they are, function calls as the assistant's tool_calls,
+    their outputs as tool messages, a reasoning item as the thinking of the assistant turn that follows."""
+    messages: list[dict[str, Any]] = []
+    thinking: str | None = None
+    for i, raw in enumerate(items):
+        at = f"{param}[{i}]"
+        kind = raw.get("type", "message")  # an "easy" input message has no type
+        shape = _ITEMS.get(kind) if isinstance(kind, str) else None
+        if shape is None:
+            raise openai.fail(f"{at}.type", f"input items of type {kind!r} are not supported (message, "
+                                            "function_call, function_call_output and reasoning are).")
+        try:
+            item = msgspec.convert(raw, shape)
+        except msgspec.ValidationError as e:
+            raise openai.from_validation(e, at) from None
+        if isinstance(item, _Reasoned):
+            thinking = _text([*(item.content or ()), *item.summary], f"{at}.content")
+            continue
+        message: dict[str, Any]
+        if isinstance(item, _Message):
+            if item.role not in _ROLES:
+                raise openai.fail(f"{at}.role", f"'{at}.role' must be one of {', '.join(_ROLES)} (got {item.role!r}).")
+            message = {"role": item.role, "content": _text(item.content, f"{at}.content")}
+        elif isinstance(item, _FunctionCallOutput):
+            message = {"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output, f"{at}.output")}
+        else:
+            assert isinstance(item, _FunctionCall)
+            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and thinking is None:
+                last.setdefault("tool_calls", []).append(call)
+                continue
+            message = {"role": "assistant", "content": None, "tool_calls": [call]}
+        if message["role"] == "assistant" and thinking is not None:
+            message["reasoning_content"] = thinking
+            thinking = None
+        messages.append(message)
+    return messages
+
+
+def _text(content: str | list[_Part], param: str) -> str:
+    """A content's text parts joined (as the chat route joins text parts)."""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        if part.type == "refusal" and part.refusal is not None:
+            texts.append(part.refusal)
+        elif part.type in _TEXT_PARTS and part.text is not None:
+            texts.append(part.text)
+        elif part.type in _TEXT_PARTS:
+            raise openai.fail(f"{param}[{j}].text", f"'{param}[{j}].text' must be a string.")
+        else:
+            raise openai.fail(f"{param}[{j}].type", f"content parts of type {part.type!r} are not supported: only "
+                                                    "text is served (images, files and audio are not yet).")
+    return "\n".join(texts)
+
+
+# -- answers ---------------------------------------------------------------------------------------
+
+
+class _Item:
+    """One output item while it is written."""
+
+    __slots__ = ("kind", "index", "id", "parts", "call_id", "name")
+
+    def __init__(self, kind: str, index: int, call_id: str | None = None, name: str | None = None) -> None:
+        self.kind = kind  # reasoning, message or function_call
+        self.index = index
+        prefix = {"reasoning": "rs", "message": "msg", "function_call": "fc"}[kind]
+        self.id = f"{prefix}_{uuid.uuid4().hex}"
+        self.parts: list[str] = []  # its text, thinking or arguments so far
+        self.call_id = call_id
+        self.name = name
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def json(self, status: str) -> dict[str, Any]:
+        """The item as the output lists it; `status` in_progress while it is added."""
+        text = self.text if status != "in_progress" else ""
+        if self.kind == "function_call":
+            return {"id": self.id, "type": "function_call", "status": status, "call_id": self.call_id,
+                    "name": self.name, "arguments": text}  # fmt: skip
+        if self.kind == "reasoning":
+            content = [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []
+            return {"id": self.id, "type": "reasoning", "status": status, "summary": [], "content": content}
+        content = [_output_text(text)] if status != "in_progress" else []
+        return {"id": self.id, "type": "message", "status": status, "role": "assistant", "content": content}
+
+
+def _output_text(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+class ResponseAnswer(Answer):
+    """A Response object, or its events: response.created and response.in_progress; per output item
+    output_item.added, its content part, its deltas, their done events and output_item.done; then
+    response.completed (response.incomplete when max_output_tokens cut it; response.failed after an error
+    event when the request failed). A finished response is stored when the request asked for it."""
+
+    def __init__(self, request: ResponsesRequest, response_id: str, model: str, conversation: list[dict[str, Any]],
+                 store: ResponseStore) -> None:  # fmt: skip
+        self.request = request
+        self.id = response_id
+        self.model = model
+        self.created = int(time.time())
+        self.conversation = conversation  # the earlier turns and this input, for the store
+        self.store = store
+        self.sequence = 0
+        self.items: list[_Item] = []
+        self.open: _Item | None = None
+        self.quiet = False  # a unary answer: items are kept, events not written
+
+    def response(self, status: str, output: list[dict[str, Any]], usage: Usage | None = None,
+                 incomplete: str | None = None, error: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
+                "background": False, "error": error,
+                "incomplete_details": {"reason": incomplete} if incomplete else None, "model": self.model,
+                "output": output, "usage": _usage(usage) if usage is not None else None,
+                **self.request.echo()}  # fmt: skip
+
+    # -- streaming --
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        if self.quiet:
+            return b""
+        event = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return openai.named_sse(kind, event)
+
+    def opening(self) -> list[bytes]:
+        started = self.response("in_progress", [])
+        return [self._event("response.created", response=started), self._event("response.in_progress", response=started)]
+
+    def delta(self, delta: ProcessedDelta, parsed: ParsedDelta | None) -> list[bytes]:
+        if parsed is None:
+            return self._write("message", delta.text) if delta.text else []
+        events = self._write("reasoning", parsed.reasoning) if parsed.reasoning else []
+        if parsed.content:
+            events += self._write("message", parsed.content)
+        for call in parsed.tool_calls:
+            if call.id is not None:
+                events += self._close()
+                item = self._add(_Item("function_call", len(self.items), call.id, call.name))
+                events.append(self._event("response.output_item.added", output_index=item.index,
+                                          item=item.json("in_progress")))
+            if call.arguments and self.open is not None:
+                self.open.parts.append(call.arguments)
+                events.append(self._event("response.function_call_arguments.delta", item_id=self.open.id,
+                                          output_index=self.open.index, delta=call.arguments))
+        return events
+
+    def _add(self, item: _Item) -> _Item:
+        self.items.append(item)
+        self.open = item
+        return item
+
+    def _write(self, kind: str, text: str) -> list[bytes]:
+        """Text into the open item of `kind`, opening one (and closing the one before) when needed."""
+        events: list[bytes] = []
+        item = self.open
+        if item is None or item.kind != kind:
+            events += self._close()
+            item = self._add(_Item(kind, len(self.items)))
+            events.append(self._event("response.output_item.added", output_index=item.index,
+                                      item=item.json("in_progress")))
+            part = _output_text("") if kind == "message" else {"type": "reasoning_text", "text": ""}
+            events.append(self._event("response.content_part.added", item_id=item.id, output_index=item.index,
+                                      content_index=0, part=part))
+        item.parts.append(text)
+        if kind == "message":
+            events.append(self._event("response.output_text.delta", item_id=item.id, output_index=item.index,
+                                      content_index=0, delta=text, logprobs=[]))
+        else:
+            events.append(self._event("response.reasoning_text.delta", item_id=item.id, output_index=item.index,
+                                      content_index=0, delta=text))
+        return events
+
+    def _close(self, status: str = "completed") -> list[bytes]:
+        item = self.open
+        if item is None:
+            return []
+        self.open = None
+        at = {"item_id": item.id, "output_index": item.index}
+        if item.kind == "function_call":
+            events = [self._event("response.function_call_arguments.done", **at, name=item.name, arguments=item.text)]
+        elif item.kind == "message":
+            events = [self._event("response.output_text.done", **at, content_index=0, text=item.text, logprobs=[]),
+                      self._event("response.content_part.done", **at, content_index=0, part=_output_text(item.text))]
+        else:
+            part = {"type": "reasoning_text", "text": item.text}
+            events = [self._event("response.reasoning_text.done", **at, content_index=0, text=item.text),
+                      self._event("response.content_part.done", **at, content_index=0, part=part)]
+        events.append(self._event("response.output_item.done", output_index=item.index, item=item.json(status)))
+        return events
+
+    def closing(self, outcome: Outcome, ending: Ending) -> list[bytes]:
+        incomplete = _incomplete(ending)
+        status = "incomplete" if incomplete else "completed"
+        events = self._close(status)
+        done = self.response(status, [item.json(status) for item in self.items], ending.usage, incomplete)
+        self._keep(done, outcome)
+        events.append(self._event(f"response.{status}", response=done))
+        return events
+
+    def failure(self, error: openai.RequestError) -> bytes:
+        output = [item.json("incomplete") for item in self.items]
+        failed = self.response("failed", output, error={"code": "server_error", "message": error.message})
+        return (self._event("error", code="server_error", message=error.message, param=None)
+                + self._event("response.failed", response=failed))
+
+    # -- unary --
+    def collect(self, delta: ProcessedDelta, parsed: ParsedDelta | None) -> None:
+        """The same items as a stream would have, in the order the model wrote them; no events."""
+        self.quiet = True
+        self.delta(delta, parsed)
+
+    def body(self, outcome: Outcome, ending: Ending) -> Any:
+        incomplete = _incomplete(ending)
+        status = "incomplete" if incomplete else "completed"
+        self._close(status)
+        response = self.response(status, [item.json(status) for item in self.items], ending.usage, incomplete)
+        self._keep(response, outcome)
+        return response
+
+    def _keep(self, response: dict[str, Any], outcome: Outcome) -> None:
+        """Store the finished response and its conversation (when the request asked to)."""
+        if not self.request.store:
+            return
+        reply: dict[str, Any] = {"role": "assistant", "content": "".join(outcome.text) or None}
+        if outcome.tool_calls:
+            reply["tool_calls"] = outcome.tool_calls
+        if outcome.reasoning:
+            reply["reasoning_content"] = "".join(outcome.reasoning)
+        self.store.put(self.id, StoredResponse(response, [*self.conversation, reply]))
+
+
+def _incomplete(ending: Ending) -> str | None:
+    if ending.reason == "length":
+        return "max_output_tokens"
+    return "content_filter" if ending.reason == "content_filter" else None
+
+
+def _usage(usage: Usage) -> dict[str, Any]:
+    return {"input_tokens": usage.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": usage.cached_tokens or 0, "cache_write_tokens": 0},
+            "output_tokens": usage.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens or 0},
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens}  # fmt: skip
