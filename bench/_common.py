@@ -231,6 +231,16 @@ def pct(sorted_values: list[float], q: float) -> float:
 
 
 # -- deployments ----------------------------------------------------------------------------------
+def file_discovery_env(workdir: str, namespace: str, pythonpath: str = REPO) -> dict[str, str]:
+    """Environment for the processes of one deployment: file discovery under `workdir`, the TCP request
+    plane, ZMQ events, no system server, the default log level; `pythonpath`: the tandem tree to run."""
+    env = {**os.environ, "DYN_FILE_KV": os.path.join(workdir, "kv"), "DYN_NAMESPACE": namespace,
+           "DYN_DISCOVERY_BACKEND": "file", "DYN_REQUEST_PLANE": "tcp", "DYN_EVENT_PLANE": "zmq",
+           "DYN_TCP_RPC_HOST": "127.0.0.1", "DYN_SYSTEM_ENABLED": "false", "PYTHONPATH": pythonpath}
+    env.pop("DYN_LOG", None)
+    return env
+
+
 def model_path() -> str:
     """SmolLM2-135M-Instruct's folder (prepared from the PyPI wheel on first use; needs tandem's venv)."""
     from tandem.models import prepare_model
@@ -575,16 +585,17 @@ class StreamConn:
             self.writer.close()
         self.reader = self.writer = None
 
-    async def post(self, path: str, body: bytes) -> tuple[bytes, AsyncIterator[bytes]]:
-        """Send the request; returns the status line and the response's events (`\n\n`-separated
-        pieces of the body, without the separator), to be read to the end before the next request."""
+    async def post(self, path: str, body: bytes, headers: bytes = b"") -> tuple[bytes, AsyncIterator[bytes]]:
+        """Send the request (`headers`: extra header lines, each ending in CRLF); returns the status line
+        and the response's events (`\n\n`-separated pieces of the body, without the separator), to be
+        read to the end before the next request."""
         if self.writer is None:
             await self.connect()
         reader, writer = self.reader, self.writer
         assert reader is not None and writer is not None
         writer.write(b"POST %s HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
-                     b"Accept: text/event-stream\r\nContent-Length: %d\r\n\r\n%s"
-                     % (path.encode(), self.host.encode(), self.port, len(body), body))
+                     b"Accept: text/event-stream\r\n%sContent-Length: %d\r\n\r\n%s"
+                     % (path.encode(), self.host.encode(), self.port, headers, len(body), body))
         status = await reader.readline()
         chunked, length, close = False, None, False
         while (line := await reader.readline()) not in (b"\r\n", b""):

@@ -41,7 +41,7 @@ import tempfile
 import time
 from typing import Any
 
-from _common import REPO, Proc, StreamConn, comparison_table, has_dynamo, wait_serving
+from _common import REPO, Proc, StreamConn, comparison_table, file_discovery_env, has_dynamo, wait_serving
 from _common import cpu_seconds as _cpu_seconds
 from _common import free_port as _free_port
 from _common import machine_busy_seconds as _machine_busy_seconds
@@ -259,11 +259,8 @@ def run_client(args: argparse.Namespace) -> None:
     kv = tempfile.mkdtemp(prefix=f"fbench-{args.impl}-")  # removed unless the run fails
     logdir = os.path.join(kv, "logs")
     os.makedirs(logdir)
-    env = {**os.environ, "DYN_FILE_KV": os.path.join(kv, "kv"), "DYN_NAMESPACE": NAMESPACE,
-           "DYN_DISCOVERY_BACKEND": "file", "DYN_REQUEST_PLANE": "tcp", "DYN_EVENT_PLANE": "zmq",
-           "DYN_TCP_RPC_HOST": "127.0.0.1", "DYN_SYSTEM_ENABLED": "false",
-           "PYTHONPATH": args.baseline_tree if args.impl == "base" else REPO}
-    env.pop("DYN_LOG", None)  # each frontend at its default log level (both log each request at info)
+    # (each frontend at its default log level: both log each request at info)
+    env = file_discovery_env(kv, NAMESPACE, args.baseline_tree if args.impl == "base" else REPO)
     import uvloop
 
     result: dict[str, float] = {}

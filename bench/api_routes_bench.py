@@ -1,0 +1,513 @@
+"""API routes benchmark: the frontend's CPU time per request on its three generation APIs in the same
+run — OpenAI chat completions (the baseline), OpenAI Responses and Anthropic Messages — in front of
+tandem's test engine, which answers at once.
+
+    python bench/api_routes_bench.py                     # all three routes, streamed and unary (~3.5 min)
+    python bench/api_routes_bench.py --routes chat       # chat completions only
+    python bench/api_routes_bench.py --routes chat,messages --modes stream --json routes.json
+
+The deployment is frontend_bench.py's: tandem's frontend + `python -m tandem.testing.engine` with file
+discovery and the TCP request plane, the frontend pinned to core 0, the engine and the load generator
+(raw HTTP/1.1 keep-alive connections, one per concurrent request) to core 1. The same prompt goes to
+every route (a user message; the Responses API's `input` string), max tokens 32:
+  * POST /v1/chat/completions  {"messages": [...], "max_tokens": 32, "stream": ...}
+  * POST /v1/responses         {"input": "...", "max_output_tokens": 32, "stream": ...}
+  * POST /v1/messages          {"messages": [...], "max_tokens": 32, "stream": ...} (+ anthropic-version)
+For each route, streamed and unary, at concurrency 1 and 16, for --duration s each (closed loop):
+requests/s, p50 latency, and the frontend's CPU time per request (user + system from /proc/<pid>/stat
+over the measured time, divided by the requests served). Within a level (mode, concurrency) the routes
+take turns: --rounds rounds of --duration/--rounds s per route, in an order that rotates, so a drift
+or a disturbance during the level hits every route alike. Each new route is reported as a ratio
+against chat completions measured in the same run at the same mode and concurrency (its CPU per
+request / chat's), the median of the per-run ratios (their range in the lines under the table).
+
+The load generator checks every response: HTTP 200; streamed, the route's events in order up to its
+final one (`data: [DONE]`; `response.completed`, or `response.incomplete` for max_output_tokens, which
+is how the Responses API ends an answer cut at its limit; `message_stop`), no error event, text
+deltas, 32 output tokens (usage where the route reports it, else the text chunks); unary, the route's
+JSON with its text and 32 output tokens. Anything else, a connection error or a request over 30 s is
+an error: a level with errors is reported in the table (and its first error messages below it), kept
+out of the medians, and the exit status is 1.
+
+Each of the --repeat runs starts a fresh deployment and warms every route up; a route the frontend
+does not serve (404) or answers wrongly stops the benchmark before any measurement. On a shared
+machine a round during which other processes used > --max-others % of a core is measured again (up to
+--attempts times; else the least disturbed one is kept, with a warning). The default run takes ~3.5
+minutes on an idle machine (--routes chat: ~1.5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from _common import (
+    REPO,
+    Proc,
+    StreamConn,
+    cpu_seconds,
+    file_discovery_env,
+    fmt,
+    interrupt_on_sigterm,
+    machine_busy_seconds,
+    pct,
+    wait_quiet,
+    write_json,
+)
+from frontend_bench import ENGINE_CORE, FRONTEND_CORE, MESSAGES, MODEL_NAME, NAMESPACE, start_deployment
+
+PROMPT = MESSAGES[0]["content"]
+CONCURRENCIES = (1, 16)
+MODES = ("stream", "unary")
+REQUEST_TIMEOUT = 30.0
+_decode = msgspec.json.decode
+
+
+class BadResponse(Exception):
+    """A response that is not a complete, successful answer of its route."""
+
+
+# -- the routes: request bodies and response checks ---------------------------------------------------
+def _sse(event: bytes) -> tuple[str, bytes]:
+    """(event name, "" when none; the data lines joined) of one server-sent event."""
+    name, data = "", []
+    for line in event.split(b"\n"):
+        line = line.rstrip(b"\r")
+        if line.startswith(b"data:"):
+            data.append(line[6:] if line.startswith(b"data: ") else line[5:])
+        elif line.startswith(b"event:"):
+            name = line[6:].strip().decode()
+    return name, b"\n".join(data)
+
+
+def _typed(events: list[tuple[str, bytes]]) -> list[dict[str, Any]]:
+    """The events' JSON data, each with a `type` equal to its `event:` name (the Responses and Messages
+    APIs name every event twice); an `error` event raises."""
+    out = []
+    for name, data in events:
+        obj = _decode(data)
+        kind = obj.get("type")
+        if name and kind != name:
+            raise BadResponse(f"event {name!r} carries data of type {kind!r}")
+        if kind in ("error", "response.failed") or (kind is None and "error" in obj):
+            raise BadResponse(f"error event: {data[:300]!r}")
+        out.append(obj)
+    return out
+
+
+def _chat_stream(events: list[tuple[str, bytes]]) -> int:
+    if not events or events[-1][1] != b"[DONE]":
+        raise BadResponse(f"the stream does not end with data: [DONE] (last: {events[-1][1][:200] if events else b''!r})")
+    chunks, finish = 0, None
+    for _, data in events[:-1]:
+        chunk = _decode(data)
+        if "error" in chunk:
+            raise BadResponse(f"error event: {data[:300]!r}")
+        for choice in chunk["choices"]:
+            chunks += bool(choice["delta"].get("content"))
+            finish = choice.get("finish_reason") or finish
+    if finish is None:
+        raise BadResponse("no chunk with a finish_reason")
+    return chunks
+
+
+def _chat_unary(body: dict[str, Any]) -> int:
+    choice = body["choices"][0]
+    if not choice["message"].get("content") or not choice.get("finish_reason"):
+        raise BadResponse(f"no content or finish_reason: {str(body)[:300]}")
+    return int(body["usage"]["completion_tokens"])
+
+
+def _responses_done(response: dict[str, Any], final: str) -> None:
+    """A Responses API answer that ended normally: completed, or incomplete at max_output_tokens."""
+    status = response.get("status")
+    cut = status == "incomplete" and (response.get("incomplete_details") or {}).get("reason") == "max_output_tokens"
+    if not (status == "completed" or cut) or final != f"response.{status}":
+        raise BadResponse(f"final event {final!r} with status {status!r} ({response.get('incomplete_details')})")
+
+
+def _responses_stream(events: list[tuple[str, bytes]]) -> int:
+    objs = _typed(events)
+    if not objs:
+        raise BadResponse("no events")
+    if objs[0]["type"] != "response.created":
+        raise BadResponse(f"first event {objs[0]['type']!r}, not response.created")
+    final = objs[-1]
+    _responses_done(final.get("response") or {}, final["type"])
+    deltas = sum(1 for o in objs if o["type"] == "response.output_text.delta" and o.get("delta"))
+    if not deltas:
+        raise BadResponse("no response.output_text.delta event")
+    usage = final["response"].get("usage") or {}
+    return int(usage.get("output_tokens", deltas))
+
+
+def _responses_unary(body: dict[str, Any]) -> int:
+    if body.get("object") != "response":
+        raise BadResponse(f"not a response object: {str(body)[:300]}")
+    _responses_done(body, f"response.{body.get('status')}")
+    text = "".join(part.get("text", "") for item in body.get("output", []) if item.get("type") == "message"
+                   for part in item.get("content", []) if part.get("type") == "output_text")
+    if not text:
+        raise BadResponse(f"no output_text: {str(body)[:300]}")
+    return int(body["usage"]["output_tokens"])
+
+
+def _messages_stream(events: list[tuple[str, bytes]]) -> int:
+    objs = _typed(events)
+    if not objs or objs[0]["type"] != "message_start" or objs[-1]["type"] != "message_stop":
+        raise BadResponse(f"events {[o['type'] for o in objs[:1]]}...{[o['type'] for o in objs[-1:]]}, "
+                          "not message_start...message_stop")
+    deltas, tokens, stop = 0, None, None
+    for o in objs:
+        if o["type"] == "content_block_delta" and (o.get("delta") or {}).get("text"):
+            deltas += 1
+        elif o["type"] == "message_delta":
+            stop = (o.get("delta") or {}).get("stop_reason")
+            tokens = (o.get("usage") or {}).get("output_tokens", tokens)
+    if not deltas or stop is None:
+        raise BadResponse(f"{deltas} text deltas, stop_reason {stop!r}")
+    return int(tokens if tokens is not None else deltas)
+
+
+def _messages_unary(body: dict[str, Any]) -> int:
+    if body.get("type") != "message" or not body.get("stop_reason"):
+        raise BadResponse(f"not a finished message: {str(body)[:300]}")
+    if not "".join(b.get("text", "") for b in body.get("content", []) if b.get("type") == "text"):
+        raise BadResponse(f"no text content: {str(body)[:300]}")
+    return int(body["usage"]["output_tokens"])
+
+
+@dataclass(frozen=True)
+class Route:
+    label: str
+    path: str
+    body: Callable[[int, bool], dict[str, Any]]  # (max tokens, stream) -> the request's JSON
+    stream_check: Callable[[list[tuple[str, bytes]]], int]  # the SSE events -> output tokens; raises
+    unary_check: Callable[[dict[str, Any]], int]  # the JSON body -> output tokens; raises
+    headers: bytes = b""
+
+
+ROUTES = {
+    "chat": Route("chat completions", "/v1/chat/completions",
+                  lambda n, s: {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": n, "stream": s},
+                  _chat_stream, _chat_unary),
+    "responses": Route("responses", "/v1/responses",
+                       lambda n, s: {"model": MODEL_NAME, "input": PROMPT, "max_output_tokens": n, "stream": s},
+                       _responses_stream, _responses_unary),
+    "messages": Route("messages", "/v1/messages",
+                      lambda n, s: {"model": MODEL_NAME, "max_tokens": n, "messages": MESSAGES, "stream": s},
+                      _messages_stream, _messages_unary, headers=b"anthropic-version: 2023-06-01\r\n"),
+}
+
+
+# -- load generator ----------------------------------------------------------------------------------
+class Client(StreamConn):
+    async def call(self, route: Route, body: bytes, stream: bool, max_tokens: int) -> None:
+        """One request, read to its end; raises BadResponse (or what the connection raised) unless it is a
+        complete answer with `max_tokens` output tokens."""
+        status, events = await self.post(route.path, body, route.headers)
+        raw = [e async for e in events]
+        if not status.startswith(b"HTTP/1.1 200"):
+            raise BadResponse(f"{status.decode(errors='replace').strip()}: {b''.join(raw)[:300]!r}")
+        if stream:
+            tokens = route.stream_check([_sse(e) for e in raw if e.strip()])
+        else:
+            tokens = route.unary_check(_decode(b"\n\n".join(raw)))
+        if tokens != max_tokens:
+            raise BadResponse(f"{tokens} output tokens, wanted {max_tokens}")
+
+
+async def level(url: str, route: Route, stream: bool, concurrency: int, duration: float, max_tokens: int,
+                frontend: int, engine: int) -> dict[str, Any]:
+    """Closed loop: `concurrency` connections each send the next request when the last one ended, after
+    one warm-up request each."""
+    host, port = url.split("//")[1].rsplit(":", 1)
+    body = json.dumps(route.body(max_tokens, stream)).encode()
+    conns = [Client(host, int(port)) for _ in range(concurrency)]
+    latencies: list[float] = []
+    errors: list[str] = []
+
+    async def one(conn: Client) -> None:
+        start = time.perf_counter()
+        try:
+            async with asyncio.timeout(REQUEST_TIMEOUT):
+                await conn.call(route, body, stream, max_tokens)
+        except Exception as e:  # noqa: BLE001 — every failure is counted and reported
+            conn.close()  # (the rest of the response may still be on the way)
+            errors.append(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
+            return
+        latencies.append(time.perf_counter() - start)
+
+    await asyncio.gather(*(one(c) for c in conns))  # connect + warm up (its errors count too)
+    latencies.clear()  # (warm-up errors stay: they count)
+    cpu0 = (cpu_seconds(frontend), cpu_seconds(engine), cpu_seconds(os.getpid()), machine_busy_seconds())
+    start = time.perf_counter()
+    deadline = start + duration
+
+    async def worker(conn: Client) -> None:
+        while time.perf_counter() < deadline:
+            await one(conn)
+
+    await asyncio.gather(*(worker(c) for c in conns))
+    elapsed = time.perf_counter() - start
+    cpu_frontend, cpu_engine = cpu_seconds(frontend) - cpu0[0], cpu_seconds(engine) - cpu0[1]
+    cpu_others = (machine_busy_seconds() - cpu0[3] - cpu_frontend - cpu_engine
+                  - (cpu_seconds(os.getpid()) - cpu0[2]))
+    for c in conns:
+        c.close()
+    return {"elapsed": elapsed, "latencies": latencies, "errors": errors, "cpu_frontend": cpu_frontend,
+            "cpu_engine": cpu_engine, "cpu_others": max(cpu_others, 0.0)}
+
+
+def combine(slices: list[dict[str, Any]]) -> dict[str, Any]:
+    """One route's figures at one level from its slices (the rounds)."""
+    elapsed = sum(s["elapsed"] for s in slices)
+    cpu_frontend, cpu_engine = sum(s["cpu_frontend"] for s in slices), sum(s["cpu_engine"] for s in slices)
+    latencies = sorted(x for s in slices for x in s["latencies"])
+    errors = [e for s in slices for e in s["errors"]]
+    n = len(latencies)
+    return {"requests": n, "errors": len(errors), "error_samples": sorted(set(errors))[:3],
+            "rps": n / elapsed, "p50_ms": pct(latencies, 0.5) * 1e3 if n else 0.0,
+            "frontend_cpu_ms_per_req": cpu_frontend / n * 1e3 if n else 0.0,
+            "frontend_core_busy_pct": cpu_frontend / elapsed * 100,
+            "engine_cpu_ms_per_req": cpu_engine / n * 1e3 if n else 0.0,
+            "others_cpu_pct": sum(s["cpu_others"] for s in slices) / elapsed * 100}
+
+
+def _key(route: str, mode: str, concurrency: int) -> str:
+    return f"{route}_{mode}_c{concurrency}"
+
+
+# -- one run: a fresh deployment, every level ----------------------------------------------------------
+def probe(url: str, names: list[str], modes: list[str], max_tokens: int) -> None:
+    """One request per route and mode before measuring: a route the frontend does not serve, or does not
+    answer correctly, stops the benchmark here."""
+    import uvloop
+
+    host, port = url.split("//")[1].rsplit(":", 1)
+
+    async def check() -> list[str]:
+        problems = []
+        for name in names:
+            for mode in modes:
+                route, conn = ROUTES[name], Client(host, int(port))
+                body = json.dumps(route.body(max_tokens, mode == "stream")).encode()
+                try:
+                    await conn.call(route, body, mode == "stream", max_tokens)
+                except Exception as e:  # noqa: BLE001
+                    problems.append(f"POST {route.path} ({mode}): {type(e).__name__}: {e}")
+                conn.close()
+        return problems
+
+    problems = uvloop.run(check())
+    if problems:
+        raise SystemExit("the frontend does not serve every route asked for (see --routes, --modes):\n  "
+                         + "\n  ".join(problems))
+
+
+def run_once(index: int, names: list[str], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    import uvloop
+
+    workdir = tempfile.mkdtemp(prefix="routes-bench-")
+    logdir = os.path.join(workdir, "logs")
+    os.makedirs(logdir)
+    env = file_discovery_env(workdir, NAMESPACE, REPO)
+    procs: list[Proc] = []
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
+        wait_quiet(args.max_others)
+        engine, frontend, url = start_deployment("tandem", sys.executable, env, logdir, False, args.profile)
+        procs = [engine, frontend]
+        if ENGINE_CORE < (os.cpu_count() or 1):
+            os.sched_setaffinity(0, {ENGINE_CORE})  # the load generator shares the engine's core
+        probe(url, names, args.modes, args.max_tokens)
+        for name in names:  # warm up every path
+            for mode in args.modes:
+                warm = combine([uvloop.run(level(url, ROUTES[name], mode == "stream", 16, args.warmup,
+                                                 args.max_tokens, frontend.pid, engine.pid))])
+                if warm["errors"]:
+                    print(f"(run {index + 1}, warm-up {name} {mode}: {warm['errors']} errors: "
+                          f"{warm['error_samples']})", file=sys.stderr)
+        for mode in args.modes:
+            for concurrency in CONCURRENCIES:
+                results.update(measure(url, names, mode, concurrency, args, frontend.pid, engine.pid, index))
+    except BaseException as e:
+        if procs and not isinstance(e, (KeyboardInterrupt, SystemExit)):
+            for p in procs:
+                print(f"--- {p.name} log ---\n{p.tail()}", file=sys.stderr)
+        print(f"(logs kept in {logdir})", file=sys.stderr)
+        raise
+    finally:
+        for p in reversed(procs):
+            p.stop()
+    shutil.rmtree(workdir, ignore_errors=True)
+    return results
+
+
+def measure(url: str, names: list[str], mode: str, concurrency: int, args: argparse.Namespace, frontend: int,
+            engine: int, index: int) -> dict[str, dict[str, Any]]:
+    """One level for every route, interleaved: --rounds rounds, each of a slice of every route (in an order
+    that rotates), so that what drifts during the level hits every route alike. A round during which
+    other processes used more than --max-others % of a core is measured again."""
+    import uvloop
+
+    slices: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    where = f"run {index + 1}, {mode} c={concurrency}"
+    for r in range(args.rounds):
+        shift = (index * args.rounds + r) % len(names)
+        order = names[shift:] + names[:shift]
+        kept: list[tuple[float, dict[str, dict[str, Any]]]] = []
+        for attempt in range(args.attempts):
+            if attempt:
+                wait_quiet(args.max_others, timeout=60, exclude=lambda: [frontend, engine])
+            got = {name: uvloop.run(level(url, ROUTES[name], mode == "stream", concurrency,
+                                          args.duration / args.rounds, args.max_tokens, frontend, engine))
+                   for name in order}
+            others = sum(g["cpu_others"] for g in got.values()) / sum(g["elapsed"] for g in got.values()) * 100
+            kept.append((others, got))
+            if others <= args.max_others:
+                break
+            print(f"({where}, round {r + 1}: other processes used {others:.0f}% of a core; measured again)",
+                  file=sys.stderr)
+        others, got = min(kept, key=lambda k: k[0])
+        if others > args.max_others:
+            print(f"warning: {where}, round {r + 1} kept with other processes at {others:.0f}% of a core",
+                  file=sys.stderr)
+        for name in names:
+            slices[name].append(got[name])
+    out = {}
+    for name in names:
+        stats = out[_key(name, mode, concurrency)] = combine(slices[name])
+        if stats["errors"]:
+            print(f"{where}, {name}: {stats['errors']} errors ({stats['requests']} ok): {stats['error_samples']}",
+                  file=sys.stderr)
+    return out
+
+
+# -- summary -----------------------------------------------------------------------------------------
+def summarize(runs: list[dict[str, dict[str, Any]]], names: list[str], modes: list[str]) -> dict[str, Any]:
+    """Per level: medians over the runs without errors; per new route: the median of its per-run ratios
+    to chat's CPU per request (runs where both levels were error-free)."""
+    medians: dict[str, dict[str, float]] = {}
+    ratios: dict[str, dict[str, float]] = {}
+    errors: dict[str, dict[str, Any]] = {}
+    for name in names:
+        for mode in modes:
+            for c in CONCURRENCIES:
+                key = _key(name, mode, c)
+                clean = [run[key] for run in runs if not run[key]["errors"]]
+                bad = [run[key] for run in runs if run[key]["errors"]]
+                if bad:
+                    errors[key] = {"runs_with_errors": len(bad), "errors": sum(r["errors"] for r in bad),
+                                   "samples": sorted({s for r in bad for s in r["error_samples"]})[:5]}
+                if clean:
+                    medians[key] = {k: statistics.median(r[k] for r in clean) for k in
+                                    ("rps", "p50_ms", "frontend_cpu_ms_per_req", "frontend_core_busy_pct",
+                                     "engine_cpu_ms_per_req", "others_cpu_pct")}
+                    medians[key]["runs"] = len(clean)
+                base = _key("chat", mode, c)
+                if name == "chat" or "chat" not in names:
+                    continue
+                per_run = [run[key]["frontend_cpu_ms_per_req"] / run[base]["frontend_cpu_ms_per_req"]
+                           for run in runs if not run[key]["errors"] and not run[base]["errors"]
+                           and run[base]["frontend_cpu_ms_per_req"] > 0]
+                if per_run:
+                    ratios[key] = {"cpu_vs_chat": statistics.median(per_run), "min": min(per_run),
+                                   "max": max(per_run), "runs": len(per_run)}
+    return {"medians": medians, "cpu_ratio_vs_chat": ratios, "errors": errors}
+
+
+def report(summary: dict[str, Any], names: list[str], modes: list[str], args: argparse.Namespace) -> list[str]:
+    medians, ratios, errors = summary["medians"], summary["cpu_ratio_vs_chat"], summary["errors"]
+    head = "| route | mode |"
+    for c in CONCURRENCIES:
+        head += f" req/s c={c} | frontend CPU ms/req c={c} | vs chat c={c} |"
+    lines = [f"api_routes_bench: frontend CPU per request by route, max tokens {args.max_tokens}, "
+             f"{args.duration:g} s per route and level in {args.rounds} rounds, median of {args.repeat} runs; frontend on core {FRONTEND_CORE}, "
+             f"engine + load generator on core {ENGINE_CORE}", "", head + " errors |",
+             "|---" * (3 + 3 * len(CONCURRENCIES)) + "|"]
+    for mode in modes:
+        for name in names:
+            row = f"| {ROUTES[name].label} | {mode} |"
+            bad = []
+            for c in CONCURRENCIES:
+                key = _key(name, mode, c)
+                m, r = medians.get(key), ratios.get(key)
+                if m is None:
+                    row += " n/a | n/a | n/a |"
+                else:
+                    vs = "1 (baseline)" if name == "chat" else f"{r['cpu_vs_chat']:.2f}x" if r else "n/a"
+                    row += f" {fmt(m['rps'])} | {m['frontend_cpu_ms_per_req']:.3f} | {vs} |"
+                if key in errors:
+                    e = errors[key]
+                    bad.append(f"c={c}: {e['errors']} in {e['runs_with_errors']}/{len(args.runs)} runs")
+            lines.append(row + (" **" + "; ".join(bad) + "** |" if bad else " 0 |"))
+    lines.append("")
+    for mode in modes:
+        for name in names:
+            if name == "chat":
+                continue
+            r = {c: ratios.get(_key(name, mode, c)) for c in CONCURRENCIES}
+            parts = [f"{r[c]['cpu_vs_chat']:.2f}x at c={c} (runs {r[c]['min']:.2f}-{r[c]['max']:.2f})"
+                     for c in reversed(CONCURRENCIES) if r[c]]
+            lines.append(f"- {ROUTES[name].label} {mode}: " + (", ".join(parts) + " chat's CPU per request"
+                                                                if parts else "no error-free run to compare"))
+    if errors:
+        lines += ["", "Errors (levels with errors are left out of the medians and ratios):"]
+        for key, e in errors.items():
+            lines.append(f"- {key}: {e['errors']} errors in {e['runs_with_errors']} runs, e.g. "
+                         + " / ".join(e["samples"]))
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--routes", default=",".join(ROUTES),
+                        help=f"comma-separated, of {', '.join(ROUTES)} (default: all); chat is the baseline")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, of stream, unary (default: both)")
+    parser.add_argument("--duration", type=float, default=4.0, help="seconds per route and level")
+    parser.add_argument("--rounds", type=int, default=4,
+                        help="the routes take turns this many times within each level (duration / rounds each)")
+    parser.add_argument("--warmup", type=float, default=1.0, help="seconds of warm-up per route and mode, each run")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--repeat", type=int, default=3, help="runs (fresh deployments); medians are reported")
+    parser.add_argument("--max-others", type=float, default=15.0,
+                        help="measure a level again if other processes used more than this %% of a core meanwhile")
+    parser.add_argument("--attempts", type=int, default=3, help="measurements tried per level")
+    parser.add_argument("--profile", default=None, help="write a cProfile of the frontend to this file (last run)")
+    parser.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                        help="also write the results (every run, medians, ratios, errors) as JSON (stdout without PATH)")
+    args = parser.parse_args()
+    interrupt_on_sigterm()
+    names = [n.strip() for n in args.routes.split(",") if n.strip()]
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not names or set(names) - set(ROUTES) or not args.modes or set(args.modes) - set(MODES):
+        parser.error(f"--routes takes {', '.join(ROUTES)}; --modes takes {', '.join(MODES)}")
+    names.sort(key=list(ROUTES).index)
+    if "chat" not in names:
+        print("(no chat in --routes: no ratios)", file=sys.stderr)
+    args.runs = []
+    for index in range(args.repeat):
+        args.runs.append(run_once(index, names, args))
+    summary = summarize(args.runs, names, args.modes)
+    print("\n" + "\n".join(report(summary, names, args.modes, args)))
+    write_json(args.json, {"routes": names, "modes": args.modes, "concurrencies": list(CONCURRENCIES),
+                           "max_tokens": args.max_tokens, "duration_s": args.duration, "runs": args.runs, **summary})
+    if summary["errors"]:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
