@@ -358,6 +358,14 @@ def test_text_input_model_is_relayed(tmp_path: Path, smollm2):
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
         reply = client.chat.completions.create(model=MODEL, messages=say("no tools"), tools=tools, tool_choice="none")
         assert reply.choices[0].message.content == "no tools"
+        # The body travels to the engine as it is: an integer msgpack cannot carry is the client's mistake.
+        r = httpx.post(f"{deployment.url}/v1/chat/completions",
+                       json={"model": MODEL, "messages": say("x"), "vendor_extension": {"n": 2**70}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "vendor_extension", r.text
+        # The other APIs need the frontend's templating and parsing: refused by name, not relayed.
+        for path, body in (("/v1/responses", {"input": "x"}), ("/v1/messages", {"max_tokens": 4, "messages": say("x")})):
+            r = httpx.post(f"{deployment.url}{path}", json={"model": MODEL, **body})
+            assert r.status_code == 400 and "text input" in r.text, r.text
     finally:
         deployment.stop()
 

@@ -270,7 +270,8 @@ class FrontendServer:
         pipeline: ModelPipeline = model.pipeline
         if pipeline.preprocessor is None:
             _check_text_input(chat, model.name)
-            return await self._relay_text(request, chat, msgspec.json.decode(body), pipeline, "chat_completions")
+            raw = openai.check_wire_fields(msgspec.json.decode(body))
+            return await self._relay_text(request, chat, raw, pipeline, "chat_completions")
         reasoning_field = self.config.reasoning_field
 
         def answer(request_id: str, prepared: Prepared) -> Answer:

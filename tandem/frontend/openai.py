@@ -98,6 +98,17 @@ def check_wire(value: Any, param: str) -> Any:
     return value
 
 
+def check_wire_fields(body: dict[str, Any]) -> dict[str, Any]:
+    """A whole body the workers get as it is (a text-input model's request); a 400 naming its field that
+    holds an integer beyond 64 bits."""
+    try:
+        msgspec.msgpack.encode(body)
+    except OverflowError:
+        for name, value in body.items():
+            check_wire(value, name)
+    return body
+
+
 # -- requests --------------------------------------------------------------------------------------
 
 
