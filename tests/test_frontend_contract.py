@@ -49,7 +49,7 @@ def api_schema(deployment):
 
 GENERATE = [("/v1/chat/completions", "POST", 40), ("/v1/completions", "POST", 40), ("/v1/responses", "POST", 40),
             ("/v1/responses/input_tokens", "POST", 20), ("/v1/messages", "POST", 40),
-            ("/v1/messages/count_tokens", "POST", 20)]
+            ("/v1/messages/count_tokens", "POST", 20), ("/tokenize", "POST", 30), ("/detokenize", "POST", 20)]
 READ = [("/v1/models/{model}", "GET", 10), ("/v1/models", "GET", 1), ("/health", "GET", 1), ("/live", "GET", 1),
         ("/metrics", "GET", 1), ("/v1/responses/{response_id}", "GET", 5), ("/v1/responses/{response_id}", "DELETE", 5)]
 # Bodies can be made invalid; the read routes have nothing to invalidate (a string path parameter at most).

@@ -22,7 +22,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from tandem.frontend import anthropic, openai, responses
+from tandem.frontend import anthropic, openai, responses, tokenize
 from tandem.frontend.answers import Answer, ChatAnswer, CompletionAnswer, Ending, Outcome, Usage, openai_error
 from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.models import ModelManager, ServedModel
@@ -115,6 +115,8 @@ class FrontendServer:
         if self.config.anthropic_api:
             app.router.add_post("/v1/messages", self.messages)
             app.router.add_post("/v1/messages/count_tokens", self.count_message_tokens)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_get("/v1/models/{model:.+}", self.get_model)
         app.router.add_get("/health", self.health)
@@ -337,6 +339,28 @@ class FrontendServer:
         if stored is None:
             raise openai.RequestError(self.responses.why_missing(previous_response_id), param="previous_response_id")
         return stored.messages
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        parsed = tokenize.parse_tokenize(body)
+        preprocessor = _token_input(self._model(self._named_or_only(parsed.model)), "/tokenize")
+        ids = await preprocessor.tokenize(parsed, len(body))
+        strs = preprocessor.tokenizer.token_strs(ids) if parsed.return_token_strs else None
+        return web.json_response(tokenize.tokenize_response(ids, preprocessor.max_model_len, strs))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        parsed = tokenize.parse_detokenize(await self._body(request))
+        preprocessor = _token_input(self._model(self._named_or_only(parsed.model)), "/detokenize")
+        return web.json_response({"prompt": preprocessor.detokenize(parsed.tokens)})
+
+    def _named_or_only(self, model: str | None) -> str:
+        """The model a request names, or when it names none the one served (vLLM's server has one)."""
+        if model is not None:
+            return model
+        names = [m.name for m in self.manager.served()]
+        if len(names) != 1:
+            raise openai.RequestError(f"'model' is required: {len(names)} models are served", param="model")
+        return names[0]
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         body, model, chat = await self._anthropic(request, anthropic.parse_messages_request, "/v1/messages")

@@ -426,6 +426,41 @@ _MESSAGE_EVENT = {"type": "object", "required": ["type"], "properties": {"type":
 _TOKEN_COUNT = {"type": "object", "required": ["input_tokens"], "properties": {"input_tokens": {"type": "integer"}}}
 
 
+# -- vLLM's tokenizer routes -------------------------------------------------------------------------
+def _tokenize_request(model: dict[str, Any]) -> dict[str, Any]:
+    """A prompt or chat messages (exactly one of them)."""
+    return {
+        "type": "object",
+        "oneOf": [{"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+                  {"required": ["messages"], "properties": {"messages": {"type": "array"}}}],
+        "properties": {
+            "model": _nullable(model),
+            "prompt": _STRING,
+            "messages": _nullable({"type": "array", "minItems": 1, "items": _MESSAGE}),
+            "add_special_tokens": _BOOL,
+            "add_generation_prompt": {"type": "boolean"},
+            "continue_final_message": {"const": False},
+            "return_token_strs": _BOOL,
+            "chat_template": _NULL,
+            "chat_template_kwargs": _OBJECT,
+            "tools": _nullable({"type": "array", "items": _TOOL}),
+        },
+    }
+
+
+def _detokenize_request(model: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "object", "required": ["tokens"],
+            "properties": {"model": _nullable(model), "tokens": {"type": "array", "items": {
+                "type": "integer", "minimum": 0, "maximum": 2**64 - 1}}}}
+
+
+_TOKENIZED = {"type": "object", "required": ["count", "max_model_len", "tokens", "token_strs"],
+              "properties": {"count": {"type": "integer"}, "max_model_len": {"type": "integer"},
+                             "tokens": {"type": "array", "items": {"type": "integer"}},
+                             "token_strs": _nullable({"type": "array", "items": {"type": "string"}})}}
+_DETOKENIZED = {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}}
+
+
 def _requires(field: str, other: str, value: Any) -> dict[str, Any]:
     """`field`, when given (not null), needs `other` set to `value`."""
     return {"if": {"required": [field], "properties": {field: {"not": {"type": "null"}}}},
@@ -475,6 +510,12 @@ def openapi_spec(models: list[str], *, anthropic: bool = True) -> dict[str, Any]
                               parameters=[response_param]),
             },
             **messages,
+            "/tokenize": {"post": _op("Token ids of a prompt, or of chat messages through the model's chat "
+                                      "template (vLLM's route; not behind --api-key)", _json(_TOKENIZED),
+                                      ("400", "404", "408", "413", "415"), request="TokenizeRequest")},
+            "/detokenize": {"post": _op("The text of token ids (vLLM's route; not behind --api-key)",
+                                        _json(_DETOKENIZED), ("400", "404", "408", "413", "415"),
+                                        request="DetokenizeRequest")},
             "/v1/models": {"get": _op("Models being served", _json(_MODEL_LIST), ("401",))},
             "/v1/models/{model}": {"get": _op("One model", _json(_MODEL), ("401", "404"), parameters=[model_param])},
             "/health": {"get": {"summary": "Health: 200 when at least one worker serves a model, else 503",
@@ -488,6 +529,8 @@ def openapi_spec(models: list[str], *, anthropic: bool = True) -> dict[str, Any]
                 "Error": _ERROR,
                 "ResponseRequest": _responses_request(model),
                 "AnthropicError": _ANTHROPIC_ERROR,
+                "TokenizeRequest": _tokenize_request(model),
+                "DetokenizeRequest": _detokenize_request(model),
                 "MessagesRequest": _messages_request(model),
                 "MessagesCountRequest": {"type": "object", "required": ["model", "messages"],
                                          "properties": _messages_prompt(model)},

@@ -26,6 +26,7 @@ from tandem.llm.tokenizer import Tokenizer, TooManyTokens
 
 if TYPE_CHECKING:
     from tandem.frontend.models import ServedModel
+    from tandem.frontend.tokenize import TokenizeRequest
 
 # Request bodies above this size are templated and tokenized in a thread: a 7k-token prompt costs tens of
 # milliseconds, which on the event loop would stall every other stream.
@@ -109,6 +110,27 @@ class Preprocessor:
         render = partial(self.chat_prompt, request)
         prompt_ids, _ = await asyncio.to_thread(render) if body_size > OFF_LOOP_PROMPT_BYTES else render()
         return len(prompt_ids)
+
+    async def tokenize(self, request: TokenizeRequest, body_size: int) -> list[int]:
+        """The token ids of a /tokenize request's prompt (its chat messages templated), bounded by the context."""
+        if request.chat is not None:
+            text, param = self.chat_text(request.chat), "messages"
+        else:
+            text, param = request.prompt or "", "prompt"
+        encode = partial(self._encode, text, param, add_special_tokens=request.add_special_tokens)
+        return await asyncio.to_thread(encode) if body_size > OFF_LOOP_PROMPT_BYTES else encode()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.context_length or UNKNOWN_CONTEXT_TOKENS
+
+    def detokenize(self, ids: list[int]) -> str:
+        vocab = self.tokenizer.vocab_size
+        for i, token in enumerate(ids):
+            if token >= vocab:
+                raise openai.RequestError(f"'tokens[{i}]' is not in the vocabulary (its ids are below {vocab}).",
+                                          param=f"tokens[{i}]")
+        return self.tokenizer.decode(ids)
 
     def chat_parser(self, request: openai.ChatRequest, prompt: str) -> ChatParser | None:
         """The request's output parser: the model's parsers, as the request's tools, tool_choice and
@@ -208,11 +230,11 @@ class Preprocessor:
             extra_args={"nvext": msgspec.to_builtins(ext)} if ext != openai.Nvext() else None,
         )
 
-    def _encode(self, text: str, param: str) -> list[int]:
+    def _encode(self, text: str, param: str, *, add_special_tokens: bool = False) -> list[int]:
         if len(text) > self.max_prompt_chars:
             raise self._too_long(f"{len(text)} characters (at most {self.max_prompt_chars} can fit)", param)
         try:
-            return self.tokenizer.encode(text, add_special_tokens=False, limit=self.max_prompt_tokens)
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens, limit=self.max_prompt_tokens)
         except TooManyTokens as e:
             raise self._too_long(f"at least {e.at_least} tokens", param) from None
 

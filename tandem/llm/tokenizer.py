@@ -223,6 +223,10 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_strs(self, ids: Iterable[int]) -> list[str]:
+        """The vocabulary's own strings of `ids` (byte-level BPE's `Ġ` and all), as vLLM's /tokenize shows them."""
+        return [self._tok.id_to_token(i) or "" for i in ids]
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
