@@ -198,13 +198,14 @@ async def test_the_recorder_publishes_the_steps_and_the_queue_and_idle_engines_s
 def test_load_scaling_grows_a_run_under_a_step_load_and_shrinks_it_after_without_failing_a_request(launch) -> None:
     from tests.test_planner_run import wait_instances
 
-    # Slow mockers (speedup 5) so that twelve clients with long prompts queue well past a 20 ms TTFT on one worker.
+    # Slow mockers (speedup 5) so that twelve clients with long prompts (~3,000 tokens) queue well past a 20 ms TTFT
+    # on one worker, however fast this machine serves the clients.
     run = launch("--workers", "1", "--planner", "load", "--ttft", "20", "--itl", "8", "--loadbased-adjustment-interval",
                  "1", "--max-gpu-budget", "3", "--", "--speedup-ratio", "5")
     try:
         url = run.serving()
         run.wait_for(r"load-based every 1 s, scale-down under 80% \(agg\): TTFT 20 ms, ITL 8 ms")
-        heavy = Load(url, clients=12, pause=0, words=400)
+        heavy = Load(url, clients=12, pause=0, words=800)
         try:
             run.wait_for(r"-> up; prefill 0 -> 0, decode 1 -> 2 \(scaled\)", timeout=60)
             wait_instances(url, 2, timeout=60)
