@@ -1,10 +1,11 @@
-"""API routes benchmark: the frontend's CPU time per request on its three generation APIs in the same
-run — OpenAI chat completions (the baseline), OpenAI Responses and Anthropic Messages — in front of
-tandem's test engine, which answers at once.
+"""API routes benchmark: the frontend's CPU time per request on its APIs in the same run — OpenAI chat
+completions (the baseline), OpenAI Responses, Anthropic Messages, vLLM's token-in/token-out generate and
+OpenAI embeddings — in front of tandem's test engine, which answers at once.
 
-    python bench/api_routes_bench.py                     # all three routes, streamed and unary (~3.5 min)
+    python bench/api_routes_bench.py                     # every route, streamed and unary (~5 min)
     python bench/api_routes_bench.py --routes chat       # chat completions only
     python bench/api_routes_bench.py --routes chat,messages --modes stream --json routes.json
+    python bench/api_routes_bench.py --routes chat,generate,embeddings,embeddings16
 
 The deployment is frontend_bench.py's: tandem's frontend + `python -m tandem.testing.engine` with file
 discovery and the TCP request plane, the frontend pinned to core 0, the engine and the load generator
@@ -13,6 +14,11 @@ every route (a user message; the Responses API's `input` string), max tokens 32:
   * POST /v1/chat/completions  {"messages": [...], "max_tokens": 32, "stream": ...}
   * POST /v1/responses         {"input": "...", "max_output_tokens": 32, "stream": ...}
   * POST /v1/messages          {"messages": [...], "max_tokens": 32, "stream": ...} (+ anthropic-version)
+  * POST /inference/v1/generate  {"token_ids": [the chat route's prompt, templated and tokenized],
+                                  "sampling_params": {"max_tokens": 32, "temperature": 0}, "stream": ...}
+  * POST /v1/embeddings        {"input": "..."} (embeddings) or 16 copies of it (embeddings16), unary only:
+    served by a second test engine, `--endpoint-types embedding --model-name SmolLM2-135M-embed`, on the same
+    namespace and core as the first (it answers with a pseudo-random unit vector of 576 values per input).
 For each route, streamed and unary, at concurrency 1 and 16, for --duration s each (closed loop):
 requests/s, p50 latency, and the frontend's CPU time per request (user + system from /proc/<pid>/stat
 over the measured time, divided by the requests served). Within a level (mode, concurrency) the routes
@@ -24,15 +30,16 @@ request / chat's), the median of the per-run ratios (their range in the lines un
 The load generator checks every response: HTTP 200; streamed, the route's events in order up to its
 final one (`data: [DONE]`; `response.completed`, or `response.incomplete` for max_output_tokens, which
 is how the Responses API ends an answer cut at its limit; `message_stop`), no error event, text
-deltas, 32 output tokens (usage where the route reports it, else the text chunks); unary, the route's
-JSON with its text and 32 output tokens. Anything else, a connection error or a request over 30 s is
+deltas (generate: token ids), 32 output tokens (usage where the route reports it, else the text chunks);
+unary, the route's JSON with its text (generate: token ids) and 32 output tokens; embeddings, one vector of
+576 values per input, in order, and usage.prompt_tokens > 0. Anything else, a connection error or a request over 30 s is
 an error: a level with errors is reported in the table (and its first error messages below it), kept
 out of the medians, and the exit status is 1.
 
 Each of the --repeat runs starts a fresh deployment and warms every route up; a route the frontend
 does not serve (404) or answers wrongly stops the benchmark before any measurement. On a shared
 machine a round during which other processes used > --max-others % of a core is measured again (up to
---attempts times; else the least disturbed one is kept, with a warning). The default run takes ~3.5
+--attempts times; else the least disturbed one is kept, with a warning). The default run takes ~5
 minutes on an idle machine (--routes chat: ~1.5).
 """
 
@@ -40,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import shutil
@@ -49,6 +57,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -61,6 +70,7 @@ from _common import (
     fmt,
     interrupt_on_sigterm,
     machine_busy_seconds,
+    model_path,
     pct,
     wait_quiet,
     write_json,
@@ -68,6 +78,7 @@ from _common import (
 from frontend_bench import ENGINE_CORE, FRONTEND_CORE, MESSAGES, MODEL_NAME, NAMESPACE, start_deployment
 
 PROMPT = MESSAGES[0]["content"]
+EMBED_MODEL = "SmolLM2-135M-embed"  # the embedding test engine's model name
 CONCURRENCIES = (1, 16)
 MODES = ("stream", "unary")
 REQUEST_TIMEOUT = 30.0
@@ -106,20 +117,25 @@ def _typed(events: list[tuple[str, bytes]]) -> list[dict[str, Any]]:
     return out
 
 
-def _chat_stream(events: list[tuple[str, bytes]]) -> int:
+def _done_stream(events: list[tuple[str, bytes]], count: Callable[[dict[str, Any]], int]) -> int:
+    """A `data:` stream ending in `data: [DONE]` with a finish_reason: the sum of `count` over its choices."""
     if not events or events[-1][1] != b"[DONE]":
         raise BadResponse(f"the stream does not end with data: [DONE] (last: {events[-1][1][:200] if events else b''!r})")
-    chunks, finish = 0, None
+    total, finish = 0, None
     for _, data in events[:-1]:
         chunk = _decode(data)
         if "error" in chunk:
             raise BadResponse(f"error event: {data[:300]!r}")
         for choice in chunk["choices"]:
-            chunks += bool(choice["delta"].get("content"))
+            total += count(choice)
             finish = choice.get("finish_reason") or finish
     if finish is None:
         raise BadResponse("no chunk with a finish_reason")
-    return chunks
+    return total
+
+
+def _chat_stream(events: list[tuple[str, bytes]]) -> int:
+    return _done_stream(events, lambda choice: bool(choice["delta"].get("content")))  # chunks with text
 
 
 def _chat_unary(body: dict[str, Any]) -> int:
@@ -188,14 +204,60 @@ def _messages_unary(body: dict[str, Any]) -> int:
     return int(body["usage"]["output_tokens"])
 
 
+def _generate_stream(events: list[tuple[str, bytes]]) -> int:
+    return _done_stream(events, lambda choice: len(choice.get("token_ids") or []))
+
+
+def _generate_unary(body: dict[str, Any]) -> int:
+    choice = body["choices"][0]
+    tokens = int(body["usage"]["completion_tokens"])
+    if len(choice.get("token_ids") or []) != tokens or not choice.get("finish_reason"):
+        raise BadResponse(f"token_ids do not match usage, or no finish_reason: {str(body)[:300]}")
+    return tokens
+
+
+@functools.cache
+def _prompt_token_ids() -> list[int]:
+    """The chat route's prompt as the frontend renders it (MESSAGES through the chat template): what the
+    token-in route sends, so that the engine sees the same prompt."""
+    from frontend_bench import _prompt_ids
+
+    return _prompt_ids()[0]
+
+
+@functools.cache
+def _vector_size() -> int:
+    """The test engine's embedding size: the model's hidden size."""
+    with open(os.path.join(model_path(), "config.json")) as f:
+        return int(json.load(f)["hidden_size"])
+
+
+def _embeddings_unary(inputs: int) -> Callable[[dict[str, Any]], None]:
+    def check(body: dict[str, Any]) -> None:
+        data = body.get("data") or []
+        if len(data) != inputs or any(v.get("index") != i or len(v.get("embedding") or []) != _vector_size()
+                                       for i, v in enumerate(data)):
+            raise BadResponse(f"wanted {inputs} vectors of {_vector_size()} values in order: {str(body)[:300]}")
+        if int(body["usage"]["prompt_tokens"]) <= 0:
+            raise BadResponse(f"usage.prompt_tokens {body['usage']['prompt_tokens']}")
+        return None  # no output tokens to compare
+    return check
+
+
+def _unary_only(events: list[tuple[str, bytes]]) -> int:
+    raise BadResponse("this route has no streamed mode")
+
+
 @dataclass(frozen=True)
 class Route:
     label: str
     path: str
     body: Callable[[int, bool], dict[str, Any]]  # (max tokens, stream) -> the request's JSON
     stream_check: Callable[[list[tuple[str, bytes]]], int]  # the SSE events -> output tokens; raises
-    unary_check: Callable[[dict[str, Any]], int]  # the JSON body -> output tokens; raises
+    unary_check: Callable[[dict[str, Any]], int | None]  # the JSON body -> output tokens (None: none); raises
     headers: bytes = b""
+    modes: tuple[str, ...] = MODES  # the modes the route serves
+    engine: str = "chat"  # the engine that answers it: "chat", or "embedding" (a second test engine)
 
 
 ROUTES = {
@@ -208,7 +270,20 @@ ROUTES = {
     "messages": Route("messages", "/v1/messages",
                       lambda n, s: {"model": MODEL_NAME, "max_tokens": n, "messages": MESSAGES, "stream": s},
                       _messages_stream, _messages_unary, headers=b"anthropic-version: 2023-06-01\r\n"),
+    "generate": Route("generate (token ids)", "/inference/v1/generate",
+                      lambda n, s: {"model": MODEL_NAME, "token_ids": _prompt_token_ids(),
+                                    "sampling_params": {"max_tokens": n, "temperature": 0}, "stream": s},
+                      _generate_stream, _generate_unary),
+    "embeddings": Route("embeddings, 1 input", "/v1/embeddings", lambda n, s: {"model": EMBED_MODEL, "input": PROMPT},
+                        _unary_only, _embeddings_unary(1), modes=("unary",), engine="embedding"),
+    "embeddings16": Route("embeddings, 16 inputs", "/v1/embeddings",
+                          lambda n, s: {"model": EMBED_MODEL, "input": [PROMPT] * 16},
+                          _unary_only, _embeddings_unary(16), modes=("unary",), engine="embedding"),
 }
+
+
+def _serves(name: str, mode: str) -> bool:
+    return mode in ROUTES[name].modes
 
 
 # -- load generator ----------------------------------------------------------------------------------
@@ -220,11 +295,12 @@ class Client(StreamConn):
         raw = [e async for e in events]
         if not status.startswith(b"HTTP/1.1 200"):
             raise BadResponse(f"{status.decode(errors='replace').strip()}: {b''.join(raw)[:300]!r}")
+        tokens: int | None
         if stream:
             tokens = route.stream_check([_sse(e) for e in raw if e.strip()])
         else:
             tokens = route.unary_check(_decode(b"\n\n".join(raw)))
-        if tokens != max_tokens:
+        if tokens is not None and tokens != max_tokens:
             raise BadResponse(f"{tokens} output tokens, wanted {max_tokens}")
 
 
@@ -290,6 +366,21 @@ def _key(route: str, mode: str, concurrency: int) -> str:
 
 
 # -- one run: a fresh deployment, every level ----------------------------------------------------------
+def wait_model(url: str, model: str, timeout: float = 60) -> None:
+    """Until the frontend at `url` lists `model` (a worker it discovers after its start)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if any(m.get("id") == model for m in httpx.get(f"{url}/v1/models", timeout=5).json().get("data", [])):
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"the frontend does not list {model!r} after {timeout:.0f} s")
+
+
 def probe(url: str, names: list[str], modes: list[str], max_tokens: int) -> None:
     """One request per route and mode before measuring: a route the frontend does not serve, or does not
     answer correctly, stops the benchmark here."""
@@ -300,7 +391,7 @@ def probe(url: str, names: list[str], modes: list[str], max_tokens: int) -> None
     async def check() -> list[str]:
         problems = []
         for name in names:
-            for mode in modes:
+            for mode in filter(partial(_serves, name), modes):
                 route, conn = ROUTES[name], Client(host, int(port))
                 body = json.dumps(route.body(max_tokens, mode == "stream")).encode()
                 try:
@@ -328,21 +419,35 @@ def run_once(index: int, names: list[str], args: argparse.Namespace) -> dict[str
     try:
         os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
         wait_quiet(args.max_others)
+        engines: dict[str, int] = {}
+        if any(ROUTES[name].engine == "embedding" for name in names):
+            # a second test engine, an embedding model under its own name, on the same namespace
+            embedder = Proc("embedding-engine", [
+                sys.executable, "-m", "tandem.testing.engine", "--model", model_path(), "--model-name", EMBED_MODEL,
+                "--endpoint-types", "embedding", "--discovery-backend", "file"], env, logdir, ENGINE_CORE)
+            procs.append(embedder)
+            embedder.wait_line("READY")
+            engines["embedding"] = embedder.pid
         engine, frontend, url = start_deployment("tandem", sys.executable, env, logdir, False, args.profile)
-        procs = [engine, frontend]
+        procs += [engine, frontend]
+        engines["chat"] = engine.pid
+        if "embedding" in engines:
+            wait_model(url, EMBED_MODEL)
         if ENGINE_CORE < (os.cpu_count() or 1):
-            os.sched_setaffinity(0, {ENGINE_CORE})  # the load generator shares the engine's core
+            os.sched_setaffinity(0, {ENGINE_CORE})  # the load generator shares the engines' core
         probe(url, names, args.modes, args.max_tokens)
         for name in names:  # warm up every path
-            for mode in args.modes:
-                warm = combine([uvloop.run(level(url, ROUTES[name], mode == "stream", 16, args.warmup,
-                                                 args.max_tokens, frontend.pid, engine.pid))])
+            for mode in filter(partial(_serves, name), args.modes):
+                route = ROUTES[name]
+                warm = combine([uvloop.run(level(url, route, mode == "stream", 16, args.warmup,
+                                                 args.max_tokens, frontend.pid, engines[route.engine]))])
                 if warm["errors"]:
                     print(f"(run {index + 1}, warm-up {name} {mode}: {warm['errors']} errors: "
                           f"{warm['error_samples']})", file=sys.stderr)
         for mode in args.modes:
             for concurrency in CONCURRENCIES:
-                results.update(measure(url, names, mode, concurrency, args, frontend.pid, engine.pid, index))
+                results.update(measure(url, [n for n in names if _serves(n, mode)], mode, concurrency, args,
+                                       frontend.pid, engines, index))
     except BaseException as e:
         if procs and not isinstance(e, (KeyboardInterrupt, SystemExit)):
             for p in procs:
@@ -357,7 +462,7 @@ def run_once(index: int, names: list[str], args: argparse.Namespace) -> dict[str
 
 
 def measure(url: str, names: list[str], mode: str, concurrency: int, args: argparse.Namespace, frontend: int,
-            engine: int, index: int) -> dict[str, dict[str, Any]]:
+            engines: dict[str, int], index: int) -> dict[str, dict[str, Any]]:
     """One level for every route, interleaved: --rounds rounds, each of a slice of every route (in an order
     that rotates), so that what drifts during the level hits every route alike. A round during which
     other processes used more than --max-others % of a core is measured again."""
@@ -371,9 +476,9 @@ def measure(url: str, names: list[str], mode: str, concurrency: int, args: argpa
         kept: list[tuple[float, dict[str, dict[str, Any]]]] = []
         for attempt in range(args.attempts):
             if attempt:
-                wait_quiet(args.max_others, timeout=60, exclude=lambda: [frontend, engine])
-            got = {name: uvloop.run(level(url, ROUTES[name], mode == "stream", concurrency,
-                                          args.duration / args.rounds, args.max_tokens, frontend, engine))
+                wait_quiet(args.max_others, timeout=60, exclude=lambda: [frontend, *engines.values()])
+            got = {name: uvloop.run(level(url, ROUTES[name], mode == "stream", concurrency, args.duration / args.rounds,
+                                          args.max_tokens, frontend, engines[ROUTES[name].engine]))
                    for name in order}
             others = sum(g["cpu_others"] for g in got.values()) / sum(g["elapsed"] for g in got.values()) * 100
             kept.append((others, got))
@@ -404,7 +509,7 @@ def summarize(runs: list[dict[str, dict[str, Any]]], names: list[str], modes: li
     ratios: dict[str, dict[str, float]] = {}
     errors: dict[str, dict[str, Any]] = {}
     for name in names:
-        for mode in modes:
+        for mode in filter(partial(_serves, name), modes):
             for c in CONCURRENCIES:
                 key = _key(name, mode, c)
                 clean = [run[key] for run in runs if not run[key]["errors"]]
@@ -439,7 +544,7 @@ def report(summary: dict[str, Any], names: list[str], modes: list[str], args: ar
              f"engine + load generator on core {ENGINE_CORE}", "", head + " errors |",
              "|---" * (3 + 3 * len(CONCURRENCIES)) + "|"]
     for mode in modes:
-        for name in names:
+        for name in filter(lambda n: _serves(n, mode), names):
             row = f"| {ROUTES[name].label} | {mode} |"
             bad = []
             for c in CONCURRENCIES:
@@ -456,7 +561,7 @@ def report(summary: dict[str, Any], names: list[str], modes: list[str], args: ar
             lines.append(row + (" **" + "; ".join(bad) + "** |" if bad else " 0 |"))
     lines.append("")
     for mode in modes:
-        for name in names:
+        for name in filter(lambda n: _serves(n, mode), names):
             if name == "chat":
                 continue
             r = {c: ratios.get(_key(name, mode, c)) for c in CONCURRENCIES}

@@ -192,18 +192,25 @@ _AGGREGATED = ("--max-model-len", "1024", "--enable-lora", "--max-lora-rank", "8
                "--enable-prompt-embeds", "--connector", "none", "--dyn-reasoning-parser", "qwen3")
 DISAGG_ARGS = ("--max-model-len", "2048")
 
+# SmolLM2 as an embedding model (vLLM's pooling runner: its last token's hidden state, normalized), declared
+# matryoshka so that `dimensions` can be tested on a real engine.
+EMBEDDING_ARGS = ("--embedding-worker", "--max-model-len", "1024", "--hf-overrides", '{"is_matryoshka": true}')
+
 # Keyed by name: the configurations real-vLLM tests share. "aggregated": two plain workers (one per core)
-# with LoRA, prompt embeddings, prefix caching, KV events and a reasoning parser; "disaggregated": a prefill and a decode worker with NIXL.
+# with LoRA, prompt embeddings, prefix caching, KV events and a reasoning parser; "disaggregated": a prefill
+# and a decode worker with NIXL; "embedding": one embedding worker.
 GROUPS: dict[str, tuple[EngineSpec, ...]] = {
     "aggregated": (EngineSpec((), 0, _AGGREGATED), EngineSpec((), 1, _AGGREGATED)),
     "disaggregated": (EngineSpec(("--is-prefill-worker",), 0, DISAGG_ARGS),
                       EngineSpec(("--is-decode-worker",), 1, DISAGG_ARGS)),
+    "embedding": (EngineSpec((), 0, EMBEDDING_ARGS),),
 }
 GROUP_ENV: dict[str, Callable[[EnginePool], dict[str, str]]] = {
     # Adapters load from under DYN_LORA_PATH only; a fixed hash seed keeps vLLM's block hashes stable.
     "aggregated": lambda pool: {"DYN_LORA_ENABLED": "true", "DYN_LORA_PATH": str(pool.lora_root),
                                 "PYTHONHASHSEED": "0"},
     "disaggregated": lambda pool: {},
+    "embedding": lambda pool: {},
 }
 
 

@@ -36,7 +36,9 @@ FUZZ = settings(derandomize=True, deadline=None, database=None, max_examples=60,
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory, smollm2):
-    deployment = Deployment(tmp_path_factory.mktemp("contract"), smollm2, engines=[[]],
+    # A generation model and an embedding model: each route meets a model it serves and one it refuses.
+    deployment = Deployment(tmp_path_factory.mktemp("contract"), smollm2,
+                            engines=[[], ["--endpoint-types", "embedding", "--model-name", "embedder"]],
                             env={"DYN_HTTP_BODY_LIMIT_MB": "1"})
     yield deployment
     deployment.stop()
@@ -49,7 +51,8 @@ def api_schema(deployment):
 
 GENERATE = [("/v1/chat/completions", "POST", 40), ("/v1/completions", "POST", 40), ("/v1/responses", "POST", 40),
             ("/v1/responses/input_tokens", "POST", 20), ("/v1/messages", "POST", 40),
-            ("/v1/messages/count_tokens", "POST", 20), ("/tokenize", "POST", 30), ("/detokenize", "POST", 20)]
+            ("/v1/messages/count_tokens", "POST", 20), ("/tokenize", "POST", 30), ("/detokenize", "POST", 20),
+            ("/inference/v1/generate", "POST", 40), ("/v1/embeddings", "POST", 40)]
 READ = [("/v1/models/{model}", "GET", 10), ("/v1/models", "GET", 1), ("/health", "GET", 1), ("/live", "GET", 1),
         ("/metrics", "GET", 1), ("/v1/responses/{response_id}", "GET", 5), ("/v1/responses/{response_id}", "DELETE", 5)]
 # Bodies can be made invalid; the read routes have nothing to invalidate (a string path parameter at most).
@@ -74,7 +77,7 @@ def test_openapi_contract(api_schema, deployment, path, method, examples, mode):
 def test_the_contract_names_the_served_model(deployment):
     spec = httpx.get(f"{deployment.url}/openapi.json").json()
     request = spec["components"]["schemas"]["ChatCompletionRequest"]
-    assert request["properties"]["model"]["enum"] == [MODEL]
+    assert request["properties"]["model"]["enum"] == sorted([MODEL, "embedder"])
     roles = [set(m["properties"]["role"].get("enum", [m["properties"]["role"].get("const")]))
              for m in request["properties"]["messages"]["items"]["anyOf"]]
     assert set.union(*roles) == {"system", "developer", "user", "assistant", "tool"}
@@ -89,7 +92,12 @@ _JSON_VALUES = st.recursive(
 _FIELDS = ["model", "messages", "prompt", "stream", "stream_options", "max_tokens", "max_completion_tokens",
            "temperature", "top_p", "top_k", "stop", "seed", "n", "logprobs", "top_logprobs", "response_format",
            "nvext", "tools", "tool_choice", "guided_json", "structured_outputs", "min_tokens", "echo",
-           "input", "instructions", "max_output_tokens", "text", "reasoning", "previous_response_id", "include"]
+           "input", "instructions", "max_output_tokens", "text", "reasoning", "previous_response_id", "include",
+           "token_ids", "sampling_params", "output_mode", "request_id", "return_token_ids", "cache_salt", "priority",
+           "kv_transfer_params", "encoding_format", "dimensions"]
+# Inside /inference/v1/generate's sampling_params.
+_SAMPLING_FIELDS = ["temperature", "top_k", "seed", "stop", "stop_token_ids", "max_tokens", "min_tokens", "logprobs",
+                    "detokenize", "structured_outputs", "n", "logit_bias"]
 
 
 @st.composite
@@ -102,10 +110,13 @@ def _bodies(draw: st.DrawFn) -> bytes:
         return b'{"model": "' + MODEL.encode() + b'", "x": ' + b"[" * depth + b"]" * depth + b', "prompt": "a"}'
     if kind == "json":
         return json.dumps(draw(_JSON_VALUES)).encode()
+    sampling: dict[str, object] = {"max_tokens": 8}
     body = {"model": MODEL, "messages": [{"role": "user", "content": "[[say:ok]]"}], "prompt": "[[say:ok]]",
-            "input": "[[say:ok]]", "max_tokens": 8}
+            "input": "[[say:ok]]", "max_tokens": 8, "token_ids": [1, 2, 3], "sampling_params": sampling}
     for name in draw(st.lists(st.sampled_from(_FIELDS), max_size=4, unique=True)):
         body[name] = draw(_JSON_VALUES)
+    for name in draw(st.lists(st.sampled_from(_SAMPLING_FIELDS), max_size=3, unique=True)):
+        sampling[name] = draw(_JSON_VALUES)
     text = json.dumps(body, allow_nan=True)
     if draw(st.booleans()):  # raw bytes spliced into the JSON text: invalid UTF-8, control characters
         at = draw(st.integers(0, len(text)))
@@ -116,7 +127,8 @@ def _bodies(draw: st.DrawFn) -> bytes:
 _MESSAGE = f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "%s"}}], "prompt": "%s", "max_tokens": 2.0}}'
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+                                  "/inference/v1/generate", "/v1/embeddings"])
 @FUZZ
 @given(body=_bodies())
 @example(body=(_MESSAGE % ("a\\xff", "b")).encode().replace(b"\\xff", b"\xff"))  # invalid UTF-8 in a string
@@ -128,4 +140,5 @@ def test_fuzzed_bodies_never_get_a_server_error(deployment, path, body):
     assert r.status_code in (200, 400, 404, 413), r.text[:500]
     if r.status_code != 200:
         error = r.json()["error"]
-        assert isinstance(error["message"], str) and error["type"] == "invalid_request_error" or r.status_code == 404
+        client_error = "BadRequestError" if path.startswith("/inference/") else "invalid_request_error"  # vLLM's type
+        assert isinstance(error["message"], str) and error["type"] == client_error or r.status_code == 404

@@ -109,9 +109,10 @@ def test_chat_prompt_is_bounded_too(deployment):
 
 
 # -- 2. bytes that are not JSON a decoder can take -------------------------------------------------
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/inference/v1/generate"])
 def test_invalid_utf8_and_deep_nesting_are_400(deployment, path):
-    invalid = b'{"model": "' + MODEL.encode() + b'", "prompt": "a\xff\xfe", "messages": [{"role": "user", "content": "\xc3"}]}'
+    invalid = (b'{"model": "' + MODEL.encode() + b'", "prompt": "a\xff\xfe", "messages": [{"role": "user", "content": "\xc3"}], '
+               b'"token_ids": [1], "sampling_params": {}, "request_id": "\xc3"}')
     assert "UTF-8" in assert_error(post(deployment, path, invalid), 400)["message"]
     deep = b'{"model": "M", "ignored": ' + b"[" * 5000 + b"]" * 5000 + b', "prompt": "x"}'
     assert "nested" in assert_error(post(deployment, path, deep), 400)["message"]

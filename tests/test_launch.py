@@ -212,6 +212,15 @@ def test_url_and_curl_example() -> None:
     assert frontend_url("https://10.0.0.5:443") == "https://10.0.0.5:443"
     example = curl_example("http://127.0.0.1:8000", MODEL)
     assert example.startswith("curl -s http://127.0.0.1:8000/v1/chat/completions") and f'"model": "{MODEL}"' in example
+    assert curl_example("http://h:1", MODEL, embeddings=True).startswith("curl -s http://h:1/v1/embeddings")
+
+
+@pytest.mark.parametrize(("worker_args", "embeddings"), [
+    ((), False), (("--embedding-worker",), True), (("--runner", "pooling"), True), (("--runner=pooling",), True),
+    (("--endpoint-types", "embedding"), True), (("--runner", "generate"), False),
+])
+def test_the_plan_knows_an_embedding_model(worker_args, embeddings) -> None:
+    assert plan_of(spec_of(worker_args=worker_args)).serves_embeddings is embeddings
 
 
 # -- end to end -----------------------------------------------------------------------------------------------------

@@ -91,6 +91,13 @@ def transfer_json(config: Config) -> dict | None:
         (["--cpu-cores", "first"], "--cpu-cores 'first' is not a core list"),
         (["--endpoint-types", "chat,images"], "unknown model type 'images'"),
         (["--enable-sleep-mode"], "--enable-sleep-mode is not supported by vLLM's CPU backend"),
+        (["--endpoint-types", "embedding"], "--endpoint-types embedding needs an embedding worker"),
+        (["--embedding-worker", "--is-prefill-worker"], "--is-prefill-worker: an embedding worker"),
+        (["--runner", "pooling", "--use-vllm-tokenizer"], "--use-vllm-tokenizer: an embedding worker"),
+        (["--embedding-worker", "--dyn-reasoning-parser", "qwen3"], "--dyn-reasoning-parser: an embedding worker"),
+        (["--embedding-worker", "--runner", "generate"], "it cannot go with --runner generate"),
+        (["--embedding-worker", "--connector", "lmcache"], "an embedding worker moves no KV"),
+        (["--embedding-worker", "--endpoint-types", "chat"], "an embedding worker serves embedding only"),
     ],
 )
 def test_validation_errors(argv: list[str], message: str) -> None:
@@ -644,3 +651,14 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
         parse_args(["--version"])
     assert info.value.code == 0
     assert f"vLLM {vllm.__version__}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["--embedding-worker"], ["--runner", "pooling"],
+                                  ["--embedding-worker", "--endpoint-types", "embedding"]])
+def test_an_embedding_worker_runs_the_pooling_runner_alone(argv: list[str]) -> None:
+    """No KV connector, no KV events (embeddings are routed by load) and the embedding endpoint type."""
+    config = build(*argv)
+    assert config.embedding_worker and config.engine_args.runner == "pooling"
+    assert config.connector == [] and config.engine_args.kv_transfer_config is None
+    assert config.engine_args.kv_events_config is None and not config.use_kv_events
+    assert config.endpoint_types == "embedding"

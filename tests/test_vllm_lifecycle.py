@@ -39,6 +39,7 @@ def test_token_payload(monkeypatch: pytest.MonkeyPatch) -> None:
         "token_ids": [7], "sampling_options": {"temperature": 0.0}, "stop_conditions": STOP, "_HEALTH_CHECK": True,
     }
     assert health_check_payload(None)["token_ids"] == [1]
+    assert health_check_payload(7, embedding=True) == {"token_ids": [[7]], "_HEALTH_CHECK": True}
 
 
 def test_text_payload(monkeypatch: pytest.MonkeyPatch) -> None:

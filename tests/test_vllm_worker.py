@@ -147,6 +147,23 @@ def test_clear_kv_blocks_and_cached_tokens(vllm):
     assert cleared.usage.prompt_tokens_details.cached_tokens == 0
 
 
+def test_cache_salt_keeps_prompts_of_other_salts_out_of_the_cache(vllm):
+    """A salted prompt (nvext.cache_salt) is cached under its salt only: the same prompt with another salt,
+    or none, finds nothing in the engine's prefix cache; with the same salt it does."""
+    messages = [{"role": "system", "content": "Salted prompts are kept apart. " * 20}, *QUESTION]
+    client = vllm.client(default_headers=vllm.pin)
+
+    def cached(salt: str | None) -> int:
+        extra = {"nvext": {"cache_salt": salt}} if salt else None
+        reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, extra_body=extra)
+        return reply.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-b") == 0
+    assert cached(None) == 0
+    assert cached("tenant-a") > 0
+
+
 def test_kv_events_reach_the_event_plane(vllm):
     vllm.call("backend.clear_kv_blocks", {}, instance=vllm.worker.instance_id)
     prompt_words = "alpha beta gamma delta epsilon " * 30
@@ -284,6 +301,20 @@ def test_prompt_embeddings_generate_what_their_token_ids_do(vllm, tok):
     assert generated({**request, "token_ids": [], "prompt_embeds": embeds}) == by_ids
 
 
+def test_completions_with_prompt_embeds_answer_what_the_prompt_does(vllm, tok):
+    """/v1/completions with `prompt_embeds` through the frontend's checks (the card says the workers take
+    them): the model's own input embeddings of a prompt give the greedy text of the prompt's token ids."""
+    ids = tok.encode("The capital of France is")
+    embeds = subprocess.run([sys.executable, "-c", PROMPT_EMBEDS, vllm.model_path, ",".join(map(str, ids))],
+                            check=True, capture_output=True, text=True).stdout.strip()
+    client = vllm.client()
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
+    by_embeds = client.completions.create(model=MODEL, prompt=None, max_tokens=8, temperature=0,
+                                          extra_body={"prompt_embeds": embeds})
+    assert by_ids.choices[0].text and by_embeds.choices[0].text == by_ids.choices[0].text
+    assert by_embeds.usage.prompt_tokens == len(ids)
+
+
 def test_sleep_then_wake_serves_again(vllm):
     assert httpx.post(f"{vllm.system_url}/engine/sleep", json={"level": 1}).json()["status"] == "ok"
     vllm.wait_for_instances(1)  # the sleeping worker left discovery; the other one serves on
@@ -366,3 +397,20 @@ async def test_the_worker_publishes_each_engine_step_for_the_load_based_planner(
         assert last.queued_prefill_tokens == 0 and last.max_num_batched_tokens > 0
     finally:
         await runtime.shutdown()
+
+
+def test_token_in_token_out_generates_the_chat_paths_tokens(vllm):
+    """/inference/v1/generate with the ids /tokenize makes of chat messages (greedy, 16 tokens) generates
+    what the chat route does for those messages: the same text and the same number of tokens."""
+    ids = httpx.post(f"{vllm.url}/tokenize", json={"model": MODEL, "messages": QUESTION}, timeout=60).json()["tokens"]
+    r = httpx.post(f"{vllm.url}/inference/v1/generate", headers=vllm.pin, timeout=120,
+                   json={"model": MODEL, "token_ids": ids, "sampling_params": {"temperature": 0, "max_tokens": 16}})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    chat = vllm.client().chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=16,
+                                                 extra_headers=vllm.pin)
+    tokens = choice["token_ids"]
+    assert len(tokens) == chat.usage.completion_tokens and choice["finish_reason"] == chat.choices[0].finish_reason
+    shown = tokens[:-1] if choice["finish_reason"] == "stop" else tokens  # the EOS that ended it has no text
+    text = httpx.post(f"{vllm.url}/detokenize", json={"model": MODEL, "tokens": shown}, timeout=60).json()["prompt"]
+    assert text == chat.choices[0].message.content

@@ -107,3 +107,22 @@ async def test_a_worker_that_cannot_migrate_drains(runtimes, namespace, smollm2)
     worker = await serve_worker(runtime.namespace(namespace).component("backend"), Scripted(), spec)
     assert worker.served.graceful_shutdown is True
     assert worker.card.worker_type == WorkerType.Decode
+
+
+@pytest.mark.parametrize(("model_type", "mode"), [
+    (ModelType.Embedding | ModelType.Chat, DisaggregationMode.AGGREGATED),
+    (ModelType.Embedding, DisaggregationMode.PREFILL),
+])
+def test_an_embedding_model_serves_embeddings_only_and_aggregated(smollm2, model_type, mode):
+    with pytest.raises(ValueError, match="embedding model"):
+        WorkerSpec(smollm2, "m", mode, 16, 0, runtime_config=ModelRuntimeConfig(), model_type=model_type)
+
+
+def test_an_embedding_card_is_not_the_generation_models(smollm2):
+    """Workers serving a model's embeddings and its generation disagree on the card: one model name cannot
+    mix them."""
+    config = ModelRuntimeConfig()
+    text = WorkerSpec(smollm2, "m", DisaggregationMode.AGGREGATED, 16, 0, runtime_config=config).card()
+    vectors = WorkerSpec(smollm2, "m", DisaggregationMode.AGGREGATED, 16, 0, runtime_config=config,
+                         model_type=ModelType.Embedding).card()
+    assert vectors.types == ModelType.Embedding and vectors.mdcsum != text.mdcsum

@@ -1,5 +1,6 @@
 """The HTTP server (aiohttp): OpenAI's chat completions, completions and Responses routes, Anthropic's
-Messages route, /v1/models, /health, /live, /metrics, /openapi.json.
+Messages route, vLLM's token-in/token-out route (/inference/v1/generate), /v1/models, /health, /live,
+/metrics, /openapi.json.
 
 Every generation route runs the same way (`_serve`: preprocess, route, stream the worker's deltas) and
 writes its answer through its own `Answer` (`tandem.frontend.answers`). Client mistakes get the route's
@@ -22,7 +23,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from tandem.frontend import anthropic, openai, responses, tokenize
+from tandem.frontend import anthropic, embeddings, generate, openai, responses, tokenize
 from tandem.frontend.answers import Answer, ChatAnswer, CompletionAnswer, Ending, Outcome, Usage, openai_error
 from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.models import ModelManager, ServedModel
@@ -31,9 +32,10 @@ from tandem.frontend.pipeline import Attempt, ModelPipeline, StreamLost
 from tandem.frontend.preprocess import Prepared, Preprocessor
 from tandem.frontend.response_store import ResponseStore
 from tandem.frontend.routing import NoWorkerError
+from tandem.llm.model_card import ModelType
 from tandem.llm.parsers import ChatParser, ParsedDelta
 from tandem.llm.postprocess import OutputProcessor, ProcessedDelta
-from tandem.llm.protocols import RoutingHints
+from tandem.llm.protocols import EmbeddingOutput, EmbeddingRequest, RoutingHints
 from tandem.runtime import Context, DistributedRuntime, RemoteError, StreamIncompleteError
 from tandem.runtime.auth import bearer_matches, key_matches
 
@@ -44,6 +46,9 @@ SSE_BATCH = 16  # most SSE events held back for one write while the worker's out
 AnswerFactory = Callable[[str, Prepared], Answer]
 ErrorShape = Callable[[openai.RequestError], dict[str, Any]]
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
+_ANY_MODEL = ModelType.Chat | ModelType.Completions | ModelType.Embedding  # the tokenizer routes serve every model
+# Paths behind --api-key and closed to new POSTs while draining: vLLM's --api-key guards /inference too.
+_GUARDED = ("/v1/", "/inference/")
 
 
 @dataclass
@@ -73,7 +78,7 @@ class Exchange:
     processor: OutputProcessor
     parser: ChatParser | None  # thinking and tool calls in a chat answer
     answer: Answer
-    prompt_ids: list[int]
+    prompt_tokens: int  # the prompt's length: its token ids, or the rows of its prompt embeddings
     first: dict[str, Any]  # the worker's first output (routing failures were answered before)
     outputs: Any  # the rest of the worker's outputs
 
@@ -85,6 +90,8 @@ def _error(request: web.Request, status: int, message: str) -> web.Response:
 
 
 def _error_shape(path: str) -> ErrorShape:
+    if path.startswith("/inference/"):
+        return generate.error_body  # vLLM's: its `code` is the HTTP status
     return anthropic.error_body if path.startswith("/v1/messages") else openai_error
 
 
@@ -115,8 +122,10 @@ class FrontendServer:
         if self.config.anthropic_api:
             app.router.add_post("/v1/messages", self.messages)
             app.router.add_post("/v1/messages/count_tokens", self.count_message_tokens)
+        app.router.add_post("/v1/embeddings", self.embeddings)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_post(generate.ROUTE, self.generate_tokens)
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_get("/v1/models/{model:.+}", self.get_model)
         app.router.add_get("/health", self.health)
@@ -165,7 +174,7 @@ class FrontendServer:
 
     @web.middleware
     async def _gate(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        if self.draining and request.method == "POST" and request.path.startswith("/v1/"):
+        if self.draining and request.method == "POST" and request.path.startswith(_GUARDED):
             response = _error(request, 503, "the server is shutting down; send the request to another frontend")
             response.headers["Connection"] = "close"
             return response
@@ -193,7 +202,7 @@ class FrontendServer:
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
         key = self.config.api_key
-        if key and request.path.startswith("/v1/"):
+        if key and request.path.startswith(_GUARDED):
             headers = request.headers
             # Anthropic's clients send the key as x-api-key, OpenAI's as a bearer token: either will do.
             if not (bearer_matches(headers.get("Authorization", ""), key) or key_matches(headers.get("x-api-key"), key)):
@@ -259,16 +268,28 @@ class FrontendServer:
             raise openai.RequestError(f"the request body did not arrive within {self.config.body_read_timeout:g} s",
                                       status=408) from None
 
-    def _model(self, name: str) -> ServedModel:
+    def _model(self, name: str, kind: ModelType, route: str) -> ServedModel:
+        """The served model `name`, if it serves `kind` of requests (a generation model makes no
+        embeddings, an embedding model answers no chat)."""
         model = self.manager.get(name)
         if model is None:
             raise openai.RequestError.model_not_found(name)
-        return model
+        types = model.card.types
+        if types & kind:
+            return model
+        if types & ModelType.Embedding:
+            why = f"model {name!r} is an embedding model: it is served on /v1/embeddings, not {route}"
+        elif kind is ModelType.Embedding:
+            why = (f"model {name!r} is not an embedding model: /v1/embeddings needs a model its workers serve "
+                   "in pooling mode (`tandem vllm --embedding-worker`)")
+        else:
+            why = f"model {name!r} is not served for {route} (its workers' --endpoint-types leave it out)"
+        raise openai.RequestError(why, param="model")
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         chat = openai.parse_chat_request(body)
-        model = self._model(chat.model)
+        model = self._model(chat.model, ModelType.Chat, "/v1/chat/completions")
         pipeline: ModelPipeline = model.pipeline
         if pipeline.preprocessor is None:
             _check_text_input(chat, model.name)
@@ -285,7 +306,7 @@ class FrontendServer:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         completion = openai.parse_completion_request(body)
-        model = self._model(completion.model)
+        model = self._model(completion.model, ModelType.Completions, "/v1/completions")
         pipeline: ModelPipeline = model.pipeline
         if pipeline.preprocessor is None:
             raise openai.RequestError(f"model {model.name!r} only serves chat completions", param="model")
@@ -299,7 +320,7 @@ class FrontendServer:
     async def create_response(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         parsed = responses.parse_request(body)
-        model = self._model(parsed.model)
+        model = self._model(parsed.model, ModelType.Chat, "/v1/responses")
         _token_input(model, "/v1/responses")
         history = self._history(parsed.previous_response_id)
         conversation = [*history, *parsed.input]
@@ -313,7 +334,7 @@ class FrontendServer:
     async def count_response_tokens(self, request: web.Request) -> web.Response:
         body = await self._body(request)
         parsed = responses.parse_request(body)
-        model = self._model(parsed.model)
+        model = self._model(parsed.model, ModelType.Chat, "/v1/responses/input_tokens")
         chat = parsed.chat(self._history(parsed.previous_response_id))
         count = await _token_input(model, "/v1/responses/input_tokens").count_prompt_tokens(chat, len(body))
         return web.json_response({"object": "response.input_tokens", "input_tokens": count})
@@ -340,18 +361,83 @@ class FrontendServer:
             raise openai.RequestError(self.responses.why_missing(previous_response_id), param="previous_response_id")
         return stored.messages
 
+    async def embeddings(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        parsed = embeddings.parse_request(body)
+        model = self._model(parsed.model, ModelType.Embedding, "/v1/embeddings")
+        embeddings.check_dimensions(parsed.dimensions, model.name, model.card.runtime_config)
+        pipeline: ModelPipeline = model.pipeline
+        preprocessor = _token_input(model, "/v1/embeddings")
+        token_ids = await preprocessor.embedding_inputs(parsed, len(body))
+        work = EmbeddingRequest(token_ids, model=model.name, dimensions=parsed.dimensions, mdc_sum=preprocessor.mdcsum)
+        request_id = uuid.uuid4().hex
+        context = Context(request_id)
+        attempt = Attempt()
+        pinned = _pinned_instance(openai.routing_hints(None, request.headers), pipeline, request)
+        outputs = pipeline.generate(work, context, attempt, pinned=pinned)
+        metrics, started, status = self.metrics, time.perf_counter(), "error"
+        prompt_tokens = sum(map(len, token_ids))
+        metrics.inflight.labels(model.name).inc()
+        metrics.isl.labels(model.name).observe(prompt_tokens)
+        self._inflight[request_id] = context
+        try:
+            try:
+                output = msgspec.convert(await anext(outputs), EmbeddingOutput)
+            except StopAsyncIteration:
+                return self._failure(StreamIncompleteError("the worker answered with nothing"), model.name,
+                                     "embeddings")
+            except Exception as e:  # routing, the worker's error, or an answer not in the contract's shape
+                return self._failure(e, model.name, "embeddings")
+            if len(output.embeddings) != len(token_ids):
+                return self._failure(RemoteError(f"the worker returned {len(output.embeddings)} vectors for "
+                                                 f"{len(token_ids)} inputs"), model.name, "embeddings")
+            status = "success"
+            answer = embeddings.response(request_id, model.name, parsed, output.embeddings, prompt_tokens)
+            return web.Response(body=msgspec.json.encode(answer), content_type="application/json")
+        except asyncio.CancelledError:
+            context.kill()
+            metrics.cancellations.labels(model.name, "embeddings", "unary").inc()
+            status = "cancelled"
+            raise
+        finally:
+            del self._inflight[request_id]
+            await outputs.aclose()
+            elapsed = time.perf_counter() - started
+            metrics.inflight.labels(model.name).dec()
+            metrics.requests.labels(model.name, "embeddings", "unary", status).inc()
+            metrics.duration.labels(model.name).observe(elapsed)
+            log.info("request %s%s model=%s worker=%s status=%s inputs=%d prompt_tokens=%d migrations=%d total_ms=%.1f",
+                     request_id, _client_id(request), model.name,
+                     f"{attempt.instance_id:x}" if attempt.instance_id else "-", status, len(token_ids),
+                     prompt_tokens, attempt.migrations, elapsed * 1000)
+
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await self._body(request)
         parsed = tokenize.parse_tokenize(body)
-        preprocessor = _token_input(self._model(self._named_or_only(parsed.model)), "/tokenize")
+        preprocessor = _token_input(self._model(self._named_or_only(parsed.model), _ANY_MODEL, "/tokenize"),
+                                    "/tokenize")
         ids = await preprocessor.tokenize(parsed, len(body))
         strs = preprocessor.tokenizer.token_strs(ids) if parsed.return_token_strs else None
         return web.json_response(tokenize.tokenize_response(ids, preprocessor.max_model_len, strs))
 
     async def detokenize(self, request: web.Request) -> web.Response:
         parsed = tokenize.parse_detokenize(await self._body(request))
-        preprocessor = _token_input(self._model(self._named_or_only(parsed.model)), "/detokenize")
+        preprocessor = _token_input(self._model(self._named_or_only(parsed.model), _ANY_MODEL, "/detokenize"),
+                                    "/detokenize")
         return web.json_response({"prompt": preprocessor.detokenize(parsed.tokens)})
+
+    async def generate_tokens(self, request: web.Request) -> web.StreamResponse:
+        """vLLM's token-in/token-out route: the token ids go to the workers as they are (no template)."""
+        body = await self._body(request)
+        parsed = generate.parse_request(body)
+        model = self._model(self._named_or_only(parsed.model), ModelType.Chat | ModelType.Completions, generate.ROUTE)
+        _token_input(model, generate.ROUTE)
+
+        def answer(request_id: str, prepared: Prepared) -> Answer:
+            return generate.GenerateAnswer(parsed, model.name, request_id, prepared)
+
+        return await self._serve(request, parsed.completion_request(model.name), len(body), model.pipeline,
+                                 "generate", answer)
 
     def _named_or_only(self, model: str | None) -> str:
         """The model a request names, or when it names none the one served (vLLM's server has one)."""
@@ -381,7 +467,7 @@ class FrontendServer:
         """A Messages API body, its model, and the chat request it means for that model."""
         body = await self._body(request)
         parsed = parse(body)
-        model = self._model(parsed.model)
+        model = self._model(parsed.model, ModelType.Chat, route)
         reasoning = _token_input(model, route).parsers.reasoning is not None
         return body, model, parsed.chat(reasoning=reasoning)
 
@@ -393,7 +479,7 @@ class FrontendServer:
         hints = openai.routing_hints(req, request.headers)
         pinned = _pinned_instance(hints, pipeline, request)
         prepared = await pipeline.preprocessor.prepare(req, body_size, hints)
-        prompt_ids, processor = prepared.prompt_ids, prepared.processor
+        prompt_tokens, processor = prepared.prompt_tokens, prepared.processor
         request_id = uuid.uuid4().hex  # never the client's x-request-id: two clients may send the same one
         context = Context(request_id)
         attempt = Attempt()
@@ -408,7 +494,7 @@ class FrontendServer:
         status = "error"
         metrics.inflight.labels(model_name).inc()
         metrics.queued.labels(model_name).inc()  # until the first token
-        metrics.isl.labels(model_name).observe(len(prompt_ids))
+        metrics.isl.labels(model_name).observe(prompt_tokens)
         response: web.StreamResponse | None = None
         self._inflight[request_id] = context
         try:
@@ -418,7 +504,7 @@ class FrontendServer:
             except Exception as e:
                 return self._failure(e, model_name, endpoint, answer.error_body)
             exchange = Exchange(model_name, request_id, context, attempt, outcome, processor, prepared.parser,
-                                answer, prompt_ids, first, outputs)
+                                answer, prompt_tokens, first, outputs)
             if req.stream:
                 response = web.StreamResponse(headers=SSE_HEADERS)
                 await response.prepare(request)
@@ -454,7 +540,7 @@ class FrontendServer:
                 "request %s%s model=%s worker=%s status=%s prompt_tokens=%d completion_tokens=%d finish=%s "
                 "migrations=%d ttft_ms=%s total_ms=%.1f",
                 request_id, _client_id(request), model_name, f"{attempt.instance_id:x}" if attempt.instance_id else "-", status,
-                len(prompt_ids), outcome.completion_tokens, outcome.finish_reason, attempt.migrations,
+                prompt_tokens, outcome.completion_tokens, outcome.finish_reason, attempt.migrations,
                 f"{ttft * 1000:.1f}" if ttft is not None else "-", elapsed * 1000,
             )
 
@@ -498,7 +584,7 @@ class FrontendServer:
     @staticmethod
     def _ending(exchange: Exchange) -> Ending:
         outcome, parser = exchange.outcome, exchange.parser
-        usage = Usage(len(exchange.prompt_ids), outcome.completion_tokens, _cached(outcome.usage),
+        usage = Usage(exchange.prompt_tokens, outcome.completion_tokens, _cached(outcome.usage),
                       outcome.reasoning_tokens)
         return Ending(outcome.finish_reason or "stop", exchange.processor.stop_reason,
                       parser is not None and parser.calls_finish, usage)

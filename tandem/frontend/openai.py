@@ -78,6 +78,10 @@ def from_validation(err: msgspec.ValidationError, prefix: str = "") -> RequestEr
     if missing:
         param = f"{path}.{missing.group(1)}" if path else missing.group(1)
         return RequestError(f"Missing required parameter: '{param}'.", param=param)
+    unknown = re.match(r"Object contains unknown field `(.*)`$", reason)  # a Struct that forbids unknown fields
+    if unknown:
+        param = f"{path}.{unknown.group(1)}" if path else unknown.group(1)
+        return RequestError(f"'{param}' is not supported.", param=param)
     if not path:
         return RequestError(f"The request body must be a JSON object ({reason}).")
     reason = reason.replace(" | null`", "`")
@@ -86,6 +90,14 @@ def from_validation(err: msgspec.ValidationError, prefix: str = "") -> RequestEr
 
 def fail(param: str | None, message: str) -> RequestError:
     return RequestError(message, param=param)
+
+
+def refuse_given(raw: Any, unserved: Iterable[tuple[str, str]]) -> None:
+    """A 400 naming the first field of `unserved` (name, why it is not served) that the body `raw` gives: a
+    field a route does not honour is refused, never ignored."""
+    for name, why in unserved:
+        if getattr(raw, name) is not None:
+            raise fail(name, f"'{name}' is not supported: {why}.")
 
 
 def check_wire(value: Any, param: str) -> Any:
@@ -156,12 +168,11 @@ class Nvext(msgspec.Struct, omit_defaults=True):
 _NVEXT_KNOWN = frozenset(Nvext.__struct_fields__) - {"extra"}
 
 
-class _Body(msgspec.Struct, kw_only=True):
-    """Fields common to /v1/chat/completions and /v1/completions, as they come over the wire."""
+class SamplingFields(msgspec.Struct, kw_only=True):
+    """The sampling and stop fields every generation route takes, as OpenAI's bodies and vLLM's
+    SamplingParams both spell them."""
 
-    model: str
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
+    n: int | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -177,7 +188,14 @@ class _Body(msgspec.Struct, kw_only=True):
     min_tokens: int | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
-    n: int | None = None
+
+
+class _Body(SamplingFields, kw_only=True):
+    """Fields common to /v1/chat/completions and /v1/completions, as they come over the wire."""
+
+    model: str
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
     user: str | None = None
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -202,6 +220,7 @@ class _ChatBody(_Body, kw_only=True):
 
 class _CompletionBody(_Body, kw_only=True):
     prompt: Any = None
+    prompt_embeds: str | list[str] | None = None  # base64 of a torch.save'd tensor (vLLM's), instead of prompt
     logprobs: int | None = None
     echo: bool | None = None
     suffix: str | None = None
@@ -268,13 +287,16 @@ class ChatRequest(_ChatBody, _Derived, kw_only=True):
 
 
 class CompletionRequest(_CompletionBody, _Derived, kw_only=True):
-    """A validated completions request; `prompt` is a string or a list of token ids."""
+    """A validated completions request; `prompt` is a string or a list of token ids, or `prompt_embeds` is
+    the one base64 tensor (its content is checked against the model by the preprocessor) and `prompt` empty."""
 
     stream: bool = False
     stop: list[str] | None = None
     prompt: str | list[int] = ""
+    prompt_embeds: str | None = None
     ext: Nvext = msgspec.field(default_factory=Nvext)
     guided: GuidedDecoding | None = None
+    names: FieldNames = COMPLETION_NAMES
 
 
 _chat_decoder = msgspec.json.Decoder(_ChatBody)
@@ -305,6 +327,8 @@ _CHAT_RANGES: list[Range] = [
 _COMPLETION_RANGES: list[Range] = [
     ("logprobs", lambda v: 0 <= v <= MAX_LOGPROBS, f"logprobs must be between 0 and {MAX_LOGPROBS} (got {{}})"),
 ]
+# Every sampling bound of a completions request, for routes that take the same fields in another place.
+SAMPLING_RANGES: list[Range] = _COMMON_RANGES + _COMPLETION_RANGES
 
 
 def decode_body(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
@@ -340,11 +364,12 @@ def _integral_floats_as_ints(value: Any) -> Any:
     return value
 
 
-def check_ranges(raw: Any, table: list[Range]) -> None:
+def check_ranges(raw: Any, table: list[Range], prefix: str = "") -> None:
+    """`prefix`: where `raw`'s fields sit in the body (`sampling_params.`), for the errors' names."""
     for name, ok, message in table:
         value = getattr(raw, name)
         if value is not None and not ok(value):
-            raise fail(name, message.format(value))
+            raise fail(prefix + name, prefix + message.format(value))
 
 
 def _check_common(raw: _Body) -> dict[str, Any]:
@@ -649,17 +674,34 @@ def _check_prompt(prompt: Any) -> str | list[int]:
     return _token_ids(prompt, "prompt")
 
 
+def _check_prompt_embeds(embeds: str | list[str]) -> str:
+    if isinstance(embeds, list):
+        if len(embeds) > 1:
+            raise fail("prompt_embeds", "batch prompt embeddings are not supported (send one prompt per request).")
+        embeds = embeds[0] if embeds else ""
+    if not embeds:
+        raise fail("prompt_embeds", "'prompt_embeds' must not be empty.")
+    return embeds
+
+
 def parse_completion_request(body: bytes) -> CompletionRequest:
     """Decode and validate a /v1/completions body; raises RequestError."""
     raw: _CompletionBody = decode_body(_completion_decoder, body)
-    prompt = _check_prompt(raw.prompt)
+    embeds: str | None = None
+    if raw.prompt_embeds is None:
+        prompt = _check_prompt(raw.prompt)
+    elif raw.prompt is not None:  # vLLM serves both as a batch of two prompts
+        raise fail("prompt_embeds", "send either 'prompt' or 'prompt_embeds', not both: one prompt per request "
+                                    "is served.")
+    else:
+        prompt, embeds = "", _check_prompt_embeds(raw.prompt_embeds)
     check_ranges(raw, _COMPLETION_RANGES)
     derived = _check_common(raw)
     if raw.echo:
         raise fail("echo", "echo is not supported.")
     if raw.suffix:
         raise fail("suffix", "suffix is not supported.")
-    return CompletionRequest(**(msgspec.structs.asdict(raw) | derived | {"prompt": prompt}))
+    return CompletionRequest(**(msgspec.structs.asdict(raw) | derived | {"prompt": prompt, "prompt_embeds": embeds}))
 
 
 AnyRequest = ChatRequest | CompletionRequest
@@ -703,10 +745,11 @@ _ROUTING_HEADERS: dict[str, tuple[str, ...]] = {
 }
 
 
-def routing_hints(req: AnyRequest, headers: Mapping[str, str] | None = None) -> RoutingHints | None:
-    """Routing from nvext, overridden by the routing headers; None when nothing was asked for."""
+def routing_hints(req: AnyRequest | None, headers: Mapping[str, str] | None = None) -> RoutingHints | None:
+    """Routing from nvext (a route without nvext gives no request), overridden by the routing headers;
+    None when nothing was asked for."""
     names = ("backend_instance_id", "prefill_worker_id", "decode_worker_id", "cache_salt")
-    hints: dict[str, Any] = {name: getattr(req.ext, name) for name in names}
+    hints: dict[str, Any] = {name: getattr(req.ext, name) for name in names} if req is not None else {}
     if headers:
         lower = {k.lower(): v for k, v in headers.items()}
         for name, keys in _ROUTING_HEADERS.items():

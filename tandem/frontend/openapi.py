@@ -31,16 +31,21 @@ _STRING = _nullable({"type": "string"})
 _OBJECT = _nullable({"type": "object"})
 _TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": _U32_MAX}}
 
-_ERROR = {
-    "type": "object",
-    "required": ["error"],
-    "properties": {"error": {
+def _error(code: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's error body, whose `code` is a string or a number (vLLM's: the HTTP status)."""
+    return {
         "type": "object",
-        "required": ["message", "type", "param", "code"],
-        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                       "param": {"type": ["string", "null"]}, "code": {"type": ["string", "integer", "null"]}},
-    }},
-}
+        "required": ["error"],
+        "properties": {"error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                           "param": {"type": ["string", "null"]}, "code": code},
+        }},
+    }
+
+
+_ERROR = _error({"type": ["string", "integer", "null"]})
 _ERRORS = {
     "400": "Invalid request; `param` names the field",
     "401": "Missing or wrong API key",
@@ -126,9 +131,10 @@ _COMPLETION_CHUNK = _chunk("text_completion", {
 })
 
 
-def _sse(chunk: dict[str, Any]) -> dict[str, Any]:
-    """One server-sent event: `data` is a JSON chunk, an error object, or the final `[DONE]`."""
-    payload = {"anyOf": [chunk, {"$ref": "#/components/schemas/Error"}]}
+def _sse(chunk: dict[str, Any], error: str = "Error") -> dict[str, Any]:
+    """One server-sent event: `data` is a JSON chunk, an error object (of the `error` schema), or the final
+    `[DONE]`."""
+    payload = {"anyOf": [chunk, {"$ref": f"#/components/schemas/{error}"}]}
     return {"type": "object", "required": ["data"], "properties": {"data": {
         "type": "string", "if": {"const": "[DONE]"},
         "else": {"contentMediaType": _JSON, "contentSchema": payload}}}}
@@ -461,6 +467,109 @@ _TOKENIZED = {"type": "object", "required": ["count", "max_model_len", "tokens",
 _DETOKENIZED = {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}}
 
 
+# -- embeddings ------------------------------------------------------------------------------------
+def _embeddings_request(model: dict[str, Any]) -> dict[str, Any]:
+    """A text, texts, token ids or lists of them; vectors as floats or base64 of float32."""
+    text = {"type": "string", "minLength": 1}
+    return {
+        "type": "object",
+        "required": ["model", "input"],
+        "properties": {
+            "model": model,
+            "input": {"anyOf": [text, {"type": "array", "minItems": 1, "maxItems": 2048, "items": text}, _TOKEN_IDS,
+                                {"type": "array", "minItems": 1, "maxItems": 2048, "items": _TOKEN_IDS}]},
+            "encoding_format": {"enum": ["float", "base64"]},
+            "dimensions": _nullable(_int(1)),
+            "user": _nullable({"type": "string"}),
+            "add_special_tokens": {"type": "boolean"},
+            "embed_dtype": {"const": "float32"},
+            "endianness": {"enum": ["native", "little", "big"]},
+        },
+    }
+
+
+_EMBEDDINGS = {"type": "object", "required": ["object", "data", "model", "usage"], "properties": {
+    "object": {"const": "list"}, "model": {"type": "string"},
+    "data": {"type": "array", "items": {"type": "object", "required": ["index", "object", "embedding"], "properties": {
+        "index": {"type": "integer"}, "object": {"const": "embedding"},
+        "embedding": {"anyOf": [{"type": "array", "items": {"type": "number"}}, {"type": "string"}]}}}},
+    "usage": {"type": "object", "required": ["prompt_tokens", "total_tokens"],
+              "properties": {"prompt_tokens": {"type": "integer"}, "total_tokens": {"type": "integer"}}}}}
+
+
+# -- vLLM's token-in/token-out route -----------------------------------------------------------------
+_VLLM_ERROR = _error({"type": "integer"})
+# Fields of vLLM's request that tandem does not honour: they may only be left out (or null).
+_GENERATE_UNSERVED = ("features", "content_parts", "kv_transfer_params", "ec_transfer_params", "reasoning_ended",
+                      "reasoning_parser_kwargs")
+_SHARED_SAMPLING = ("n", "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                    "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens", "min_tokens",
+                    "include_stop_str_in_output", "skip_special_tokens")
+
+
+def _generate_request(model: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's GenerateRequest as tandem serves it: `sampling_params` takes only the fields listed (any other
+    key is refused); stop strings and `output_mode` text need `detokenize` (the server's rule)."""
+    shared = _sampling(model)
+    sampling = {name: shared[name] for name in _SHARED_SAMPLING} | {
+        "top_k": _int(-1),  # vLLM's 0 disables it too
+        "logprobs": _int(0, 20),
+        "detokenize": {"type": "boolean"},
+        "structured_outputs": _nullable({"type": "object", "additionalProperties": False, "properties": {
+            "json": _nullable({"type": ["object", "string"]}), "regex": _STRING,
+            "choice": _nullable({"type": "array", "minItems": 1, "items": {"type": "string"}}),
+            "grammar": _STRING}}),
+    }
+    return {
+        "type": "object",
+        "required": ["token_ids", "sampling_params"],
+        "properties": {
+            "request_id": _STRING,
+            "model": _nullable(model),
+            "token_ids": _TOKEN_IDS,
+            "sampling_params": {"type": "object", "additionalProperties": False, "properties": sampling},
+            "stream": _BOOL,
+            "stream_options": _nullable({"type": "object", "properties": {"include_usage": _BOOL,
+                                                                          "continuous_usage_stats": _BOOL}}),
+            "cache_salt": _nullable({"type": "string", "minLength": 1, "maxLength": 128,
+                                     "description": "without '@', '/', '\\' or NUL (vLLM's rule)"}),
+            "priority": {"const": 0},
+            "output_mode": {"enum": ["tokens", "text"]},
+            "return_token_ids": _BOOL,
+            **{name: _NULL for name in _GENERATE_UNSERVED},
+        },
+    }
+
+
+_GENERATE_FINISH = {"enum": ["stop", "length", "abort", "content_filter"]}
+
+
+def _generate_choice(finish: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "object", "required": ["index", "finish_reason", "stop_reason", "token_ids", "logprobs"],
+            "properties": {"index": {"type": "integer"}, "finish_reason": finish,
+                           "stop_reason": {"type": ["string", "integer", "null"]},
+                           "token_ids": {"type": "array", "items": {"type": "integer"}},
+                           "text": {"type": "string"}, "logprobs": _OBJECT}}
+
+
+_PROMPT_IDS = {"type": "array", "items": {"type": "integer"}}
+_GENERATED = {
+    "type": "object",
+    "required": ["request_id", "model", "created", "output_mode", "choices", "usage"],
+    "properties": {"request_id": {"type": "string"}, "model": {"type": "string"}, "created": {"type": "integer"},
+                   "output_mode": {"enum": ["tokens", "text"]},
+                   "choices": {"type": "array", "items": _generate_choice(_GENERATE_FINISH)}, "usage": _USAGE,
+                   "prompt_token_ids": _PROMPT_IDS},
+}
+_GENERATE_CHUNK = {
+    "type": "object",
+    "required": ["request_id", "output_mode", "choices"],
+    "properties": {"request_id": {"type": "string"}, "output_mode": {"enum": ["tokens", "text"]},
+                   "choices": {"type": "array", "items": _generate_choice(_nullable(_GENERATE_FINISH))},
+                   "usage": _nullable(_USAGE), "prompt_token_ids": _PROMPT_IDS},
+}
+
+
 def _requires(field: str, other: str, value: Any) -> dict[str, Any]:
     """`field`, when given (not null), needs `other` set to `value`."""
     return {"if": {"required": [field], "properties": {field: {"not": {"type": "null"}}}},
@@ -510,12 +619,18 @@ def openapi_spec(models: list[str], *, anthropic: bool = True) -> dict[str, Any]
                               parameters=[response_param]),
             },
             **messages,
+            "/v1/embeddings": {"post": _op("Embeddings of texts or token ids (an embedding model)", _json(_EMBEDDINGS),
+                                           _GENERATE_ERRORS, request="EmbeddingsRequest")},
             "/tokenize": {"post": _op("Token ids of a prompt, or of chat messages through the model's chat "
                                       "template (vLLM's route; not behind --api-key)", _json(_TOKENIZED),
                                       ("400", "404", "408", "413", "415"), request="TokenizeRequest")},
             "/detokenize": {"post": _op("The text of token ids (vLLM's route; not behind --api-key)",
                                         _json(_DETOKENIZED), ("400", "404", "408", "413", "415"),
                                         request="DetokenizeRequest")},
+            "/inference/v1/generate": {"post": _op(
+                "Token ids in, token ids (and logprobs) out: vLLM's token-in/token-out route, no chat template; "
+                "behind --api-key", _json(_GENERATED), _GENERATE_ERRORS, request="GenerateRequest",
+                stream=_sse(_GENERATE_CHUNK, "VllmError"), error="VllmError")},
             "/v1/models": {"get": _op("Models being served", _json(_MODEL_LIST), ("401",))},
             "/v1/models/{model}": {"get": _op("One model", _json(_MODEL), ("401", "404"), parameters=[model_param])},
             "/health": {"get": {"summary": "Health: 200 when at least one worker serves a model, else 503",
@@ -530,7 +645,10 @@ def openapi_spec(models: list[str], *, anthropic: bool = True) -> dict[str, Any]
                 "ResponseRequest": _responses_request(model),
                 "AnthropicError": _ANTHROPIC_ERROR,
                 "TokenizeRequest": _tokenize_request(model),
+                "EmbeddingsRequest": _embeddings_request(model),
                 "DetokenizeRequest": _detokenize_request(model),
+                "GenerateRequest": _generate_request(model),
+                "VllmError": _VLLM_ERROR,
                 "MessagesRequest": _messages_request(model),
                 "MessagesCountRequest": {"type": "object", "required": ["model", "messages"],
                                          "properties": _messages_prompt(model)},
@@ -553,7 +671,9 @@ def openapi_spec(models: list[str], *, anthropic: bool = True) -> dict[str, Any]
                 },
                 "CompletionRequest": {
                     "type": "object",
-                    "required": ["model", "prompt"],
+                    "required": ["model"],
+                    # A prompt, or its embeddings (base64 of a torch.save'd tensor), never both.
+                    "oneOf": [{"required": ["prompt"]}, {"required": ["prompt_embeds"]}],
                     "allOf": _CROSS_FIELD,
                     "properties": {
                         **_sampling(model),
@@ -562,6 +682,10 @@ def openapi_spec(models: list[str], *, anthropic: bool = True) -> dict[str, Any]
                             _TOKEN_IDS,
                             {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string", "minLength": 1}},
                             {"type": "array", "minItems": 1, "maxItems": 1, "items": _TOKEN_IDS},
+                        ]},
+                        "prompt_embeds": {"anyOf": [
+                            {"type": "string", "minLength": 1},
+                            {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string", "minLength": 1}},
                         ]},
                         "logprobs": _int(0, 20),
                         "echo": _nullable({"const": False}),

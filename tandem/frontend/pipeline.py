@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import msgspec
 
@@ -31,6 +31,7 @@ from tandem.frontend.preprocess import ParserNames, Preprocessor
 from tandem.frontend.routing import LoadMonitor, NoWorkerError, Selector, make_selector
 from tandem.llm.model_card import ModelInput
 from tandem.llm.protocols import (
+    EmbeddingRequest,
     FinishReason,
     LLMEngineOutput,
     PrefillResult,
@@ -54,9 +55,16 @@ def _on_dp_rank(request: Any, dp_rank: int) -> Any:
     return msgspec.structs.replace(request, routing=routing)
 
 
+def _has_token_prompt(request: Any) -> TypeGuard[PreprocessedRequest]:
+    """A token-input request whose prompt is its token ids (not prompt embeddings): what the KV routers hash
+    and prefill workers take."""
+    return isinstance(request, PreprocessedRequest) and request.prompt_embeds is None
+
+
 def _finished(output: dict[str, Any]) -> bool:
-    """Token engines set `finish_reason`; text engines stream OpenAI chunks with it per choice."""
-    if output.get("finish_reason") is not None:
+    """Token engines set `finish_reason`; text engines stream OpenAI chunks with it per choice; an
+    embedding engine's one output is its whole answer."""
+    if output.get("finish_reason") is not None or "embeddings" in output:
         return True
     return any(choice.get("finish_reason") for choice in output.get("choices") or ())
 
@@ -156,9 +164,9 @@ class ModelPipeline:
 
     def _hashes(self, request: Any) -> PromptHashes | None:
         """The prompt's block hashes, computed once for its prefill and decode routing (one model, one
-        block size); None without a KV router or for a text request."""
+        block size); None without a KV router or for a request without token ids (text, prompt embeddings)."""
         router = self.kv_router or self.prefill_router
-        if router is None or not isinstance(request, PreprocessedRequest):
+        if router is None or not _has_token_prompt(request):
             return None
         return router.hashes(request.token_ids, **self._cache_keys(request))
 
@@ -181,7 +189,7 @@ class ModelPipeline:
         candidates = sorted(self.candidates(exclude))
         if preferred is not None and preferred in candidates:
             candidates = [preferred]
-        if self.kv_router is not None and isinstance(request, PreprocessedRequest):
+        if self.kv_router is not None and _has_token_prompt(request):
             override = request.router_config_override
             if decode_stage:
                 override = decode_stage_override(override, self.kv_router.config.conditional_disagg)
@@ -191,7 +199,7 @@ class ModelPipeline:
         return self.selector.select(candidates, request), None, None
 
     # -- generation with migration -------------------------------------------------------------
-    async def generate(self, request: PreprocessedRequest | dict[str, Any], context: Context,
+    async def generate(self, request: PreprocessedRequest | EmbeddingRequest | dict[str, Any], context: Context,
                        attempt: Attempt, *, pinned: int | None = None,
                        guided: bool = False) -> AsyncGenerator[dict[str, Any], None]:
         """Stream engine outputs for `request`, moving to another worker when one fails.
@@ -204,7 +212,9 @@ class ModelPipeline:
         exclude: set[int] = set()
         preferred: int | None = None
         hashes = self._hashes(request) if pinned is None else None
-        if (isinstance(request, PreprocessedRequest) and pinned is None
+        # A prompt-embeddings request is served whole by a decode worker: the prefill hand-off (and conditional
+        # disaggregation's cache check) works on token ids, which it has none of.
+        if (_has_token_prompt(request) and pinned is None
                 and (self.model.prefill_instances or self.enforce_disagg)):
             request, preferred = await self._disaggregate(request, context, hashes)
             if context.is_stopped():
@@ -272,6 +282,9 @@ class ModelPipeline:
                         self.metrics.migration_max_seq_len_exceeded(self.model.name)
                     if guided:
                         raise StreamLost(e, "guided-decoding requests cannot be migrated to another worker") from None
+                    if isinstance(request, PreprocessedRequest) and request.prompt_embeds is not None:
+                        # Its continuation would be the prompt plus the tokens so far: there are no prompt tokens.
+                        raise StreamLost(e, "prompt-embedding requests cannot be migrated to another worker") from None
                     if too_long:
                         raise StreamLost(e, "it is too long to migrate (--migration-max-seq-len)") from None
                     if pinned is not None:

@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from tandem.frontend import openai
+from tandem.llm import prompt_embeds
 from tandem.llm.chat_template import ChatTemplate
+from tandem.llm.model_card import hidden_size_of
 from tandem.llm.parsers import (
     ChatParser,
     chat_parser,
@@ -25,6 +27,7 @@ from tandem.llm.protocols import PreprocessedRequest, RoutingHints
 from tandem.llm.tokenizer import Tokenizer, TooManyTokens
 
 if TYPE_CHECKING:
+    from tandem.frontend.embeddings import EmbeddingsRequest
     from tandem.frontend.models import ServedModel
     from tandem.frontend.tokenize import TokenizeRequest
 
@@ -56,6 +59,7 @@ class Prepared:
 
     request: PreprocessedRequest
     processor: OutputProcessor
+    prompt_tokens: int  # the prompt's length: its token ids, or the rows of its prompt embeddings
     parser: ChatParser | None = None
 
     @property
@@ -87,23 +91,32 @@ class Preprocessor:
         self.context_length = model.card.context_length
         # Prompts may hold at most this many tokens: the context minus one generated token.
         self.max_prompt_tokens = (self.context_length or UNKNOWN_CONTEXT_TOKENS) - 1
-        self.max_prompt_chars = (self.max_prompt_tokens + 1) * self.tokenizer.longest_token_chars
+        self.takes_prompt_embeds = config.enable_prompt_embeds
+        self.hidden_size = hidden_size_of(model.folder) if self.takes_prompt_embeds else 0
 
     async def prepare(self, request: openai.ChatRequest | openai.CompletionRequest, body_size: int,
                       routing: RoutingHints | None) -> Prepared:
         """The prompt (templated and tokenized; off the event loop for a large body, the tokenizer drops
-        the GIL), the worker request with its limits checked, and its output processor."""
-        chat = isinstance(request, openai.ChatRequest)
-        render: Any = partial(self.chat_prompt, request) if chat else partial(self._completion, request)
-        prompt_ids, prompt = await asyncio.to_thread(render) if body_size > OFF_LOOP_PROMPT_BYTES else render()
-        preprocessed = self.worker_request(request, prompt_ids, routing)
+        the GIL; or a completion's prompt embeddings, checked), the worker request with its limits checked,
+        and its output processor."""
+        if isinstance(request, openai.CompletionRequest) and request.prompt_embeds is not None:
+            self._check_takes_prompt_embeds()
+            # Off the event loop whatever the size: torch's first import alone takes seconds.
+            prompt_ids, prompt = [], ""
+            prompt_len = await asyncio.to_thread(self.prompt_embeds_length, request.prompt_embeds)
+        else:
+            render: Any = (partial(self.chat_prompt, request) if isinstance(request, openai.ChatRequest)
+                           else partial(self._completion, request))
+            prompt_ids, prompt = await asyncio.to_thread(render) if body_size > OFF_LOOP_PROMPT_BYTES else render()
+            prompt_len = len(prompt_ids)
+        preprocessed = self.worker_request(request, prompt_ids, routing, prompt_len)
         parser = self.chat_parser(request, prompt) if isinstance(request, openai.ChatRequest) else None
         if parser is not None and preprocessed.output_options.skip_special_tokens is None and \
                 needs_special_tokens(self.parsers.tool_call, self.parsers.reasoning):
             preprocessed.output_options.skip_special_tokens = False  # the family's markers are special tokens
         processor = OutputProcessor(self.tokenizer, prompt_ids, preprocessed.stop_conditions,
                                     preprocessed.sampling_options, preprocessed.output_options)
-        return Prepared(preprocessed, processor, parser)
+        return Prepared(preprocessed, processor, prompt_len, parser)
 
     async def count_prompt_tokens(self, request: openai.ChatRequest, body_size: int) -> int:
         """The tokens of the request's templated prompt (the token-counting routes)."""
@@ -119,6 +132,27 @@ class Preprocessor:
             text, param = request.prompt or "", "prompt"
         encode = partial(self._encode, text, param, add_special_tokens=request.add_special_tokens)
         return await asyncio.to_thread(encode) if body_size > OFF_LOOP_PROMPT_BYTES else encode()
+
+    async def embedding_inputs(self, request: EmbeddingsRequest, body_size: int) -> list[list[int]]:
+        """The token ids of each input of an embeddings request (its texts tokenized), each within the
+        context length."""
+        encode = partial(self._embedding_inputs, request)
+        return await asyncio.to_thread(encode) if body_size > OFF_LOOP_PROMPT_BYTES else encode()
+
+    def _embedding_inputs(self, request: EmbeddingsRequest) -> list[list[int]]:
+        if request.texts is not None:
+            return [self._encode(text, request.param(i), add_special_tokens=request.add_special_tokens,
+                                 limit=self.max_model_len) for i, text in enumerate(request.texts)]
+        vocab = self.tokenizer.vocab_size
+        for i, ids in enumerate(request.token_ids or ()):
+            param = request.param(i)
+            if len(ids) > self.max_model_len:
+                raise self._too_long(f"{len(ids)} tokens", param)
+            for j, token in enumerate(ids):
+                if token >= vocab:
+                    raise openai.RequestError(f"'{param}[{j}]' is not in the vocabulary (its ids are below {vocab}).",
+                                              param=f"{param}[{j}]")
+        return list(request.token_ids or ())
 
     @property
     def max_model_len(self) -> int:
@@ -152,6 +186,23 @@ class Preprocessor:
     def _completion(self, request: openai.CompletionRequest) -> tuple[list[int], str]:
         return self.completion_prompt(request), ""
 
+    def _check_takes_prompt_embeds(self) -> None:
+        if not self.takes_prompt_embeds:
+            raise openai.RequestError(f"model {self.model!r}'s workers do not take prompt embeddings (they run "
+                                      "without vLLM's --enable-prompt-embeds); send 'prompt'", param="prompt_embeds")
+
+    def prompt_embeds_length(self, encoded: str) -> int:
+        """The rows of a completion's `prompt_embeds` (`tandem.llm.prompt_embeds.load` checks it against this
+        model: hidden size, context length)."""
+        try:
+            tensor = prompt_embeds.load(encoded, hidden_size=self.hidden_size or None, max_len=self.max_prompt_tokens)
+        except prompt_embeds.PromptEmbedsError as e:
+            raise openai.RequestError(str(e), param="prompt_embeds") from None
+        except ImportError:
+            raise openai.RequestError("this frontend cannot read 'prompt_embeds': torch is not installed here",
+                                      status=501, param="prompt_embeds") from None
+        return int(tensor.shape[0])
+
     def chat_text(self, request: openai.ChatRequest) -> str:
         """The templated prompt (tools left out when tool_choice is none)."""
         if self.template is None:
@@ -170,30 +221,33 @@ class Preprocessor:
         return text
 
     def completion_prompt(self, request: openai.CompletionRequest) -> list[int]:
+        param = request.names.prompt
         if isinstance(request.prompt, str):
-            return self._encode(request.prompt, "prompt")
+            return self._encode(request.prompt, param)
         if len(request.prompt) > self.max_prompt_tokens:
-            raise self._too_long(f"{len(request.prompt)} tokens", "prompt")
+            raise self._too_long(f"{len(request.prompt)} tokens", param)
         vocab = self.tokenizer.vocab_size
         if any(not 0 <= t < vocab for t in request.prompt):
-            raise openai.RequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+            raise openai.RequestError(f"{param} token ids must be in [0, {vocab})", param=param)
         return list(request.prompt)
 
     def worker_request(self, request: openai.ChatRequest | openai.CompletionRequest, prompt_ids: list[int],
-                       routing: RoutingHints | None) -> PreprocessedRequest:
+                       routing: RoutingHints | None, prompt_len: int | None = None) -> PreprocessedRequest:
         """The request a worker gets: `max_tokens` bounded by what the context leaves (the one place it is
-        checked against the context), EOS as hidden stop ids unless `ignore_eos`."""
+        checked against the context), EOS as hidden stop ids unless `ignore_eos`. `prompt_len`: the
+        prompt's length when it is not its ids (the rows of a completion's `prompt_embeds`)."""
         tokenizer = self.tokenizer
         stop = openai.stop_conditions(request)
-        names = request.names if isinstance(request, openai.ChatRequest) else openai.COMPLETION_NAMES
+        names = request.names
         context_length = self.context_length
+        prompt_len = len(prompt_ids) if prompt_len is None else prompt_len
         if context_length:
-            if len(prompt_ids) >= context_length:
+            if prompt_len >= context_length:
                 raise openai.RequestError(
                     f"this model's maximum context length is {context_length} tokens, but the prompt has "
-                    f"{len(prompt_ids)} tokens", param=names.prompt,
+                    f"{prompt_len} tokens", param=names.prompt,
                 )
-            room = context_length - len(prompt_ids)
+            room = context_length - prompt_len
             if stop.max_tokens is None:
                 stop.max_tokens = room
             elif stop.max_tokens > room and isinstance(request, openai.ChatRequest) and request.fit_max_tokens:
@@ -201,7 +255,7 @@ class Preprocessor:
             elif stop.max_tokens > room:
                 raise openai.RequestError(
                     f"this model's maximum context length is {context_length} tokens; the prompt has "
-                    f"{len(prompt_ids)} tokens and {names.max_tokens} is {stop.max_tokens}",
+                    f"{prompt_len} tokens and {names.max_tokens} is {stop.max_tokens}",
                     param=names.max_tokens,
                 )
         elif stop.max_tokens is not None and stop.max_tokens >= openai.MAX_TOKENS_LIMIT:
@@ -228,13 +282,18 @@ class Preprocessor:
             annotations=list(ext.annotations),
             routing=routing,
             extra_args={"nvext": msgspec.to_builtins(ext)} if ext != openai.Nvext() else None,
+            prompt_embeds=request.prompt_embeds if isinstance(request, openai.CompletionRequest) else None,
         )
 
-    def _encode(self, text: str, param: str, *, add_special_tokens: bool = False) -> list[int]:
-        if len(text) > self.max_prompt_chars:
-            raise self._too_long(f"{len(text)} characters (at most {self.max_prompt_chars} can fit)", param)
+    def _encode(self, text: str, param: str, *, add_special_tokens: bool = False, limit: int | None = None) -> list[int]:
+        """`text`'s token ids, at most `limit` of them (a prompt's bound by default: the context minus the
+        one token it generates)."""
+        limit = self.max_prompt_tokens if limit is None else limit
+        max_chars = (limit + 1) * self.tokenizer.longest_token_chars
+        if len(text) > max_chars:
+            raise self._too_long(f"{len(text)} characters (at most {max_chars} can fit)", param)
         try:
-            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens, limit=self.max_prompt_tokens)
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens, limit=limit)
         except TooManyTokens as e:
             raise self._too_long(f"at least {e.at_least} tokens", param) from None
 

@@ -115,10 +115,14 @@ def frontend_url(announced: str) -> str:
     return announced
 
 
-def curl_example(url: str, model: str) -> str:
-    body = {"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}]}
-    return (f"curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' "
-            f"-d {shlex.quote(json.dumps(body))}")
+def curl_example(url: str, model: str, *, embeddings: bool = False) -> str:
+    """A first request to try: a chat completion, or an embedding for an embedding model."""
+    if embeddings:
+        route, body = "embeddings", {"model": model, "input": ["What is the capital of France?"]}
+    else:
+        route = "chat/completions"
+        body = {"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+    return f"curl -s {url}/v1/{route} -H 'Content-Type: application/json' -d {shlex.quote(json.dumps(body))}"
 
 
 async def _probe(http: aiohttp.ClientSession, url: str, model: str, instances: set[int]) -> str | None:
@@ -258,7 +262,7 @@ async def _serve(deployment: Deployment, plan: Plan, stop: asyncio.Event, mux: L
                       "Ctrl-C stops them\n")
         else:
             mux.plain(f"\n==> serving {plan.served_name} at {url} (OpenAI API under /v1); Ctrl-C stops everything\n"
-                      f"    {curl_example(url, plan.served_name)}\n")
+                      f"    {curl_example(url, plan.served_name, embeddings=plan.serves_embeddings)}\n")
             if plan.spec.planner is not None:
                 mux.add_label("planner")
                 port = env_str("PLANNER_PROMETHEUS_PORT")

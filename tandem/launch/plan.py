@@ -104,6 +104,17 @@ class Plan:
             "PYTHONUNBUFFERED": "1",  # logs reach the launcher as they are written
         })
 
+    @property
+    def serves_embeddings(self) -> bool:
+        """The workers serve an embedding model (vLLM's `--embedding-worker` / `--runner pooling`, or a
+        simulated one with `--endpoint-types embedding`)."""
+        for group in self.spec.workers:
+            args = list(group.args)
+            pairs = {f"{a}={b}" for a, b in zip(args, args[1:], strict=False)} | set(args)
+            if pairs & {"--embedding-worker", "--runner=pooling", "--endpoint-types=embedding"}:
+                return True
+        return False
+
     def frontend(self) -> ProcessSpec:
         argv = [sys.executable, "-m", "tandem.frontend", "--http-port", str(self.spec.http_port)]
         if self.spec.router_mode:

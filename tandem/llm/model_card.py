@@ -66,6 +66,12 @@ class ModelRuntimeConfig(msgspec.Struct, omit_defaults=True):
     data_parallel_size: int = 1
     tool_call_parser: str | None = None  # how the frontend finds tool calls in this model's output
     reasoning_parser: str | None = None  # ... and its thinking
+    enable_prompt_embeds: bool = False  # the engine takes prompt embeddings instead of token ids
+    embedding_size: int | None = None  # an embedding model's vector size
+    # An embedding model trained to be cut short (matryoshka): requests may ask for fewer `dimensions`, any
+    # from 1 to embedding_size, or only those listed in matryoshka_dimensions when it lists some.
+    matryoshka: bool = False
+    matryoshka_dimensions: list[int] | None = None
 
 
 # Files of a model folder the frontend reads; their checksums go into the card.
@@ -108,10 +114,15 @@ class ModelDeploymentCard(msgspec.Struct, omit_defaults=True):
             "kv_cache_block_size": self.kv_cache_block_size,
             "model_input": self.model_input,
         }
-        # Workers that parse the model's output differently do not serve the same model.
+        # Workers that parse the model's output differently, take other inputs or answer with embeddings
+        # instead of text do not serve the same model.
         for parser in ("tool_call_parser", "reasoning_parser"):
             if getattr(self.runtime_config, parser) is not None:
                 identity[parser] = getattr(self.runtime_config, parser)
+        if self.runtime_config.enable_prompt_embeds:
+            identity["enable_prompt_embeds"] = True
+        if self.types & ModelType.Embedding:
+            identity["model_type"] = self.model_type
         return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
 
     def for_lora(self, name: str, user_data: dict[str, Any] | None = None) -> ModelDeploymentCard:
@@ -155,6 +166,21 @@ def context_length_of(folder: str) -> int:
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         if isinstance(config.get(key), int):
             return int(config[key])
+    return 0
+
+
+def hidden_size_of(folder: str) -> int:
+    """The width of the model's input embeddings from config.json (a multimodal model's text config's;
+    0 when unknown)."""
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return 0
+    for section in (config, config.get("text_config") or {}):
+        for key in ("hidden_size", "n_embd", "d_model"):
+            if isinstance(section.get(key), int):
+                return int(section[key])
     return 0
 
 

@@ -32,6 +32,7 @@ class TopLogprob(msgspec.Struct):
     token_id: int
     logprob: float | None
     bytes: list[int] | None = None
+    rank: int | None = None  # 1 = the most likely (the token-out route reports it)
 
 
 class TokenLogprob(msgspec.Struct):
@@ -66,6 +67,7 @@ class OutputProcessor:
         "_max_tokens",
         "_want_logprobs",
         "_as_ids",
+        "stop_token_logprobs",
         "completion_tokens",
         "finish_reason",
         "stop_reason",
@@ -93,6 +95,9 @@ class OutputProcessor:
         self._max_tokens: int | None = sc.max_tokens
         self._want_logprobs = output.logprobs is not None
         self._as_ids = bool(output.return_tokens_as_token_ids)
+        # The token that ends the stream without text (EOS, a stop id) gets a logprob too: the token-out
+        # route pairs every token id with one, as vLLM does.
+        self.stop_token_logprobs = False
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
@@ -170,7 +175,7 @@ class OutputProcessor:
             self.error = error
         accepted = ids if n == len(ids) else ids[:n]
         logprobs = None
-        shown = accepted[:-1] if silent_last else accepted
+        shown = accepted[:-1] if silent_last and not self.stop_token_logprobs else accepted
         if self._want_logprobs and shown:
             logprobs = self._logprobs(shown, engine_output)
         return ProcessedDelta(
@@ -209,7 +214,8 @@ class OutputProcessor:
                     if top_id is None:
                         top.append(
                             TopLogprob(
-                                str(entry.get("token", "")), -1, entry.get("logprob"), entry.get("bytes")
+                                str(entry.get("token", "")), -1, entry.get("logprob"), entry.get("bytes"),
+                                entry.get("rank"),
                             )
                         )
                     else:
@@ -219,6 +225,7 @@ class OutputProcessor:
                                 top_id,
                                 entry.get("logprob"),
                                 tok.token_bytes(top_id),
+                                entry.get("rank"),
                             )
                         )
             result.append(

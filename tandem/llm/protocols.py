@@ -1,7 +1,8 @@
 """The contract between the frontend and the workers (Dynamo's wire format).
 
 The frontend sends a `PreprocessedRequest` to a worker's `generate` endpoint (a text-input worker gets
-a `TextRequest`); the worker streams `LLMEngineOutput`s back. All of them travel as msgpack maps
+a `TextRequest`, an embedding worker an `EmbeddingRequest`); the worker streams `LLMEngineOutput`s back
+(an embedding worker answers with one `EmbeddingOutput`). All of them travel as msgpack maps
 whose absent optional fields are omitted; the endpoint decodes a request into its Struct before the
 handler sees it.
 """
@@ -115,6 +116,25 @@ class PreprocessedRequest(msgspec.Struct, omit_defaults=True):
     @property
     def max_tokens(self) -> int | None:
         return self.stop_conditions.max_tokens
+
+
+class EmbeddingRequest(msgspec.Struct, omit_defaults=True):
+    """What an embedding worker's `generate` gets: the token ids of each input (the frontend tokenized
+    them), and the vector size asked for (a matryoshka model's `dimensions`)."""
+
+    token_ids: list[list[int]]
+    model: str = ""
+    dimensions: int | None = None
+    mdc_sum: str | None = None
+    annotations: list[str] = msgspec.field(default_factory=list)
+
+
+class EmbeddingOutput(msgspec.Struct):
+    """An embedding worker's answer: one vector per input, in the request's order."""
+
+    embeddings: list[list[float]]
+    prompt_tokens: int
+    total_tokens: int
 
 
 class TextRequest(msgspec.Struct, omit_defaults=True):

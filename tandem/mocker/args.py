@@ -11,6 +11,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from tandem.llm.model_card import ModelType
 from tandem.mocker.scheduler import SchedulerConfig
 from tandem.models import resolve_model
 from tandem.runtime import RuntimeConfig, add_runtime_args
@@ -52,6 +53,7 @@ class MockerConfig:
     # Test hook (env DYN_MOCKER_DROP_KV_EVENTS, 0 = off): every Nth KV event is not published, as if lost.
     drop_kv_events: int = 0
     durable_kv_events: bool = False
+    model_type: ModelType = ModelType.Chat | ModelType.Completions  # or Embedding: a simulated embedding model
     dyn_tool_call_parser: str | None = None  # put in the card: the frontend parses the (synthetic) output with them
     dyn_reasoning_parser: str | None = None
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
@@ -98,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="data-parallel ranks per worker instance, each its own engine, KV cache and KV event "
                        "stream; requests name theirs in routing.dp_rank [default 1]")
     MIGRATION_LIMIT.add_to(model, 0)
+    model.add_argument("--endpoint-types", default="chat,completions",
+                       help="what the model serves: chat,completions, or embedding (a simulated embedding model: "
+                       "each input costs its prefill, the vectors are synthetic) [chat,completions]")
     for option in PARSER_OPTIONS:
         option.add_to(model, None)
     DURABLE_KV_EVENTS.add_to(model, None)
@@ -201,6 +206,9 @@ def _config(args: argparse.Namespace) -> MockerConfig:
 
     drop_kv_events = _DROP_KV_EVENTS.value(args, 0)
     tool_call_parser, reasoning_parser = parser_options(args)
+    model_type = ModelType.parse(args.endpoint_types)
+    if model_type & ModelType.Embedding and (model_type != ModelType.Embedding or mode is not DisaggregationMode.AGGREGATED):
+        raise ValueError("--endpoint-types embedding: an embedding model serves embeddings only, aggregated")
 
     model_path = resolve_model(_MODEL_PATH.value(args, "smollm2"))
     model_config = _read_model_config(model_path)
@@ -222,7 +230,7 @@ def _config(args: argparse.Namespace) -> MockerConfig:
         enable_conditional_disagg=args.enable_conditional_disagg, drop_kv_events=drop_kv_events,
         durable_kv_events=durable_kv_events,
         kv_bytes_per_token=int(kv_bytes), runtime=runtime.replace(namespace=namespace), engine=engine,
-        dyn_tool_call_parser=tool_call_parser, dyn_reasoning_parser=reasoning_parser,
+        dyn_tool_call_parser=tool_call_parser, dyn_reasoning_parser=reasoning_parser, model_type=model_type,
         **options,  # type: ignore[arg-type]
     )
 

@@ -1,5 +1,5 @@
 """The mocker as a `WorkerEngine`: `generate` for aggregated, prefill and decode workers (the vLLM
-worker's contract) and `clear_kv_blocks`."""
+worker's contract), `embed` for an embedding model, and `clear_kv_blocks`."""
 
 from __future__ import annotations
 
@@ -10,22 +10,26 @@ from typing import Any
 from tandem.llm.protocols import (
     CompletionUsage,
     DisaggregatedParams,
+    EmbeddingOutput,
+    EmbeddingRequest,
     FinishReason,
     LLMEngineOutput,
     PreprocessedRequest,
 )
 from tandem.mocker.args import MockerConfig
-from tandem.mocker.engine import MockEngine, SimLogprobs, SyntheticTokens
+from tandem.mocker.engine import MockEngine, SimLogprobs, SyntheticTokens, synthetic_embedding
 from tandem.mocker.scheduler import SimRequest, StepOutput
 from tandem.router.hashing import request_seed
 from tandem.runtime import Context
+from tandem.runtime.errors import InvalidRequestError
 from tandem.worker.config import DisaggregationMode
 
 
 class MockerHandler:
     def __init__(self, config: MockerConfig, engines: list[MockEngine], tokens: SyntheticTokens,
-                 worker_id: int) -> None:
+                 worker_id: int, embedding_size: int = 0) -> None:
         self.config = config
+        self.embedding_size = embedding_size  # an embedding model's vector size (0: it generates text)
         self.engines = engines  # one per data-parallel rank
         self.tokens = tokens
         self.worker_id = worker_id
@@ -77,6 +81,30 @@ class MockerHandler:
         finally:
             unsubscribe()
             engine.release(sim.request_id)
+
+    async def embed(self, request: EmbeddingRequest, context: Context) -> AsyncIterator[EmbeddingOutput]:
+        """An embedding model: each input costs its prefill on the simulated engine (one step's worth of
+        output, never decoded); the vectors are synthetic (`synthetic_embedding`)."""
+        engine = self.engines[0]
+        sims = [SimRequest(request_id=f"{context.id()}-{i}", prompt=ids, max_tokens=1,
+                           output_token=self.tokens.for_request(ids)) for i, ids in enumerate(request.token_ids)]
+        queues = []
+        try:
+            for sim in sims:
+                queues.append(engine.submit(sim))
+            for queue in queues:
+                while (output := await queue.get()) is not None and not output.finished:
+                    pass
+                if output is None:  # stopped by the caller
+                    return
+        except ValueError as e:  # an input that can never fit this engine
+            raise InvalidRequestError(str(e)) from None
+        finally:
+            for sim in sims:
+                engine.release(sim.request_id)
+        tokens = sum(map(len, request.token_ids))
+        yield EmbeddingOutput([synthetic_embedding(ids, self.embedding_size, request.dimensions)
+                               for ids in request.token_ids], tokens, tokens)
 
     async def _pull_kv(self, prompt_len: int) -> float:
         """A decode worker given a prefill_result first pulls the prompt's KV from the prefill worker
@@ -137,3 +165,9 @@ class MockerHandler:
         for engine in self.engines:
             engine.scheduler.kv.clear()
 
+
+
+class EmbeddingMocker(MockerHandler):
+    """The mocker as an embedding model: `generate` takes an `EmbeddingRequest`."""
+
+    generate = MockerHandler.embed  # type: ignore[assignment]

@@ -18,11 +18,11 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tandem.llm.model_card import ModelRuntimeConfig
+from tandem.llm.model_card import ModelRuntimeConfig, ModelType, hidden_size_of
 from tandem.llm.tokenizer import Tokenizer
 from tandem.mocker.args import MockerConfig, parse_args
 from tandem.mocker.engine import MockEngine, SyntheticTokens
-from tandem.mocker.handlers import MockerHandler
+from tandem.mocker.handlers import EmbeddingMocker, MockerHandler
 from tandem.mocker.perf_model import load_perf_model
 from tandem.mocker.scheduler import Scheduler, SchedulerLoad, StepResult
 from tandem.router.protocols import KV_EVENT_TOPIC, KV_METRICS_TOPIC
@@ -131,16 +131,20 @@ async def start_worker(config: MockerConfig, runtime: DistributedRuntime, tokeni
         runtime.add_shutdown_hook(reports.recorder.stop)
         engines.append(engine)
     runtime.registry.register(LagCollector(engines))
-    handler = MockerHandler(config, engines, SyntheticTokens(tokenizer, config.seed), worker_id)
+    embedding = bool(config.model_type & ModelType.Embedding)
+    embedding_size = hidden_size_of(config.model_path) if embedding else 0
+    handler = (EmbeddingMocker if embedding else MockerHandler)(config, engines, SyntheticTokens(tokenizer, config.seed),
+                                                               worker_id, embedding_size)
     spec = WorkerSpec(
         config.model_path, config.served_model_name, config.disaggregation_mode, engine_config.block_size,
-        config.migration_limit, context_length=config.context_length,
+        config.migration_limit, context_length=config.context_length, model_type=config.model_type,
         bos_token_id=tokenizer.token_to_id(tokenizer.bos_token) if tokenizer.bos_token else None,
         runtime_config=ModelRuntimeConfig(
             total_kv_blocks=engine_config.num_blocks, max_num_seqs=engine_config.max_num_seqs,
             max_num_batched_tokens=engine_config.max_num_batched_tokens, context_length=config.context_length,
             enable_local_indexer=bool(publishers), data_parallel_size=config.data_parallel_size,
             tool_call_parser=config.dyn_tool_call_parser, reasoning_parser=config.dyn_reasoning_parser,
+            embedding_size=embedding_size or None, matryoshka=embedding,
         ),
     )
     await serve_worker(component, handler, spec, endpoint=config.endpoint, kv_publishers=publishers,

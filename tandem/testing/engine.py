@@ -7,8 +7,14 @@ What it generates, decided from the prompt text:
   `[[prompt]]`    the prompt text it received, its EOS tokens left out (to check templating), then EOS
   `[[fail]]`      two tokens, then the handler raises (a worker error mid-stream)
   otherwise       the tokens of a fixed sentence, repeated until max_tokens
+A request with `prompt_embeds` (served with --enable-prompt-embeds) is answered "embeds N", N the tensor's
+sequence length (its prompt tokens in usage), then EOS: tests see the tensor reach the engine.
 A request whose prompt already ends with the first k scripted tokens continues from token k, so a
 migrated request (prompt + tokens generated so far) resumes the same sequence.
+
+With `--endpoint-types embedding` it is an embedding model instead: each input's vector is a pseudo-random
+unit vector of the model's hidden size, seeded by the input's token ids (the same input, the same vector),
+cut to `dimensions` and normalized again when asked (it declares itself matryoshka).
 
 Knobs for failure tests: --delay-ms between tokens, --die-after N (SIGKILL itself after emitting N
 tokens in total), --report FILE (appends "killed"/"done" per request), --total-kv-blocks (load
@@ -21,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import io
 import json
 import os
 import re
@@ -32,9 +40,11 @@ from typing import Any
 import msgspec
 from tokenizers import Tokenizer
 
-from tandem.llm.model_card import ModelInput, ModelRuntimeConfig, ModelType
+from tandem.llm.model_card import ModelInput, ModelRuntimeConfig, ModelType, hidden_size_of
 from tandem.llm.protocols import (
     CompletionUsage,
+    EmbeddingOutput,
+    EmbeddingRequest,
     FinishReason,
     LLMEngineOutput,
     PreprocessedRequest,
@@ -42,6 +52,7 @@ from tandem.llm.protocols import (
     TextRequest,
     text_chunk,
 )
+from tandem.mocker.engine import synthetic_embedding
 from tandem.models import resolve_model
 from tandem.router.protocols import KV_METRICS_TOPIC, ActiveLoad
 from tandem.runtime import (
@@ -72,6 +83,7 @@ class TestEngine:
         self.worker_id = worker_id
         self.active: dict[str, int] = {}  # request id -> tokens held (prompt + generated)
         self.load_publisher: Any = None
+        self.hidden_size = hidden_size_of(model_path)
 
     def script(self, prompt_text: str, request: PreprocessedRequest) -> tuple[list[int], bool]:
         """Tokens to produce and whether EOS follows them."""
@@ -91,6 +103,14 @@ class TestEngine:
         max_tokens = request.max_tokens or 16
         reps = max_tokens // max(len(self.default_tokens), 1) + 1
         return (self.default_tokens * reps)[:max_tokens], False
+
+    async def embed(self, request: EmbeddingRequest, context: Context) -> AsyncIterator[EmbeddingOutput]:
+        """The embedding engine: one vector per input (see the module docstring)."""
+        if self.args.delay_ms:
+            await asyncio.sleep(self.args.delay_ms / 1000)
+        vectors = [synthetic_embedding(ids, self.hidden_size, request.dimensions) for ids in request.token_ids]
+        tokens = sum(map(len, request.token_ids))
+        yield EmbeddingOutput(vectors, tokens, tokens)
 
     def cached_tokens(self, token_ids: list[int]) -> int:
         """Leading full blocks seen in earlier prompts (a stand-in for prefix caching)."""
@@ -117,8 +137,14 @@ class TestEngine:
         args = self.args
         token_ids = request.token_ids
         stop = request.stop_conditions
-        prompt_text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
-        target, with_eos = self.script(prompt_text, request)
+        if request.prompt_embeds is not None:
+            prompt_len = _embeds_rows(request.prompt_embeds)
+            target, with_eos = self.tokenizer.encode(f"embeds {prompt_len}", add_special_tokens=False).ids, True
+            prompt_text = ""
+        else:
+            prompt_len = len(token_ids)
+            prompt_text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
+            target, with_eos = self.script(prompt_text, request)
         resume = next((k for k in range(min(len(target), len(token_ids)), 0, -1)
                        if token_ids[-k:] == target[:k]), 0)
         target = target[resume:] + ([self.eos] if with_eos else [])
@@ -127,7 +153,7 @@ class TestEngine:
             stop_ids.discard(self.eos)
         cached = self.cached_tokens(token_ids)
         top_logprobs = request.output_options.logprobs
-        self.active[context.id()] = len(token_ids)
+        self.active[context.id()] = prompt_len
         self.publish_load()
         finished = False
         n = 0
@@ -143,7 +169,7 @@ class TestEngine:
                     item.log_probs = [-0.25]
                     item.top_logprobs = [[RankedLogprob(r + 1, token + r, self.tokenizer.id_to_token(token + r),
                                                         -0.25 - r) for r in range(max(top_logprobs, 1))]]
-                self.active[context.id()] = len(token_ids) + n
+                self.active[context.id()] = prompt_len + n
                 if token in stop_ids or token == self.eos:
                     item.finish_reason = FinishReason.STOP
                     if token in stop_ids and token != self.eos:
@@ -153,7 +179,7 @@ class TestEngine:
                     item.finish_reason = FinishReason.LENGTH
                     finished = True
                 if finished:
-                    item.completion_usage = CompletionUsage.of(len(token_ids), n, cached)
+                    item.completion_usage = CompletionUsage.of(prompt_len, n, cached)
                 self.emitted_total += 1
                 if "[[fail]]" in prompt_text and n == 2:
                     raise RuntimeError("the test engine failed as asked ([[fail]])")
@@ -163,7 +189,7 @@ class TestEngine:
                 if finished:
                     break
             if not finished:  # stopped by the caller
-                yield LLMEngineOutput.cancelled(CompletionUsage.of(len(token_ids), n, cached))
+                yield LLMEngineOutput.cancelled(CompletionUsage.of(prompt_len, n, cached))
             _report(args.report, "done")
         except asyncio.CancelledError:
             _report(args.report, "killed" if context.is_killed() else "cancelled")
@@ -189,6 +215,12 @@ class TestEngine:
                              CompletionUsage.of(prompt_words, len(words)) if last else None)
 
 
+class EmbeddingTestEngine(TestEngine):
+    """The test engine as an embedding model: `generate` takes an `EmbeddingRequest`."""
+
+    generate = TestEngine.embed  # type: ignore[assignment]
+
+
 class TextTestEngine(TestEngine):
     """The test engine with text input: `generate` takes the client's OpenAI request."""
 
@@ -209,6 +241,15 @@ def _eos_token_id(folder: str) -> int:
     raise ValueError(f"no eos_token_id in {folder}")
 
 
+def _embeds_rows(encoded: str) -> int:
+    """The sequence length of a prompt_embeds tensor, [seq_len, hidden] or [1, seq_len, hidden] (the frontend
+    checked it)."""
+    import torch
+
+    tensor = torch.load(io.BytesIO(base64.b64decode(encoded)), weights_only=True, map_location="cpu")
+    return int(tensor.shape[-2])
+
+
 def _report(path: str | None, what: str) -> None:
     if path:
         with open(path, "a") as f:
@@ -227,6 +268,7 @@ async def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context-length", type=int, default=None)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--total-kv-blocks", type=int, default=1024)
+    parser.add_argument("--enable-prompt-embeds", action="store_true", help="take prompt_embeds, as vLLM's flag")
     MIGRATION_LIMIT.add_to(parser, 0)
     for option in PARSER_OPTIONS:
         option.add_to(parser, None)
@@ -245,17 +287,22 @@ async def main(argv: list[str] | None = None) -> int:
     runtime = await DistributedRuntime.create(RuntimeConfig.from_args(args))
     runtime.install_signal_handlers()
     component = runtime.namespace().component(args.component)
-    engine = (TestEngine if args.model_input == ModelInput.Tokens else TextTestEngine)(args, model_path,
-                                                                                       runtime.instance_id)
+    model_type = ModelType.parse(args.endpoint_types)
+    embedding = bool(model_type & ModelType.Embedding)
+    kind = TextTestEngine if args.model_input == ModelInput.Text else EmbeddingTestEngine if embedding else TestEngine
+    engine = kind(args, model_path, runtime.instance_id)
     engine.load_publisher = await component.event_publisher(KV_METRICS_TOPIC)
     spec = WorkerSpec(
         model_path, args.model_name or os.path.basename(model_path.rstrip("/")), DisaggregationMode.AGGREGATED,
-        args.block_size, MIGRATION_LIMIT.value(args, 0), model_type=ModelType.parse(args.endpoint_types),
+        args.block_size, MIGRATION_LIMIT.value(args, 0), model_type=model_type,
         model_input=ModelInput(args.model_input), context_length=args.context_length,
         custom_template_path=args.custom_jinja_template, loras=args.lora,
         runtime_config=ModelRuntimeConfig(total_kv_blocks=args.total_kv_blocks, max_num_seqs=256,
                                           max_num_batched_tokens=8192, tool_call_parser=tool_call_parser,
-                                          reasoning_parser=reasoning_parser),
+                                          reasoning_parser=reasoning_parser,
+                                          enable_prompt_embeds=args.enable_prompt_embeds,
+                                          embedding_size=engine.hidden_size if embedding else None,
+                                          matryoshka=embedding),
     )
     await serve_worker(component, engine, spec, summary="test engine")
     await runtime.wait_closed()

@@ -26,6 +26,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn, cast
 
+from tandem.llm.model_card import ModelType
 from tandem.models.prepare import MODEL_NAME, PrepareError, is_default_model
 from tandem.models.resolve import resolve_model
 from tandem.runtime.config import RuntimeConfig, add_runtime_args, env_bool, env_str
@@ -133,6 +134,7 @@ class Config:
     dump_config_to: str | None = None
     is_prefill_worker: bool = False
     is_decode_worker: bool = False
+    embedding_worker: bool = False  # vLLM's pooling runner: the worker serves embeddings
     use_vllm_tokenizer: bool = False
     sleep_mode_level: int = 1
     dyn_tool_call_parser: str | None = None
@@ -167,8 +169,6 @@ class Config:
             raise ValueError("Cannot set both --is-prefill-worker and --is-decode-worker")
         if self.sleep_mode_level not in (1, 2, 3):
             raise ValueError(f"--sleep-mode-level must be 1, 2 or 3, got {self.sleep_mode_level}")
-        from tandem.llm.model_card import ModelType
-
         if not ModelType.parse(self.endpoint_types):
             raise ValueError("--endpoint-types must name at least one of chat, completions")
         served = self.engine_args.served_model_name
@@ -237,13 +237,16 @@ _DYNAMO_OPTIONS = (
     Option("custom_jinja_template", ("--custom-jinja-template",), ("DYN_CUSTOM_JINJA_TEMPLATE",),
            "chat template file overriding the model's (~ and $VARS expanded)", kind=str, metavar="FILE"),
     Option("endpoint_types", ("--endpoint-types", "--dyn-endpoint-types"), ("DYN_ENDPOINT_TYPES",),
-           "OpenAI surfaces to enable, comma separated: chat, completions", kind=str),
+           "OpenAI surfaces to enable, comma separated: chat, completions (an embedding worker: embedding)",
+           kind=str),
     Option("dump_config_to", ("--dump-config-to",), ("DYN_DUMP_CONFIG_TO",),
            "write the resolved configuration as JSON to this file", kind=str, metavar="FILE"),
     Option("is_prefill_worker", ("--is-prefill-worker",), ("DYN_VLLM_IS_PREFILL_WORKER",),
            "prefill-only worker (component prefill)", kind=bool),
     Option("is_decode_worker", ("--is-decode-worker",), ("DYN_VLLM_IS_DECODE_WORKER",),
            "decode-only worker (publishes no KV events)", kind=bool),
+    Option("embedding_worker", ("--embedding-worker",), ("DYN_VLLM_EMBEDDING_WORKER",),
+           "serve embeddings (/v1/embeddings): vLLM's pooling runner, as --runner pooling", kind=bool),
     Option("use_vllm_tokenizer", ("--use-vllm-tokenizer",), ("DYN_VLLM_USE_TOKENIZER",),
            "text in/text out: the worker tokenizes (chat completions only)", kind=bool),
     Option("sleep_mode_level", ("--sleep-mode-level",), ("DYN_VLLM_SLEEP_MODE_LEVEL",),
@@ -396,6 +399,7 @@ def build_config(argv: list[str] | None = None, *, is_cpu: bool | None = None, a
     )
     apply_options(config, _DYNAMO_OPTIONS + _CPU_OPTIONS, dyn)
     config.namespace = config.runtime.namespace
+    _embedding_worker(config, ns, connector_given=dyn.connector != list(DEFAULT_CONNECTORS))
     config.validate()
     check_parser_options(config.dyn_tool_call_parser, config.dyn_reasoning_parser)
     check_durable_kv_events(config.durable_kv_events, config.runtime.event_plane)
@@ -428,6 +432,36 @@ def build_config(argv: list[str] | None = None, *, is_cpu: bool | None = None, a
     if apply_env:
         os.environ.update(config.env_updates)
     return config
+
+
+def _embedding_worker(config: Config, ns: argparse.Namespace, *, connector_given: bool) -> None:
+    """`--embedding-worker` or vLLM's `--runner pooling`: an embedding model, served aggregated, with no KV
+    connector and no generation endpoint types. What cannot go with it is refused, naming the flag."""
+    if config.embedding_worker:
+        if ns.runner not in ("auto", "pooling"):
+            raise ValueError(f"--embedding-worker runs vLLM's pooling runner; it cannot go with --runner {ns.runner}")
+        ns.runner = "pooling"
+    config.embedding_worker = ns.runner == "pooling"
+    if not config.embedding_worker:
+        if ModelType.parse(config.endpoint_types) & ModelType.Embedding:
+            raise ValueError("--endpoint-types embedding needs an embedding worker: add --embedding-worker "
+                             "(vLLM's --runner pooling)")
+        return
+    clashes = [flag for flag, given in (("--is-prefill-worker", config.is_prefill_worker),
+                                        ("--is-decode-worker", config.is_decode_worker),
+                                        ("--use-vllm-tokenizer", config.use_vllm_tokenizer),
+                                        ("--dyn-tool-call-parser", config.dyn_tool_call_parser is not None),
+                                        ("--dyn-reasoning-parser", config.dyn_reasoning_parser is not None))
+               if given]
+    if clashes:
+        raise ValueError(f"{', '.join(clashes)}: an embedding worker (--embedding-worker, --runner pooling) "
+                         "generates no text")
+    if connector_given and config.connector not in ([], ["none"], ["null"]):
+        raise ValueError("--connector: an embedding worker moves no KV between workers; leave it out")
+    if config.endpoint_types not in (DEFAULT_ENDPOINT_TYPES, "embedding"):
+        raise ValueError(f"--endpoint-types {config.endpoint_types}: an embedding worker serves embedding only")
+    config.connector = []
+    config.endpoint_types = "embedding"
 
 
 def _thinking_budget(config: Config) -> None:
@@ -521,7 +555,7 @@ def create_kv_events_config(config: Config) -> Any:
     """Dynamo's `create_kv_events_config` (first match wins): decode workers and workers without prefix
     caching publish nothing; a user --kv-events-config is kept; otherwise ZMQ on DYN_VLLM_KV_EVENT_PORT."""
     args = config.engine_args
-    if config.is_decode_worker:
+    if config.is_decode_worker or config.embedding_worker:  # embeddings are routed by load, not by KV
         return None
     if not args.enable_prefix_caching:
         return None

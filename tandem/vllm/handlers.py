@@ -1,11 +1,10 @@
 """The vLLM engine behind the worker contract: `generate` for aggregated and decode workers (token input),
-text-input workers and prefill workers, `clear_kv_blocks`, and the sleep / wake engine routes."""
+text-input workers, prefill workers and embedding workers, `clear_kv_blocks`, and the sleep / wake
+engine routes."""
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -15,9 +14,12 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from vllm.inputs import TextPrompt, TokensPrompt
 from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
+from tandem.llm import prompt_embeds
 from tandem.llm.protocols import (
     CompletionUsage,
     DisaggregatedParams,
+    EmbeddingOutput,
+    EmbeddingRequest,
     FinishReason,
     LLMEngineOutput,
     PreprocessedRequest,
@@ -26,6 +28,7 @@ from tandem.llm.protocols import (
     text_chunk,
 )
 from tandem.runtime import Context
+from tandem.runtime.errors import InvalidRequestError
 from tandem.vllm.abort import abort_monitor
 from tandem.worker.forward_pass import PendingPrompts
 
@@ -175,21 +178,35 @@ class BaseWorkerHandler:
         raise NotImplementedError
 
     # -- prompts -------------------------------------------------------------------------------
-    @staticmethod
-    def _prompt(request: PreprocessedRequest) -> tuple[Any, int]:
-        """Prompt embeddings (base64 torch tensor) or token ids; returns (prompt, prompt length)."""
-        if request.prompt_embeds:
-            import torch
+    def _prompt(self, request: PreprocessedRequest) -> tuple[Any, int]:
+        """Prompt embeddings (base64 torch tensor) or token ids; returns (prompt, prompt length). Embeddings
+        are checked as the frontend checks them (a second line of defence): a bad tensor is an
+        InvalidRequestError, the client's 400, never a crash. A request's `cache_salt` salts the engine's
+        prefix cache, so prompts of different salts never share cached blocks."""
+        salt = request.routing.cache_salt if request.routing is not None else None
+        if request.prompt_embeds is not None:
             from vllm.inputs import EmbedsPrompt
 
-            tensor = torch.load(io.BytesIO(base64.b64decode(request.prompt_embeds)), weights_only=True)
-            if not isinstance(tensor, torch.Tensor):
-                raise ValueError("prompt_embeds must be a base64-encoded torch.Tensor")
-            length = tensor.shape[0] if tensor.dim() == 2 else tensor.shape[1]
-            return EmbedsPrompt(prompt_embeds=tensor), int(length)
+            model = self.engine_client.model_config
+            if not model.enable_prompt_embeds:
+                raise InvalidRequestError("this worker does not take prompt_embeds (it runs without "
+                                          "--enable-prompt-embeds)")
+            try:
+                tensor = prompt_embeds.load(request.prompt_embeds, hidden_size=model.get_hidden_size(),
+                                            max_len=model.max_model_len - 1)
+            except prompt_embeds.PromptEmbedsError as e:
+                raise InvalidRequestError(str(e)) from None
+            # Cast as vLLM's own server does: a client need not know the engine's --dtype.
+            embeds = EmbedsPrompt(prompt_embeds=tensor.to(model.dtype))
+            if salt is not None:
+                embeds["cache_salt"] = salt
+            return embeds, int(tensor.shape[0])
         if request.multi_modal_data:
             raise ValueError("this worker does not take multimodal data: multimodal serving is not built yet in tandem")
-        return TokensPrompt(prompt_token_ids=request.token_ids), len(request.token_ids)
+        tokens = TokensPrompt(prompt_token_ids=request.token_ids)
+        if salt is not None:
+            tokens["cache_salt"] = salt
+        return tokens, len(request.token_ids)
 
     def _lora_request(self, request: PreprocessedRequest) -> Any:
         if self.lora is None:
@@ -203,7 +220,11 @@ class BaseWorkerHandler:
         """Run one request on the engine and yield its outputs, new tokens only. A `remote_prefill`
         request's first output also reports its KV wait as `kv_transfer_ms`."""
         try:
-            prompt, prompt_len = self._prompt(request)
+            # Loading a tensor of thousands of embeddings takes a while: not on the event loop.
+            prompt, prompt_len = (await asyncio.to_thread(self._prompt, request) if request.prompt_embeds is not None
+                                  else self._prompt(request))
+        except InvalidRequestError:
+            raise  # the client's 400
         except Exception as e:
             yield LLMEngineOutput.failed(f"Invalid prompt: {e}")
             return
@@ -358,8 +379,40 @@ class PrefillWorkerHandler(BaseWorkerHandler):
             yield item
 
 
-def handler_class(*, prefill: bool, text_input: bool) -> type[BaseWorkerHandler]:
+class EmbeddingWorkerHandler(BaseWorkerHandler):
+    """Embedding workers (vLLM's pooling runner): one vector per input, pooled as the model's pooler says
+    (a converted causal LM: its last token's hidden state, normalized)."""
+
+    async def generate(self, request: EmbeddingRequest, context: Context) -> AsyncIterator[EmbeddingOutput]:
+        from vllm.pooling_params import PoolingParams
+
+        params = PoolingParams(task="embed", dimensions=request.dimensions)
+        request_id = context.id()
+        # The inputs go to the engine together, so it batches them into the same steps.
+        vectors = await asyncio.gather(*(self._embed(ids, params, f"{request_id}-{i}", context)
+                                         for i, ids in enumerate(request.token_ids)))
+        if not context.is_stopped():
+            tokens = sum(map(len, request.token_ids))
+            yield EmbeddingOutput(list(vectors), tokens, tokens)
+
+    async def _embed(self, token_ids: list[int], params: Any, request_id: str, context: Context) -> list[float]:
+        final = None
+        try:
+            async with abort_monitor(self.engine_client, context, request_id, self.shutdown_event) as monitor:
+                async for output in monitor.stream(self.engine_client.encode(
+                        TokensPrompt(prompt_token_ids=token_ids), params, request_id)):
+                    final = output
+        except ValueError as e:  # vLLM's check of the input (its length, the dimensions asked for)
+            raise InvalidRequestError(str(e)) from None
+        if final is None or not final.finished:
+            return []  # stopped before the engine finished it: the caller sends nothing
+        return final.outputs.data.tolist()
+
+
+def handler_class(*, prefill: bool, text_input: bool, embedding: bool = False) -> type[BaseWorkerHandler]:
     """The handler of a worker's role."""
+    if embedding:
+        return EmbeddingWorkerHandler
     if prefill:
         return PrefillWorkerHandler
     return TextWorkerHandler if text_input else DecodeWorkerHandler

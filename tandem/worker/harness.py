@@ -1,11 +1,12 @@
 """How every worker kind serves: the endpoints, the drain policy, the model card, readiness.
 
-A worker kind (vLLM, the mocker, the test engine, later encode or embedding workers) supplies a
+A worker kind (vLLM, the mocker, the test engine; generation or embedding models) supplies a
 `WorkerEngine` (its `generate` and `clear_kv_blocks`) and a `WorkerSpec` (what it serves and what its
 engine turned out to be); `serve_worker` does the rest, the same way for all of them:
 
-- `generate`, with requests decoded into `PreprocessedRequest` (token input) or `TextRequest` (text
-  input) before the engine sees them; a request that does not fit gets a 400 naming the field;
+- `generate`, with requests decoded into `PreprocessedRequest` (token input), `TextRequest` (text
+  input) or `EmbeddingRequest` (embedding models) before the engine sees them; a request that does not
+  fit gets a 400 naming the field;
 - `clear_kv_blocks`, and `worker_kv_indexer_query` when the worker keeps its KV events for re-fetching;
 - the drain policy: a worker whose requests can migrate (migration limit > 0) does not wait for them at
   shutdown, it ends their streams as incomplete and the frontend moves them; otherwise it drains;
@@ -29,7 +30,14 @@ from tandem.llm.model_card import (
     build_card,
     register_model,
 )
-from tandem.llm.protocols import LLMEngineOutput, PreprocessedRequest, StatusReply, TextRequest
+from tandem.llm.protocols import (
+    EmbeddingOutput,
+    EmbeddingRequest,
+    LLMEngineOutput,
+    PreprocessedRequest,
+    StatusReply,
+    TextRequest,
+)
 from tandem.router.protocols import WORKER_KV_INDEXER_QUERY_ENDPOINT
 from tandem.router.publisher import indexer_query_handler
 from tandem.runtime import Context
@@ -43,9 +51,10 @@ log = logging.getLogger(__name__)
 class WorkerEngine(Protocol):
     """What a worker kind supplies to `serve_worker`."""
 
-    def generate(self, request: Any, context: Context) -> AsyncIterator[LLMEngineOutput | dict[str, Any]]:
+    def generate(self, request: Any,
+                 context: Context) -> AsyncIterator[LLMEngineOutput | EmbeddingOutput | dict[str, Any]]:
         """Answer one request: `PreprocessedRequest` -> `LLMEngineOutput`s for token input; `TextRequest`
-        -> OpenAI chat chunks for text input."""
+        -> OpenAI chat chunks for text input; `EmbeddingRequest` -> one `EmbeddingOutput`."""
         ...
 
     async def clear_kv_blocks(self) -> None:
@@ -69,6 +78,17 @@ class WorkerSpec:
     custom_template_path: str | None = None
     bos_token_id: int | None = None  # the canary's one-token prompt
     loras: Sequence[str] = field(default_factory=tuple)  # adapters served from the start, one card each
+
+    def __post_init__(self) -> None:
+        if self.is_embedding and self.model_type != ModelType.Embedding:
+            raise ValueError("an embedding model serves embeddings only: its endpoint types cannot also name "
+                             "chat or completions")
+        if self.is_embedding and self.mode is not DisaggregationMode.AGGREGATED:
+            raise ValueError("an embedding model has no prefill or decode side: serve it aggregated")
+
+    @property
+    def is_embedding(self) -> bool:
+        return bool(self.model_type & ModelType.Embedding)
 
     def card(self) -> ModelDeploymentCard:
         prefill = self.mode is DisaggregationMode.PREFILL
@@ -107,10 +127,12 @@ async def serve_worker(
     generate = component.endpoint(endpoint)
     labels = {"model": spec.served_model_name}
     text_input = spec.model_input is ModelInput.Text
+    request_type = TextRequest if text_input else EmbeddingRequest if spec.is_embedding else PreprocessedRequest
     served = await generate.start_serving(
         engine.generate, graceful_shutdown=spec.migration_limit <= 0, metrics_labels=labels,
-        health_check_payload=health_check_payload(spec.bos_token_id, text_mode=text_input),
-        request_type=TextRequest if text_input else PreprocessedRequest,
+        health_check_payload=health_check_payload(spec.bos_token_id, text_mode=text_input,
+                                                  embedding=spec.is_embedding),
+        request_type=request_type,
     )
 
     async def clear_kv_blocks(request: Any = None) -> AsyncIterator[StatusReply]:

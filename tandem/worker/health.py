@@ -29,11 +29,13 @@ def _stop_conditions() -> dict[str, Any]:
     }
 
 
-def default_payload(bos_token_id: int | None, *, text_mode: bool = False) -> dict[str, Any]:
+def default_payload(bos_token_id: int | None, *, text_mode: bool = False, embedding: bool = False) -> dict[str, Any]:
     """The built-in payload, without the env override or the probe marker."""
     if text_mode:
         return {"prompt": "Test", "temperature": 0.0, **_stop_conditions()}
     bos = DEFAULT_BOS_TOKEN_ID if bos_token_id is None else int(bos_token_id)
+    if embedding:
+        return {"token_ids": [[bos]]}
     return {
         "token_ids": [bos],
         "sampling_options": {"temperature": 0.0},
@@ -55,17 +57,19 @@ def payload_from_env() -> dict[str, Any] | None:
     return value
 
 
-def health_check_payload(bos_token_id: int | None, *, text_mode: bool = False) -> dict[str, Any]:
+def health_check_payload(bos_token_id: int | None, *, text_mode: bool = False,
+                         embedding: bool = False) -> dict[str, Any]:
     """The canary request for this worker's `generate` endpoint.
 
     Token mode (aggregated, decode and prefill workers): one BOS token (fallback 1), greedy, one
-    output token. Text mode (`--use-vllm-tokenizer`): the prompt "Test". `DYN_HEALTH_CHECK_PAYLOAD`
+    output token. Embedding workers: the embedding of that one token. Text mode
+    (`--use-vllm-tokenizer`): the prompt "Test". `DYN_HEALTH_CHECK_PAYLOAD`
     replaces either (invalid JSON or a non-object -> ValueError). `"_HEALTH_CHECK": True` is always
     added so handlers and the runtime can tell a probe from real traffic.
     """
     payload = payload_from_env()
     if payload is None:
-        payload = default_payload(bos_token_id, text_mode=text_mode)
+        payload = default_payload(bos_token_id, text_mode=text_mode, embedding=embedding)
     else:
         log.info("using the health-check payload from %s", PAYLOAD_ENV)
     payload = dict(payload)
