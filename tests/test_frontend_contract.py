@@ -17,6 +17,7 @@ import json
 import httpx
 import pytest
 import schemathesis
+import schemathesis.specs.openapi.schemas  # noqa: F401 (see below)
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
@@ -30,6 +31,10 @@ from schemathesis.specs.openapi.checks import (
 
 from tests.deployment import MODEL, Deployment
 
+# schemathesis loads its OpenAPI modules on first use, and pytest rewrites them as it imports them (it is a
+# pytest plugin). Imported here, at collection, rather than in the first test: a parse in the middle of a
+# session, with finalizers of earlier tests' processes running, can hit CPython 3.11's "AST constructor
+# recursion depth mismatch" (a SystemError that failed every contract test of one run).
 FUZZ = settings(derandomize=True, deadline=None, database=None, max_examples=60,
                 suppress_health_check=list(HealthCheck))
 

@@ -274,7 +274,7 @@ class FrontendServer:
         model = self.manager.get(name)
         if model is None:
             raise openai.RequestError.model_not_found(name)
-        types = model.card.types
+        types = model.types
         if types & kind:
             return model
         if types & ModelType.Embedding:

@@ -40,6 +40,9 @@ class ServedModel:
     prefill_instances: dict[int, str] = field(default_factory=dict)
     dp_sizes: dict[int, int] = field(default_factory=dict)  # instance id -> data-parallel ranks, if > 1
     pipeline: Any = None  # built by the frontend's pipeline factory
+    # What the model's serving instances answer (chat, completions, embedding): their cards' types, the
+    # prefill workers' left out (they serve the decode workers, not the routes).
+    types: ModelType = ModelType(0)
 
     @property
     def is_lora(self) -> bool:
@@ -156,6 +159,8 @@ class ModelManager:
         await self.client(endpoint_path)
         is_prefill = card.worker_type == WorkerType.Prefill or bool(ModelType(card.model_type) & ModelType.Prefill)
         (model.prefill_instances if is_prefill else model.instances)[instance_id] = endpoint_path
+        if not is_prefill:
+            model.types |= card.types
         dp_size = card.runtime_config.data_parallel_size
         if dp_size > 1:
             model.dp_sizes[instance_id] = dp_size
