@@ -64,8 +64,7 @@ class EmbeddingsRequest(msgspec.Struct, kw_only=True):
     single: bool  # the body's input was one text or one token list, not a list of them
 
     def param(self, index: int) -> str:
-        """How errors name an input: `input` for a single one, `input[i]` in a list."""
-        return "input" if self.single else f"input[{index}]"
+        return _input_param(self.single, index)
 
 
 _decoder = msgspec.json.Decoder(_EmbeddingsBody)
@@ -98,7 +97,7 @@ def _inputs(value: Any) -> tuple[list[str] | None, list[list[int]] | None, bool]
         raise openai.fail("input", f"at most {MAX_INPUTS} inputs may be embedded at once (got {len(items)}).")
     texts = isinstance(items[0], str)
     for i, item in enumerate(items):
-        param = "input" if single else f"input[{i}]"
+        param = _input_param(single, i)
         if texts:
             if not isinstance(item, str):
                 raise openai.fail(param, f"'{param}' must be a string, as the first input is.")
@@ -111,6 +110,11 @@ def _inputs(value: Any) -> tuple[list[str] | None, list[list[int]] | None, bool]
         if not item:
             raise openai.fail(param, f"'{param}' must not be empty.")
     return (items, None, single) if texts else (None, items, single)
+
+
+def _input_param(single: bool, index: int) -> str:
+    """How errors name an input: `input` for a single one, `input[i]` in a list."""
+    return "input" if single else f"input[{index}]"
 
 
 def _is_id(value: Any) -> bool:
