@@ -13,6 +13,7 @@ import time
 
 import httpx
 
+from tests.conftest import free_port
 from tests.deployment import MODEL, Deployment, metric_sum
 
 MOCKER = ["--speedup-ratio", "1", "--block-size", "16"]  # streams of 100 tokens last about a second
@@ -36,25 +37,38 @@ def _stream(url: str, prompt: str, max_tokens: int) -> tuple[int, int, str | Non
 
 
 def test_a_worker_killed_under_load_fails_no_request(tmp_path, smollm2):
-    deployment = Deployment(tmp_path, smollm2, engine_module="tandem.mocker", engines=[MOCKER] * 3)
+    deployment = Deployment(tmp_path, smollm2, engine_module="tandem.mocker", engines=[MOCKER] * 2)
     try:
-        victim = deployment.engines[0]
+        port = free_port()
+        victim = deployment.add_engine(*MOCKER, env={"DYN_SYSTEM_PORT": str(port)})
+        deployment.wait_for_instances(3)
         results: list[tuple[int, int, str | None, str]] = []
         lock = threading.Lock()
-        stop_at = time.monotonic() + 4.0
+        stop = threading.Event()
 
         def client(n: int) -> None:
             i = 0
-            while time.monotonic() < stop_at:  # new requests keep arriving before, during and after the kill
+            while not stop.is_set():  # new requests keep arriving before, during and after the kill
                 result = _stream(deployment.url, f"client {n} request {i} tell me a story", 100)
                 with lock:
                     results.append(result)
                 i += 1
 
+        def victim_streams() -> float:
+            metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+            return metric_sum(metrics, "dynamo_component_inflight_requests", dynamo_endpoint="generate")
+
         with concurrent.futures.ThreadPoolExecutor(12) as pool:
             futures = [pool.submit(client, n) for n in range(12)]
-            time.sleep(1.0)
-            victim.proc.kill()  # SIGKILL: its streams are cut, its discovery entries stay until their lease ends
+            try:
+                deadline = time.monotonic() + 60
+                while victim_streams() == 0:  # however slow the machine, the kill cuts streams
+                    assert time.monotonic() < deadline, "no stream reached the victim"
+                    time.sleep(0.05)
+                victim.proc.kill()  # SIGKILL: its streams are cut, its discovery entries stay until their lease ends
+                time.sleep(3.0)
+            finally:
+                stop.set()
             for future in futures:
                 future.result()
         assert len(results) >= 24
