@@ -6,7 +6,8 @@ The routing tests run twice: `events-only` (`--router-predicted-ttl-secs 0`: onl
 events tell the router where a prefix is cached, so these runs prove the event path; each waits until
 the frontend has applied every event the workers emitted before it relies on them) and
 `with-predicted` (the router also counts its own recent decisions, so follow-ups sent at once hit).
-`test_follow_ups_miss_when_kv_events_are_lost` is the control: the same traffic, events lost."""
+`test_follow_ups_miss_when_kv_events_are_lost` is the control: the same traffic, events lost (and the
+router's catch-up of quiet workers off)."""
 
 from __future__ import annotations
 
@@ -105,9 +106,11 @@ def test_a_new_frontend_learns_what_workers_already_cache(kv_deployment: Deploym
 
 def test_follow_ups_miss_when_kv_events_are_lost(tmp_path: Path, smollm2: str) -> None:
     """The events-only runs' control: the workers' KV events are all lost on the way
-    (DYN_MOCKER_DROP_KV_EVENTS=1) and nothing else tells the router where a prefix is: it expects no
-    hit, and a follow-up lands on the worker caching its prefix only by chance (1 in 3)."""
+    (DYN_MOCKER_DROP_KV_EVENTS=1) and nothing else tells the router where a prefix is (its catch-up of
+    quiet workers is off): it expects no hit, and a follow-up lands on the worker caching its prefix only
+    by chance (1 in 3)."""
     deployment = Deployment(tmp_path, smollm2, engine_module="tandem.mocker", engines=[MOCKER, MOCKER, MOCKER],
+                            env={"DYN_ROUTER_EVENT_CATCH_UP_SECS": "0"},
                             engine_env={"DYN_MOCKER_DROP_KV_EVENTS": "1"}, frontend_args=_router_args(EVENTS_ONLY))
     try:
         client = deployment.client()
@@ -121,6 +124,26 @@ def test_follow_ups_miss_when_kv_events_are_lost(tmp_path: Path, smollm2: str) -
         assert metric_sum(metrics, KV_EVENTS_APPLIED) == 0
         assert metric_sum(metrics, HITS) == 0
         assert hits < 10  # all 10 by chance: 1 in 59049
+    finally:
+        deployment.stop()
+
+
+def test_a_quiet_workers_lost_kv_events_are_caught_up(tmp_path: Path, smollm2: str) -> None:
+    """Every KV event is lost on the way, as the last ones of a burst are while a subscription still
+    connects, and no later event reveals a gap: the router asks each worker quiet for
+    DYN_ROUTER_EVENT_CATCH_UP_SECS for what it emitted since, and routes follow-ups by that."""
+    deployment = Deployment(tmp_path, smollm2, engine_module="tandem.mocker", engines=[MOCKER, MOCKER, MOCKER],
+                            env={"DYN_ROUTER_EVENT_CATCH_UP_SECS": "0.2"},
+                            engine_env={"DYN_MOCKER_DROP_KV_EVENTS": "1"}, frontend_args=_router_args(EVENTS_ONLY))
+    try:
+        client = deployment.client()
+        prefixes = [_conversation(400 + n) for n in range(6)]
+        prefix_tokens = [_cached(client, prefix)[1] for prefix in prefixes]
+        assert deployment.wait_for_kv_events() >= len(prefixes)  # none arrived live: all caught up
+        assert metric_sum(deployment.metrics(), GAPS) >= 1
+        for prefix, tokens in zip(prefixes, prefix_tokens, strict=True):
+            cached, _ = _cached(client, f"{prefix} follow-up")
+            assert cached >= _shared_blocks(tokens) * BLOCK, prefix[:16]
     finally:
         deployment.stop()
 
@@ -213,10 +236,12 @@ async def test_recent_decisions_count_until_the_events_arrive(runtimes, namespac
         assert (len(chosen) == 1) == expect_same, (ttl, chosen)
 
 
-async def _router_of_a_lossy_worker(runtimes, namespace: str, lost: set[int]):  # type: ignore[no-untyped-def]
-    """A KV router (events only) following one in-process worker whose KV events with ids in `lost`
-    never reach it. The worker has published event 0 (block hash 0, tokens hash 100) and the router
-    applied it. Returns the router, the worker's event publisher and `value(metric name)`."""
+async def _router_of_a_lossy_worker(runtimes, namespace: str, lost: set[int],  # type: ignore[no-untyped-def]
+                                    catch_up_secs: float = 0.0):
+    """A KV router (events only; its catch-up of quiet workers every `catch_up_secs`, 0 = off) following
+    one in-process worker whose KV events with ids in `lost` never reach it. The worker has published
+    event 0 (block hash 0, tokens hash 100) and the router applied it. Returns the router, the worker's
+    event publisher and `value(metric name)`."""
     from prometheus_client import CollectorRegistry
 
     from tandem.router.config import KvRouterConfig
@@ -235,8 +260,8 @@ async def _router_of_a_lossy_worker(runtimes, namespace: str, lost: set[int]):  
     events = KvEventPublisher(worker_id=runtime.instance_id, publisher=Lossy())
     await component.endpoint(WORKER_KV_INDEXER_QUERY_ENDPOINT).start_serving(indexer_query_handler([events]))
     registry = CollectorRegistry()
-    router = KvRouter(runtime, "m", block_size=BLOCK, config=KvRouterConfig(predicted_ttl_secs=0),
-                      metrics=RouterMetrics(registry))
+    router = KvRouter(runtime, "m", block_size=BLOCK, metrics=RouterMetrics(registry),
+                      config=KvRouterConfig(predicted_ttl_secs=0, event_catch_up_secs=catch_up_secs))
     router.sync_workers({runtime.instance_id: f"{namespace}.backend.generate"})
 
     def value(name: str) -> float:
@@ -290,6 +315,20 @@ async def test_blocks_stored_under_a_lost_block_are_indexed_after_the_recovery(r
     events.emit(_stored(1, 2))  # reveals the gap
     await _until(value, GAPS, 1)
     assert router.indexer.find_matches([100, 101, 102]).scores == {(events.worker_id, 0): 3}
+
+
+async def test_the_last_lost_event_of_a_quiet_worker_is_caught_up(runtimes, namespace) -> None:  # type: ignore[no-untyped-def]
+    """No later event reveals the lost one: the router asks the quiet worker for what followed the
+    last event it saw, applies it once, and counts the recovery."""
+    router, events, value = await _router_of_a_lossy_worker(runtimes, namespace, lost={1}, catch_up_secs=0.05)
+    events.emit(_stored(0, 1))  # lost, and the worker stays quiet
+    await _until(value, KV_EVENTS_APPLIED, 2)
+    assert router.indexer.find_matches([100, 101]).scores == {(events.worker_id, 0): 2}
+    assert value(GAPS) == 1
+    events.emit(_stored(1, 2))  # arrives live: no gap, nothing fetched again
+    await _until(value, KV_EVENTS_APPLIED, 3)
+    await asyncio.sleep(0.2)  # a few catch-up rounds with nothing new
+    assert value(KV_EVENTS_APPLIED) == 3 and value(GAPS) == 1
 
 
 async def test_data_parallel_ranks_are_separate_candidates(runtimes, namespace) -> None:  # type: ignore[no-untyped-def]

@@ -299,6 +299,14 @@ def index_state(indexer: KvIndexer) -> list[dict[WorkerKey, int]]:
     return [indexer.find_matches(q).scores for q in queries]
 
 
+def indexed(events: list[RouterEvent]) -> KvIndexer:
+    """An index that received `events` live."""
+    indexer = KvIndexer()
+    for event in events:
+        indexer.apply_event(event)
+    return indexer
+
+
 def test_kv_indexer_in_order_and_duplicates() -> None:
     indexer = KvIndexer()
     events = conversation_events(1)
@@ -316,13 +324,8 @@ def test_kv_indexer_in_order_and_duplicates() -> None:
 
 def test_kv_indexer_gap_recovery_matches_no_gap() -> None:
     events = conversation_events(1)
-    reference = KvIndexer()
-    for event in events:
-        reference.apply_event(event)
-
-    indexer = KvIndexer()
-    for event in events[:2]:
-        indexer.apply_event(event)
+    reference = indexed(events)
+    indexer = indexed(events[:2])
     # events 2 and 3 are lost: event 4 reveals the gap and waits for it, and so does event 5
     gap = indexer.apply_event(events[4])
     assert gap == EventGap((1, 0), 2, 3)
@@ -342,11 +345,8 @@ def test_kv_indexer_gap_recovery_matches_no_gap() -> None:
 
 def test_kv_indexer_two_gaps_and_a_gap_given_up() -> None:
     events = conversation_events(1)
-    reference = KvIndexer()
-    for event in events:
-        reference.apply_event(event)
-    indexer = KvIndexer()
-    indexer.apply_event(events[0])
+    reference = indexed(events)
+    indexer = indexed(events[:1])
     first = indexer.apply_event(events[2])  # 1 lost
     second = indexer.apply_event(events[4])  # 3 lost while the first gap is open
     assert (first, second) == (EventGap((1, 0), 1, 1), EventGap((1, 0), 3, 3))
@@ -361,6 +361,28 @@ def test_kv_indexer_two_gaps_and_a_gap_given_up() -> None:
     gap = given_up.apply_event(events[2])
     assert gap is not None and given_up.fill_gap(gap, []) == 1
     assert given_up.apply_event(events[3]) is None and given_up.events_applied == 3
+
+
+def test_kv_indexer_catch_up_applies_only_what_is_newer() -> None:
+    events = conversation_events(1)
+    reference = indexed(events)
+    indexer = indexed(events[:3])
+    # the rest never arrived live; the worker's answer may repeat what was seen, in any order
+    assert indexer.catch_up((1, 0), list(reversed(events[1:]))) == len(events) - 3
+    assert indexer.last_event_id((1, 0)) == len(events) - 1
+    assert index_state(indexer) == index_state(reference)
+    assert indexer.catch_up((1, 0), events) == 0  # nothing newer
+    assert indexer.events_applied == len(events) and indexer.events_recovered == len(events) - 3
+    # A worker never heard from: everything applies.
+    fresh = KvIndexer()
+    assert fresh.catch_up((1, 0), events) == len(events)
+    assert index_state(fresh) == index_state(reference)
+    # While a gap of the worker is being fetched, the fetch brings the events: a catch-up applies none.
+    gapped = KvIndexer()
+    gapped.apply_event(events[0])
+    gap = gapped.apply_event(events[2])
+    assert gap is not None and gapped.catch_up((1, 0), events[1:4]) == 0
+    assert gapped.fill_gap(gap, [events[1]]) == 2 and gapped.last_event_id((1, 0)) == 2
 
 
 def test_kv_indexer_full_dump_and_remove_worker() -> None:

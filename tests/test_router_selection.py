@@ -153,7 +153,7 @@ ROUTER_ENVS = (
     "DYN_ROUTER_PREFILL_LOAD_SCALE", "DYN_ROUTER_DECODE_ACTIVE_REQUEST_WEIGHT", "DYN_ROUTER_TEMPERATURE",
     "DYN_ROUTER_USE_KV_EVENTS", "DYN_KV_EVENTS", "DYN_ROUTER_TTL_SECS", "DYN_ROUTER_REPLICA_SYNC",
     "DYN_ROUTER_TRACK_ACTIVE_BLOCKS", "DYN_ROUTER_ASSUME_KV_REUSE", "DYN_ROUTER_TRACK_PREFILL_TOKENS",
-    "DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS",
+    "DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS", "DYN_ROUTER_EVENT_CATCH_UP_SECS",
 )
 
 
@@ -203,9 +203,10 @@ def test_env_fallbacks_and_cli_precedence(clean_env: pytest.MonkeyPatch) -> None
     clean_env.setenv("DYN_ROUTER_TTL_SECS", "60")
     clean_env.setenv("DYN_ROUTER_REPLICA_SYNC", "1")
     clean_env.setenv("DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS", "30")
+    clean_env.setenv("DYN_ROUTER_EVENT_CATCH_UP_SECS", "0")
     cfg = parse()
     assert (cfg.temperature, cfg.use_kv_events, cfg.overlap_score_weight, cfg.ttl_secs, cfg.replica_sync,
-            cfg.active_request_expiry_secs) == (0.9, False, 3.0, 60.0, True, 30.0)
+            cfg.active_request_expiry_secs, cfg.event_catch_up_secs) == (0.9, False, 3.0, 60.0, True, 30.0, 0.0)
     cfg = parse("--router-temperature", "0", "--router-kv-events", "--no-router-replica-sync")
     assert (cfg.temperature, cfg.use_kv_events, cfg.replica_sync) == (0.0, True, False)
     # the current env name wins over the legacy one
@@ -222,6 +223,7 @@ def test_env_fallbacks_and_cli_precedence(clean_env: pytest.MonkeyPatch) -> None
     ((), {"DYN_ROUTER_TEMPERATURE": "-1"}, "DYN_ROUTER_TEMPERATURE"),
     ((), {"DYN_ROUTER_TTL_SECS": "soon"}, "DYN_ROUTER_TTL_SECS"),
     ((), {"DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS": "0"}, "DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS"),
+    ((), {"DYN_ROUTER_EVENT_CATCH_UP_SECS": "-1"}, "DYN_ROUTER_EVENT_CATCH_UP_SECS"),
 ])
 def test_validation_errors_name_the_setting(
     clean_env: pytest.MonkeyPatch, argv: tuple[str, ...], env: dict[str, str], named: str

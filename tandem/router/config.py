@@ -40,6 +40,10 @@ class KvRouterConfig:
     assume_kv_reuse: bool = True
     track_prefill_tokens: bool = True
     active_request_expiry_secs: float = 300.0
+    # With KV events: ask each worker no event arrived from for this long whether it emitted more (0 = off).
+    # An event lost on the way is otherwise found only at the worker's next event, which a quiet worker
+    # may never send: the last events of a burst published while a subscription still connects, say.
+    event_catch_up_secs: float = 2.0
     # Conditional disaggregation (policy isl_bounding): the frontend skips the remote prefill when
     # the decode worker it would pick already caches most of the prompt.
     conditional_disagg: bool = False
@@ -140,6 +144,9 @@ _OPTIONS: tuple[Option, ...] = (
 _ENV_ONLY: tuple[Option, ...] = (
     Option("active_request_expiry_secs", (), ("DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS",),
             "forget requests in flight for longer than this", positive=True),
+    Option("event_catch_up_secs", (), ("DYN_ROUTER_EVENT_CATCH_UP_SECS",),
+            "with KV events: ask a worker no event arrived from for this long for any it emitted since (0 = off)",
+            minimum=0.0),
 )
 
 

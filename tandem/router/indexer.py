@@ -344,6 +344,23 @@ class KvIndexer:
                 applied += 1
         return applied
 
+    def catch_up(self, worker: WorkerKey, events: Sequence[RouterEvent]) -> int:
+        """Events `worker` emitted after the last one seen, fetched because none arrived for a while: those
+        still newer than the last seen are applied in id order, unless a gap of the worker is being fetched
+        meanwhile (that fetch brings them). Returns how many were applied."""
+        if worker in self._open_gaps:
+            return 0
+        applied = 0
+        for event in sorted(events, key=lambda e: e.event.event_id):
+            last = self._last.get(worker)
+            if last is not None and event.event.event_id <= last:
+                continue
+            self._last[worker] = event.event.event_id
+            self._apply(event)
+            applied += 1
+        self.events_recovered += applied
+        return applied
+
     def apply_dump(self, events: Sequence[RouterEvent]) -> int:
         """Apply what a worker just seen still has in its buffer, in id order, whatever the last seen id
         (the caller keeps only what precedes the live events applied); last seen only moves forward.

@@ -2,8 +2,9 @@
 prefix of a request, weighed against the load this router has put on each worker.
 
 * Prefix index: fed by the workers' KV events on their components' `kv-events` topics (event ids
-  checked per worker; a gap is filled from the worker's `worker_kv_indexer_query` ring buffer, and a
-  worker that appears is dumped the same way), or, with `use_kv_events` off, by the router's own
+  checked per worker; a gap is filled from the worker's `worker_kv_indexer_query` ring buffer, a
+  worker that appears is dumped the same way, and a worker quiet for `event_catch_up_secs` is asked for
+  what it emitted since its last event seen), or, with `use_kv_events` off, by the router's own
   decisions with a TTL (approximate mode).
 * Active sequences: the blocks and outstanding prefill tokens of the requests this router sent.
 * Cost and selection: `tandem.router.selector`.
@@ -13,6 +14,7 @@ prefix of a request, weighed against the load this router has put on each worker
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -190,6 +192,10 @@ class KvRouter:
         self._dp_sizes: dict[int, int] = {}  # instance id -> data-parallel ranks it serves (default 1)
         self._subscribed: set[str] = set()  # component scopes
         self._first_live: dict[WorkerKey, int] = {}  # first event id received live, per worker and dp rank
+        self._live_at: dict[WorkerKey, float] = {}  # when the last live event of each worker and dp rank came
+        self._dumping: set[WorkerKey] = set()  # workers just seen whose recent events are being fetched
+        self._catching_up: asyncio.Task[None] | None = None
+        self._query_clients: dict[str, Any] = {}  # component scope -> its worker_kv_indexer_query client
         # Durable mode: replayed events of workers discovery has not shown yet (time of the last one, events)
         self._early: dict[int, tuple[float, list[RouterEvent]]] = {}
         # --router-replica-sync: this router's id and its publisher of active-sequence events
@@ -209,8 +215,10 @@ class KvRouter:
                     side.remove_worker(worker_id)
             self.sequences.remove_worker(worker_id)
             del self._workers[worker_id]
-            for key in [k for k in self._first_live if k[0] == worker_id]:
-                del self._first_live[key]
+            for table in (self._first_live, self._live_at):
+                for key in [k for k in table if k[0] == worker_id]:
+                    del table[key]
+            self._dumping = {key for key in self._dumping if key[0] != worker_id}
         now = time.monotonic()
         for worker_id in [w for w, (last, _) in self._early.items() if w not in instances and now - last > EARLY_KEEP]:
             del self._early[worker_id]  # gone, or a worker of another model
@@ -229,7 +237,10 @@ class KvRouter:
                         self._apply_live(event)
                 else:
                     for rank in range(self._dp_sizes.get(worker_id, 1)):
+                        self._dumping.add((worker_id, rank))
                         self.runtime.spawn(self._recover(worker_id, None, rank))
+                if self._catching_up is None and self.config.event_catch_up_secs > 0:
+                    self._catching_up = self.runtime.spawn(self._catch_up_quiet_workers())
             if self.config.replica_sync:
                 namespace, component, _ = parse_endpoint_path(path)
                 if f"sync:{namespace}/{component}" not in self._subscribed:
@@ -257,6 +268,7 @@ class KvRouter:
 
     def _apply_live(self, event: RouterEvent) -> None:
         key = (event.worker_id, event.event.dp_rank)
+        self._live_at[key] = time.monotonic()
         if key not in self._first_live:
             self._first_live[key] = event.event.event_id
             if self.config.durable_kv_events:
@@ -272,18 +284,13 @@ class KvRouter:
     async def _recover(self, worker_id: int, gap: EventGap | None, dp_rank: int = 0) -> None:
         """Fetch missing events from the worker's ring buffer: a gap, or everything dp rank `dp_rank`
         still has (a worker just seen)."""
-        path = self._workers.get(worker_id)
-        if path is None:  # gone meanwhile (its index and waiting events went with it)
+        if worker_id not in self._workers:  # gone meanwhile (its index and waiting events went with it)
             return
-        namespace, component, _ = parse_endpoint_path(path)
         query = (KvEventsQuery(dp_rank=dp_rank) if gap is None
                  else KvEventsQuery(gap.first_missing, gap.last_missing, gap.worker[1]))
         answers: list[KvEventsAnswer] = []
         try:
-            endpoint = self.runtime.namespace(namespace).component(component).endpoint(WORKER_KV_INDEXER_QUERY_ENDPOINT)
-            client = await endpoint.client()
-            await client.wait_for_instances(1, timeout=5)
-            answers = [msgspec.convert(a, KvEventsAnswer) async for a in await client.direct(query, worker_id)]
+            answers = await self._query(worker_id, query, wait=5.0)
         except Exception as e:  # unreachable, or an answer that is not one
             log.info("no KV event recovery from worker %x (%s): its index fills from new events", worker_id, e)
         events = [event for answer in answers for event in answer.events]
@@ -293,6 +300,7 @@ class KvRouter:
             events = [e for e in events
                       if e.event.event_id < self._first_live.get((e.worker_id, e.event.dp_rank), 1 << 63)]
             applied = self.indexer.apply_dump(events)
+            self._dumping.discard((worker_id, dp_rank))
         else:
             applied = self.indexer.fill_gap(gap, events)  # also what waited for it (given up: that alone)
             if answers:
@@ -302,6 +310,54 @@ class KvRouter:
                             gap.first_missing, gap.last_missing, worker_id)
         self.metrics.events_applied.labels(self.model).inc(applied)
         log.debug("applied %d KV events after a recovery from worker %x", applied, worker_id)
+
+    async def _query(self, worker_id: int, query: KvEventsQuery, wait: float) -> list[KvEventsAnswer]:
+        """`query` sent to the `worker_kv_indexer_query` endpoint of `worker_id`, waiting at most `wait`
+        seconds for discovery to list that endpoint."""
+        namespace, component, _ = parse_endpoint_path(self._workers[worker_id])
+        scope = f"{namespace}/{component}"
+        client = self._query_clients.get(scope)
+        if client is None:
+            endpoint = self.runtime.namespace(namespace).component(component).endpoint(WORKER_KV_INDEXER_QUERY_ENDPOINT)
+            client = self._query_clients[scope] = await endpoint.client()
+        async with asyncio.timeout(wait):
+            while client.transport_of(worker_id) is None:
+                await asyncio.sleep(0.05)
+        return [msgspec.convert(a, KvEventsAnswer) async for a in await client.direct(query, worker_id)]
+
+    async def _catch_up_quiet_workers(self) -> None:
+        """Every `event_catch_up_secs`, ask each worker rank no live event came from for that long for the
+        events after the last one the index has. PUB/SUB loses what is published while a subscription
+        still connects, and a lost event is otherwise found only at the worker's next one."""
+        interval = self.config.event_catch_up_secs
+        while True:
+            await asyncio.sleep(interval)
+            if not self._workers:  # the model is gone: the next worker to appear starts this again
+                self._catching_up = None
+                return
+            now = time.monotonic()
+            quiet = [key for key in self.worker_ranks()
+                     if key not in self._dumping and now - self._live_at.get(key, 0.0) >= interval]
+            await asyncio.gather(*(self._catch_up(key) for key in quiet))
+
+    async def _catch_up(self, key: WorkerKey) -> None:
+        worker_id, dp_rank = key
+        last = self.indexer.last_event_id(key)
+        query = KvEventsQuery(start_event_id=0 if last is None else last + 1, dp_rank=dp_rank)
+        try:
+            async with asyncio.timeout(10):
+                answers = await self._query(worker_id, query, wait=0.0)
+        except Exception as e:  # not listed (yet), unreachable, or no answer: asked again next time
+            log.debug("no KV event catch-up from worker %x (%s)", worker_id, e)
+            return
+        if worker_id not in self._workers:
+            return
+        applied = self.indexer.catch_up(key, [event for answer in answers for event in answer.events])
+        if applied:
+            self.metrics.events_applied.labels(self.model).inc(applied)
+            self.metrics.gaps_recovered.labels(self.model).inc()
+            log.info("caught up %d KV events of worker %x (dp rank %d) that never arrived live", applied,
+                     worker_id, dp_rank)
 
     # -- replica sync -----------------------------------------------------------
     async def _follow_replicas(self, namespace: str, component: str) -> None:
