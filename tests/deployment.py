@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -24,6 +25,18 @@ def metric_sum(text: str, name: str, **labels: str) -> float:
     """The sum of the samples called `name` on a /metrics page whose labels include `labels`."""
     return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
                if sample.name == name and labels.items() <= sample.labels.items())
+
+
+def streamed_outcome(stream: openai.Stream, underway: threading.Semaphore, tokens: int = 300) -> str:
+    """Read a chat completion stream of `tokens` tokens, releasing `underway` at its first one (so a test
+    can act once its streams are running, however slow the machine): "completed", or "short:<count>"."""
+    count = 0
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            count += 1
+            if count == 1:
+                underway.release()
+    return "completed" if count == tokens else f"short:{count}"
 
 
 KV_EVENTS_APPLIED = "dynamo_component_kv_cache_events_applied_total"

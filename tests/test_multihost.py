@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from tests.conftest import EtcdServer, NatsServer, TandemProcess
-from tests.deployment import KV_EVENTS_APPLIED, MODEL, kv_events_emitted, metric_sum
+from tests.deployment import KV_EVENTS_APPLIED, MODEL, kv_events_emitted, metric_sum, streamed_outcome
 from tests.hosts import Hosts
 
 TTL = 3  # seconds: discovery leases, and how long a silent TCP peer is waited for
@@ -115,20 +115,21 @@ def test_requests_and_kv_events_cross_hosts_at_the_addresses_each_host_advertise
 def test_a_cut_link_migrates_its_streams_and_the_worker_returns_with_the_link(cluster: Cluster) -> None:
     client = cluster.client()
     outcomes: list[str] = []
+    underway = threading.Semaphore(0)
 
     def one(n: int) -> None:
         try:
             stream = client.chat.completions.create(model=MODEL, max_tokens=300, stream=True, messages=[
                 {"role": "user", "content": f"stream {n} across hosts"}])
-            tokens = sum(1 for chunk in stream if chunk.choices and chunk.choices[0].delta.content)
-            outcomes.append("completed" if tokens == 300 else f"short:{tokens}")
+            outcomes.append(streamed_outcome(stream, underway))
         except openai.APIError as e:
             outcomes.append(f"error:{e}")
 
     threads = [threading.Thread(target=one, args=(n,)) for n in range(4)]
     for thread in threads:
         thread.start()
-    time.sleep(1.0)  # streams are running on both workers
+    for _ in threads:  # however slow the machine, every stream is running (on both workers) before the cut
+        assert underway.acquire(timeout=60), "a stream never started"
     cluster.hosts.cut("w1")
     cluster.wait_instances(1, timeout=TTL * 5)  # out of routing once its lease ends
     for thread in threads:

@@ -11,7 +11,7 @@ import httpx
 import openai
 
 from tests.conftest import free_port
-from tests.deployment import KV_EVENTS_APPLIED, MODEL, Deployment, metric_sum
+from tests.deployment import KV_EVENTS_APPLIED, MODEL, Deployment, metric_sum, streamed_outcome
 
 MOCKER = ["--block-size", "16", "--speedup-ratio", "20", "--num-gpu-blocks-override", "2048"]
 
@@ -50,20 +50,21 @@ def test_nats_restart_under_load_migrates_or_fails_cleanly_and_serves_again(tmp_
     try:
         client = deployment.client(timeout=60)
         outcomes: list[str] = []
+        underway = threading.Semaphore(0)
 
         def one() -> None:
             try:
                 stream = client.chat.completions.create(model=MODEL, max_tokens=300, stream=True, messages=[
                     {"role": "user", "content": "a stream that NATS restarts under"}])
-                tokens = sum(1 for chunk in stream if chunk.choices and chunk.choices[0].delta.content)
-                outcomes.append("completed" if tokens == 300 else f"short:{tokens}")
+                outcomes.append(streamed_outcome(stream, underway))
             except openai.APIError as e:
                 outcomes.append(f"error:{type(e).__name__}")
 
         threads = [threading.Thread(target=one) for _ in range(6)]
         for thread in threads:
             thread.start()
-        time.sleep(1.0)  # the streams are under way
+        for _ in threads:  # however slow the machine, the streams are under way before NATS goes
+            assert underway.acquire(timeout=60), "a stream never started"
         nats.stop(kill=True)
         time.sleep(0.5)
         nats.start()
