@@ -259,6 +259,13 @@ async def test_direct_to_unknown_instance(runtimes, namespace):
         await client.direct({"n": 1}, 12345)
 
 
+async def test_waiting_for_one_instance(runtimes, namespace):
+    server, _, client = await connect(runtimes, namespace)
+    await client.wait_for_instance(server.instance_id, 0)  # listed: no wait at all
+    with pytest.raises(NoInstancesError, match="instance 3039 "):
+        await client.wait_for_instance(12345, 0.2)
+
+
 @tcp_only
 async def test_connect_refused_is_unreachable(runtimes):
     caller = await runtimes()

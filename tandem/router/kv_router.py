@@ -320,9 +320,7 @@ class KvRouter:
         if client is None:
             endpoint = self.runtime.namespace(namespace).component(component).endpoint(WORKER_KV_INDEXER_QUERY_ENDPOINT)
             client = self._query_clients[scope] = await endpoint.client()
-        async with asyncio.timeout(wait):
-            while client.transport_of(worker_id) is None:
-                await asyncio.sleep(0.05)
+        await client.wait_for_instance(worker_id, wait)
         return [msgspec.convert(a, KvEventsAnswer) async for a in await client.direct(query, worker_id)]
 
     async def _catch_up_quiet_workers(self) -> None:

@@ -7,6 +7,7 @@ import json
 import logging
 import random
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from tandem.runtime import keys
@@ -96,17 +97,27 @@ class Client:
 
     async def wait_for_instances(self, count: int = 1, timeout: float | None = None) -> list[int]:
         """Wait until at least `count` instances are live; returns their ids."""
+        await self._wait_until(lambda: len(self._ids) >= count, timeout,
+                               lambda: f"{len(self._ids)} instance(s) after {timeout}s, wanted {count}")
+        return self.instance_ids()
+
+    async def wait_for_instance(self, instance_id: int, timeout: float) -> None:
+        """Wait until instance `instance_id` is live (0: only check that it is)."""
+        await self._wait_until(lambda: instance_id in self._instances, timeout,
+                               lambda: f"instance {instance_id:x} not listed after {timeout}s")
+
+    async def _wait_until(self, listed: Callable[[], bool], timeout: float | None, missing: Callable[[], str]) -> None:
+        """Until `listed()` holds after a discovery change, or NoInstancesError naming what is `missing`."""
         async def wait() -> None:
-            while len(self._ids) < count:
+            while not listed():
                 await self._changed.wait()
 
+        if listed():
+            return
         try:
             await asyncio.wait_for(wait(), timeout)
         except TimeoutError:
-            raise NoInstancesError(
-                f"{self.endpoint.path}: {len(self._ids)} instance(s) after {timeout}s, wanted {count}"
-            ) from None
-        return self.instance_ids()
+            raise NoInstancesError(f"{self.endpoint.path}: {missing()}") from None
 
     def report_instance_down(self, instance_id: int) -> None:
         """Skip `instance_id` for a while (called when it could not be reached)."""
