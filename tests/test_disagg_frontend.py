@@ -23,6 +23,7 @@ from tandem.router.config import KvRouterConfig, add_router_args, parse_args_wit
 from tandem.router.kv_router import KvRouter
 from tandem.runtime import Context
 from tandem.runtime.options import RouterMode
+from tandem.runtime.request_plane import framed
 
 BLOCK = 16
 PROMPT = list(range(1000, 1000 + 6 * BLOCK))
@@ -286,3 +287,28 @@ async def test_cancel_during_prefill(runtimes: Any, namespace: str, smollm2: str
     assert len(pipeline.prefill_router.sequences) == 0  # type: ignore[union-attr]
     await asyncio.sleep(0.1)
     assert workers.decode_requests == [] and _count(metrics, "cancelled") == 1
+
+
+async def test_cancel_as_the_prefill_worker_accepts(runtimes: Any, namespace: str, smollm2: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client goes away just as the prefill worker accepts the leg (both reach the frontend in one
+    turn of its loop, as on a busy host): the same outcome as any cancelled prefill."""
+    workers = Workers()
+    workers.prefill_mode = "hang"
+    pipeline, metrics = await _pipeline(runtimes, namespace, smollm2, workers)
+    task: asyncio.Task | None = None
+    accept = framed.FramedResponseStream.on_frame
+
+    def accepted_then_cancelled(stream: framed.FramedResponseStream, kind: int, payload: bytes) -> None:
+        accept(stream, kind, payload)
+        if kind == framed.PROLOGUE and task is not None:
+            task.cancel()
+
+    monkeypatch.setattr(framed.FramedResponseStream, "on_frame", accepted_then_cancelled)
+    task = asyncio.create_task(_generate(pipeline, Context()))
+    with pytest.raises(asyncio.CancelledError):
+        async with asyncio.timeout(10):
+            await task
+    await asyncio.wait_for(workers.prefill_cancelled.wait(), 10)
+    assert len(pipeline.prefill_router.sequences) == 0  # type: ignore[union-attr]
+    assert workers.prefill_started.is_set() and workers.decode_requests == [] and _count(metrics, "cancelled") == 1

@@ -275,8 +275,15 @@ def test_cancel_during_prefill_leaves_no_request_behind(disagg: Disagg) -> None:
 
     with d.prefill.engine_frozen():
         asyncio.run(cancel_while_prefilling())
-    wait_until(lambda: metric(fe, "dynamo_frontend_remote_prefills_total", outcome="cancelled") > cancelled_before,
-               "the frontend counts the cancelled prefill")
+    try:
+        wait_until(lambda: metric(fe, "dynamo_frontend_remote_prefills_total", outcome="cancelled") > cancelled_before,
+                   "the frontend counts the cancelled prefill")
+    except AssertionError as e:
+        outcomes = {o: metric(fe, "dynamo_frontend_remote_prefills_total", outcome=o)
+                    for o in ("ok", "fallback", "error", "cancelled", "skipped_conditional")}
+        assert d.deployment.frontend is not None
+        raise AssertionError(f"{e}\nremote prefills by outcome: {outcomes}\n"
+                             f"the frontend's log:\n{d.deployment.frontend.stderr()}") from None
     # A request afterwards runs on both workers: once it is done, neither engine holds another one.
     assert _chat(d.client(), SHORT).choices[0].finish_reason in ("stop", "length")
     for url in (d.prefill_metrics_url, d.decode_metrics_url):

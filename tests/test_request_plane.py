@@ -416,6 +416,66 @@ async def test_caller_cancelled_before_the_request_is_accepted_kills_it(runtimes
             await asyncio.sleep(0.01)
 
 
+async def test_caller_cancelled_as_the_request_is_accepted_kills_it(runtimes, namespace, monkeypatch):
+    """The worker's acceptance and the caller's cancellation land in the same turn of the loop (a client
+    that disconnects just as the worker takes its request): the call must still end cancelled, and the
+    handler be killed, rather than go on as if the caller were there."""
+    started = asyncio.Event()
+
+    async def forever(request, context):
+        started.set()
+        while not context.is_killed():
+            yield {}
+            await asyncio.sleep(0.01)
+
+    server, _, client = await connect(runtimes, namespace, forever)
+    call: asyncio.Task | None = None
+    accept = framed.FramedResponseStream.on_frame
+
+    def accepted_then_cancelled(stream, kind, payload):
+        accept(stream, kind, payload)
+        if kind == framed.PROLOGUE and call is not None:
+            call.cancel()
+
+    monkeypatch.setattr(framed.FramedResponseStream, "on_frame", accepted_then_cancelled)
+    call = asyncio.create_task(client.generate({}, Context()))
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert started.is_set()  # the worker did take it
+    path = f"{namespace}.backend.generate"
+    async with asyncio.timeout(5):
+        while server.request_server.inflight(path) or open_streams(server):
+            await asyncio.sleep(0.01)
+
+
+@tcp_only
+async def test_a_caller_leaving_mid_connect_strands_no_other_caller(runtimes, monkeypatch):
+    """Callers to one address share its connection attempt; the first one going away must not leave the
+    others waiting forever on an attempt nobody finishes."""
+    listener = await asyncio.start_server(lambda reader, writer: None, "127.0.0.1", 0)
+    address = f"127.0.0.1:{listener.sockets[0].getsockname()[1]}"
+    caller = await runtimes()
+    loop = asyncio.get_running_loop()
+    connect, gate = loop.create_connection, asyncio.Event()
+
+    async def slow_connect(*args, **kwargs):
+        await gate.wait()
+        return await connect(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "create_connection", slow_connect)
+    plane = caller.request_client
+    first = asyncio.create_task(plane._connection(address))
+    second = asyncio.create_task(plane._connection(address))
+    await asyncio.sleep(0.05)
+    first.cancel()
+    await asyncio.sleep(0)
+    gate.set()
+    async with asyncio.timeout(5):
+        conn = await second
+    assert not conn.closed and first.cancelled()
+    listener.close()
+
+
 # ------------------------------------------------------------------------------------------------
 # NATS only: what a broker in the middle changes
 # ------------------------------------------------------------------------------------------------
@@ -439,6 +499,31 @@ async def test_nats_uses_dynamos_subject_for_each_instance(runtimes, namespace):
     assert subject == f"{namespace}_backend.generate-{instance}"
     assert natsplane.endpoint_subject("My.Comp-1.gen", "ff") == "my_comp-1.gen-ff"
     assert natsplane.endpoint_subject("ns.c.a>b*", "ff") == "ns_c.a_b_-ff"  # never a wildcard
+
+
+@nats_only
+async def test_nats_kill_that_overtakes_its_request_still_kills_it(runtimes, namespace):
+    """A request and its KILL go on different subjects, whose callbacks NATS runs independently, so a
+    caller that leaves at once can have its KILL handled first: the request must then never run."""
+    seen = []
+
+    async def record(request, context):
+        seen.append(request["n"])
+        yield {}
+
+    server, caller, client = await connect(runtimes, namespace, record)
+    instance = f"{server.instance_id:x}"
+    path = f"{namespace}.backend.generate"
+    nc = caller.request_client._connection.nc
+    reply = f"{caller.request_client.prefix}.999999"
+    await nc.publish(natsplane.control_subject(instance), framed.encode([framed.KILL, reply]))
+    await nc.flush()
+    await nc.publish(natsplane.endpoint_subject(path, instance), framed.encode({"e": path, "id": "gone", "b": {"n": 1}}),
+                     reply=reply)
+    # One subject's requests are handled in order: once the next one is served, the first was handled.
+    assert [x async for x in await client.generate({"n": 2})] == [{}]
+    assert seen == [2]
+    assert not server.request_server.streams
 
 
 @nats_only

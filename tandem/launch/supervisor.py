@@ -158,7 +158,8 @@ class Child:
                     backoff = RESTART_BACKOFF[0]
                 self.mux.line(self.label, f"restarting in {backoff:g} s")
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), backoff)
+                    async with asyncio.timeout(backoff):
+                        await self._wake.wait()
                 backoff = min(backoff * 2, RESTART_BACKOFF[1])
         finally:
             self.done.set()
@@ -185,7 +186,8 @@ class Child:
             # Whatever it left in its group (an engine core) goes with it; that also closes the pipe.
             _killpg(proc.pid, signal.SIGKILL)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(relay, 5)
+                async with asyncio.timeout(5):
+                    await relay
             ready, self.ready, self.proc = self.ready, None, None
         self.mux.line(self.label, describe_exit(code))
         if self.on_exit is not None:
@@ -220,7 +222,8 @@ class Child:
             self.done.set()
         self.send(signal.SIGTERM)
         try:
-            await asyncio.wait_for(self.done.wait(), grace)
+            async with asyncio.timeout(grace):
+                await self.done.wait()
         except TimeoutError:
             self.mux.line(self.label, f"still running after {grace:g} s: killing it")
             self.send(signal.SIGKILL)

@@ -138,7 +138,8 @@ class PlannerLoop:
         last = time.monotonic()
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), max(last + interval - time.monotonic(), 0.0))
+                async with asyncio.timeout(max(last + interval - time.monotonic(), 0.0)):
+                    await stop.wait()
                 return
             now = time.monotonic()
             try:

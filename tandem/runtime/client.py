@@ -115,7 +115,8 @@ class Client:
         if listed():
             return
         try:
-            await asyncio.wait_for(wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await wait()
         except TimeoutError:
             raise NoInstancesError(f"{self.endpoint.path}: {missing()}") from None
 

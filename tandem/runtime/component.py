@@ -202,7 +202,8 @@ class ServedEndpoint:
                     finally:
                         await stream.aclose()  # also on timeout: the probe must not linger in the handler
 
-                ok = await asyncio.wait_for(probe(), timeout)
+                async with asyncio.timeout(timeout):
+                    ok = await probe()
             except Exception as e:  # any failure of the probe marks the endpoint unhealthy
                 log.warning("health check of %s failed: %s", self.path, e)
             if not ok:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -100,12 +101,13 @@ class NatsConnection:
         timeout = self.config.nats_connect_timeout
         try:
             # Retries for about the connect timeout at first; once connected it reconnects forever.
-            self._nc = await asyncio.wait_for(nats.connect(
-                self.servers, connect_timeout=timeout, allow_reconnect=True,
-                max_reconnect_attempts=max(1, int(timeout / RECONNECT_WAIT)), reconnect_time_wait=RECONNECT_WAIT,
-                disconnected_cb=disconnected, reconnected_cb=reconnected, error_cb=error, name="tandem",
-                **self._options(),  # type: ignore[arg-type]
-            ), timeout + 5)
+            async with asyncio.timeout(timeout + 5):
+                self._nc = await nats.connect(
+                    self.servers, connect_timeout=timeout, allow_reconnect=True,
+                    max_reconnect_attempts=max(1, int(timeout / RECONNECT_WAIT)), reconnect_time_wait=RECONNECT_WAIT,
+                    disconnected_cb=disconnected, reconnected_cb=reconnected, error_cb=error, name="tandem",
+                    **self._options(),  # type: ignore[arg-type]
+                )
         except (OSError, TimeoutError, nats.errors.Error) as e:
             cause = first_errors[-1] if first_errors else e  # e.g. the server's "Authorization Violation"
             raise ConfigError(f"cannot reach NATS at {self.config.nats_server} (NATS_SERVER) within {timeout:g} s "
@@ -117,10 +119,9 @@ class NatsConnection:
     async def wait_connected(self, timeout: float) -> bool:
         """Wait up to `timeout` for the connection to be up; whether it is."""
         if not self._up.is_set():
-            try:
-                await asyncio.wait_for(self._up.wait(), timeout)
-            except TimeoutError:
-                pass
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self._up.wait()
         return self.connected
 
     @property
@@ -134,7 +135,8 @@ class NatsConnection:
             return
         if nc.is_connected:
             try:
-                await asyncio.wait_for(nc.drain(), 5)
+                async with asyncio.timeout(5):
+                    await nc.drain()
                 return
             except (nats.errors.Error, TimeoutError, OSError):
                 pass

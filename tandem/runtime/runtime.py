@@ -274,7 +274,8 @@ class DistributedRuntime:
                 await asyncio.sleep(0.05)
             for hook in self._shutdown_hooks:
                 try:
-                    await asyncio.wait_for(hook(), 30)
+                    async with asyncio.timeout(30):
+                        await hook()
                 except Exception:
                     log.exception("shutdown hook failed")
         finally:

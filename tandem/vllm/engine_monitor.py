@@ -12,7 +12,7 @@ Two background tasks:
   disables; skipped when `engine_client.log_stats` is false) `await engine_client.do_log_stats()`,
   which drives vLLM's periodic stat loggers (including the worker's publisher). Errors at debug.
 
-Both loops wait with `wait_for(shutdown_event.wait(), interval)`, so they end promptly once the
+Both loops wait on the shutdown event for at most their interval, so they end promptly once the
 worker's shutdown event is set; `stop()` cancels them.
 
 Settings: an explicit constructor argument wins, then the environment (`DYN_ENGINE_HEALTH_CHECK_INTERVAL`,
@@ -54,6 +54,11 @@ def env_seconds(name: str, default: float) -> float:
     except ValueError:
         log.warning("invalid %s value %r, using the default %s", name, raw, default)
         return default
+
+
+def _bound(seconds: float) -> float | None:
+    """A timeout setting as `asyncio.timeout` takes it: <= 0 means unbounded."""
+    return seconds if seconds > 0 else None
 
 
 def _is_engine_dead(error: BaseException) -> bool:
@@ -138,15 +143,14 @@ class VllmEngineMonitor:
     async def _check_once(self) -> None:
         result = self.engine_client.check_health()
         if inspect.isawaitable(result):
-            if self.check_timeout > 0:
-                await asyncio.wait_for(result, self.check_timeout)
-            else:
+            async with asyncio.timeout(_bound(self.check_timeout)):
                 await result
 
     async def _wait_shutdown(self, interval: float) -> bool:
         """Sleep `interval` seconds or until the shutdown event; True if it is set."""
         try:
-            await asyncio.wait_for(self.shutdown_event.wait(), interval)
+            async with asyncio.timeout(interval):
+                await self.shutdown_event.wait()
             return True
         except TimeoutError:
             return False
@@ -210,9 +214,7 @@ class VllmEngineMonitor:
 
         threading.Thread(target=run, name="vllm-engine-shutdown", daemon=True).start()
         try:
-            if self.shutdown_timeout > 0:
-                await asyncio.wait_for(finished, self.shutdown_timeout)
-            else:
+            async with asyncio.timeout(_bound(self.shutdown_timeout)):
                 await finished
         except TimeoutError:
             log.warning("vLLM engine shutdown did not finish within %ss; going on", self.shutdown_timeout)
@@ -222,9 +224,7 @@ class VllmEngineMonitor:
         if not inspect.isawaitable(result):
             return
         try:
-            if self.shutdown_timeout > 0:
-                await asyncio.wait_for(result, self.shutdown_timeout)
-            else:
+            async with asyncio.timeout(_bound(self.shutdown_timeout)):
                 await result
         except TimeoutError:
             log.warning("runtime shutdown did not finish within %ss; exiting anyway", self.shutdown_timeout)

@@ -250,7 +250,10 @@ class FramedResponseStream(ResponseStream):
             self._on_signal(self._context.is_killed())
         if not self.accepted.done():
             try:
-                await asyncio.wait_for(asyncio.shield(self.accepted), timeout)
+                # Not wait_for: on Python 3.11 it returns when the acceptance and the caller's cancellation
+                # arrive together, and the request would go on running for a client that has left.
+                async with asyncio.timeout(timeout):
+                    await asyncio.shield(self.accepted)
             except TimeoutError:
                 self._channel.send(KILL, self._id)
                 self.finish(_FAILED, InstanceUnreachableError(f"{self._where}: not accepted in time"))

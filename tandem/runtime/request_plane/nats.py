@@ -17,6 +17,7 @@ caller sees them incomplete, so the frontend migrates them), as a dropped TCP co
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import re
 import secrets
@@ -61,6 +62,8 @@ PING_INTERVAL = 1.0
 PING_TIMEOUT = 5.0
 RESUBSCRIBE_GRACE = 3.0  # seconds after a reconnect during which "no responders" is asked again
 OUTBOX_LIMIT = 4096  # frames queued for NATS before handlers wait (backpressure)
+EARLY_KILLS_KEPT = 4096  # KILLs of streams not seen yet, remembered for when their request arrives...
+EARLY_KILL_SECS = 60.0  # ...for at most this long
 _NOT_SLUG = re.compile(r"[^a-z0-9_-]")
 _NOT_TOKEN = re.compile(r"[^A-Za-z0-9_-]")
 _STATUS = "Status"
@@ -142,6 +145,9 @@ class NatsServer(RequestPlaneServer):
         self.endpoints: dict[str, tuple[EndpointService, Any]] = {}
         self.inflight_counts: dict[str, int] = {}
         self.streams: dict[str, _Served] = {}  # reply subject -> stream
+        # A request and its KILL travel on different subjects, whose callbacks NATS runs independently:
+        # the KILL of a caller that left at once can arrive first. Reply subject -> when it arrived.
+        self._early_kills: collections.OrderedDict[str, float] = collections.OrderedDict()
         self.closed = False
         self._outbox: Outbox | None = None
         self._control: Any = None
@@ -203,6 +209,8 @@ class NatsServer(RequestPlaneServer):
         if not reply or reply in self.streams:
             log.warning("dropped a request on %s without a usable reply subject", msg.subject)
             return
+        if self._early_kills.pop(reply, None) is not None:
+            return  # its caller has gone already
         caller = reply.rpartition(".")[0]
         if len(msg.data) > self.max_size:
             limit, hint = limit_of(self._connection, self.max_size)
@@ -236,11 +244,20 @@ class NatsServer(RequestPlaneServer):
             return
         served = self.streams.get(reply)
         if served is None:
+            if kind == KILL:
+                self._remember_early_kill(reply)
             return
         if kind == KILL:
             self._kill(served)
         elif kind == STOP:
             served.context.stop_generating()
+
+    def _remember_early_kill(self, reply: str) -> None:
+        now = time.monotonic()
+        kills = self._early_kills
+        kills[reply] = now
+        while len(kills) > EARLY_KILLS_KEPT or next(iter(kills.values())) < now - EARLY_KILL_SECS:
+            kills.popitem(last=False)
 
     @staticmethod
     def _kill(served: _Served) -> None:

@@ -355,28 +355,23 @@ class TcpClient(RequestPlaneClient):
         if conn is not None and not conn.closed:
             return conn
         pending = self._connecting.get(address)
-        if pending is not None:
-            return await asyncio.shield(pending)
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[_ClientConnection] = loop.create_future()
-        self._connecting[address] = future
+        if pending is None:
+            # The attempt is a task of its own: a caller that goes away must not strand the others waiting on it.
+            pending = self._connecting[address] = asyncio.ensure_future(self._connect(address))
+        return await asyncio.shield(pending)
+
+    async def _connect(self, address: str) -> _ClientConnection:
+        host, _, port = address.rpartition(":")
         try:
-            host, _, port = address.rpartition(":")
-            try:
-                _, connected = await asyncio.wait_for(
-                    loop.create_connection(lambda: _ClientConnection(self, address), host, int(port)),
-                    self.connect_timeout,
-                )
-            except (TimeoutError, OSError) as e:
-                error = InstanceUnreachableError(f"cannot connect to {address}: {e or 'timed out'}")
-                future.set_exception(error)
-                future.exception()  # mark retrieved: waiters re-raise it
-                raise error from None
-            self._conns[address] = connected
-            future.set_result(connected)
-            return connected
+            async with asyncio.timeout(self.connect_timeout):
+                _, connected = await asyncio.get_running_loop().create_connection(
+                    lambda: _ClientConnection(self, address), host, int(port))
+        except (TimeoutError, OSError) as e:
+            raise InstanceUnreachableError(f"cannot connect to {address}: {e or 'timed out'}") from None
         finally:
-            del self._connecting[address]
+            self._connecting.pop(address, None)
+        self._conns[address] = connected
+        return connected
 
     async def open_stream(
         self, transport: dict[str, str], endpoint: str, request: Any, context: Context
@@ -397,6 +392,9 @@ class TcpClient(RequestPlaneClient):
         return stream
 
     async def close(self) -> None:
+        for attempt in self._connecting.values():
+            attempt.cancel()
+        self._connecting.clear()
         for conn in list(self._conns.values()):
             if conn.transport is not None:
                 conn.transport.close()
