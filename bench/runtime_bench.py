@@ -5,6 +5,7 @@ on the TCP and the NATS request planes.
     python bench/runtime_bench.py                       # tandem, plus Dynamo if its venv exists
     python bench/runtime_bench.py --planes tcp          # only the TCP plane
     python bench/runtime_bench.py --dynamo-python PATH  # Python that has ai-dynamo-runtime==1.6.1
+    python bench/runtime_bench.py --baseline-tree DIR   # also tandem from another checkout (a git worktree)
 
 `bash bench/setup_baselines.sh` creates the Dynamo venv at .bench/dynamo-venv. Both sides use file
 discovery, the same request plane and a Python async-generator handler, so the comparison is runtime
@@ -154,7 +155,7 @@ async def stop_latency(impl: str, client, options: dict, trials: int = 30) -> di
 
 
 def run_client(args: argparse.Namespace) -> None:
-    env = {**os.environ, "PYTHONPATH": REPO}
+    env = dict(os.environ)  # PYTHONPATH: the tandem tree the orchestrator chose
     server = subprocess.Popen([sys.executable, __file__, "--role", "server", "--impl", args.impl], env=env,
                               stdout=subprocess.PIPE, text=True)
     try:
@@ -174,10 +175,10 @@ def run_client(args: argparse.Namespace) -> None:
 
 
 # -- orchestrator -------------------------------------------------------------------------------
-def run_impl(python: str, impl: str, plane: str, nats_url: str, args: argparse.Namespace) -> dict[str, float]:
+def run_impl(python: str, impl: str, tree: str, plane: str, nats_url: str, args: argparse.Namespace) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix=f"bench-{impl}-") as kv:
         env = {**os.environ, "DYN_FILE_KV": kv, "DYN_DISCOVERY_BACKEND": "file", "DYN_REQUEST_PLANE": plane,
-               "DYN_EVENT_PLANE": "zmq", "DYN_TCP_RPC_HOST": "127.0.0.1", "DYN_LOG": "warn", "PYTHONPATH": REPO,
+               "DYN_EVENT_PLANE": "zmq", "DYN_TCP_RPC_HOST": "127.0.0.1", "DYN_LOG": "warn", "PYTHONPATH": tree,
                "NATS_SERVER": nats_url}
         out = subprocess.run(
             [python, __file__, "--role", "client", "--impl", impl, "--unary", str(args.unary),
@@ -199,6 +200,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="runs per implementation; the median is reported")
     parser.add_argument("--dynamo-python", default=os.path.join(REPO, ".bench", "dynamo-venv", "bin", "python"))
     parser.add_argument("--planes", default="tcp,nats", help="request planes to measure, comma separated")
+    parser.add_argument("--baseline-tree", help="another tandem checkout (e.g. `git worktree add DIR HEAD~1`), "
+                                                "measured as `base` in the same run")
     args = parser.parse_args()
     if args.role == "server":
         import uvloop
@@ -209,30 +212,36 @@ def main() -> None:
         run_client(args)
         return
 
-    impls = [("tandem", sys.executable)]
+    impls = [("tandem", "tandem", sys.executable, REPO)]  # label, implementation, interpreter, tree
+    if args.baseline_tree:
+        impls.append(("base", "tandem", sys.executable, os.path.abspath(args.baseline_tree)))
     if os.path.exists(args.dynamo_python):
-        impls.append(("dynamo", args.dynamo_python))
+        impls.append(("dynamo", "dynamo", args.dynamo_python, REPO))
     else:
         print(f"(no Dynamo baseline: {args.dynamo_python} missing; run bash bench/setup_baselines.sh)")
     planes = args.planes.split(",")
     results: dict[str, dict[str, float]] = {}
     with nats_server() if "nats" in planes else contextlib.nullcontext("") as nats_url:
         for plane in planes:
-            for impl, python in impls:
-                runs = [run_impl(python, impl, plane, nats_url, args) for _ in range(args.repeat)]
-                results[f"{impl} {plane}"] = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+            runs: dict[str, list[dict[str, float]]] = {label: [] for label, *_ in impls}
+            for _ in range(args.repeat):  # in turns, so drift of the machine hits every implementation alike
+                for label, impl, python, tree in impls:
+                    runs[label].append(run_impl(python, impl, tree, plane, nats_url, args))
+            for label, measured in runs.items():
+                results[f"{label} {plane}"] = {key: statistics.median(run[key] for run in measured)
+                                               for key in measured[0]}
     print(f"\nruntime_bench: {args.unary} unary requests, {args.stream_items} streamed items, "
           f"median of {args.repeat} runs, loopback, server and client in separate processes\n")
     names = list(results)
-    compared = [plane for plane in planes if f"dynamo {plane}" in results]
-    print("| metric | " + " | ".join(names) + "".join(f" | tandem vs Dynamo, {p}" for p in compared) + " |")
+    compared = [(plane, other) for plane in planes for other in ("base", "dynamo") if f"{other} {plane}" in results]
+    print("| metric | " + " | ".join(names) + "".join(f" | tandem vs {o}, {p}" for p, o in compared) + " |")
     print("|---" * (len(names) + 1 + len(compared)) + "|")
     for key in results[names[0]]:
         row = [f"{results[name][key]:,.0f}" for name in names]
-        for plane in compared:
-            tandem, dynamo = results[f"tandem {plane}"][key], results[f"dynamo {plane}"][key]
+        for plane, other in compared:
+            tandem, baseline = results[f"tandem {plane}"][key], results[f"{other} {plane}"][key]
             # latency: lower is better; throughput: higher is better
-            row.append(f"{dynamo / tandem if key.endswith('_us') else tandem / dynamo:.1f}x")
+            row.append(f"{baseline / tandem if key.endswith('_us') else tandem / baseline:.2f}x")
         print(f"| {key} | " + " | ".join(row) + " |")
     print("\n" + json.dumps(results))
 
