@@ -627,10 +627,36 @@ async def test_nats_user_and_password(runtimes, namespace, tmp_path):
         client = await (await runtimes(**login)).endpoint(endpoint.path).client()
         await client.wait_for_instances(1, timeout=5)
         assert [x["i"] async for x in await client.generate({"n": 2})] == [0, 1]
-        with pytest.raises(ConfigError, match="cannot reach NATS.*Authorization Violation"):
-            await runtimes(nats_server=guarded.url, nats_connect_timeout=1.0)
+        refused = rf"NATS at {guarded.url} \(NATS_SERVER\) refused the login"
+        with pytest.raises(ConfigError, match=rf"{refused} without credentials .*: Authorization Violation$"):
+            await runtimes(nats_server=guarded.url, nats_connect_timeout=0.5)
+        with pytest.raises(ConfigError, match=rf"{refused} as user 'tandem' .*: Authorization Violation$"):
+            await runtimes(nats_server=guarded.url, nats_user="tandem", nats_password="wrong", nats_connect_timeout=0.5)
     finally:
         guarded.stop()
+
+
+async def test_nats_refusal_is_named_when_a_reset_follows_it(monkeypatch):
+    """nats-server closes a connection it refuses, so nats-py sometimes reports a connection reset (from
+    closing it) after the server's -ERR, on the last attempt too: the error still names the refusal. The
+    client library stands in here because a real server gives that order only now and then."""
+    import nats
+    import nats.errors
+
+    from tandem.runtime.natsconn import NatsConnection
+
+    async def refused(servers, *, error_cb, **options):  # the order nats-py reports one refused attempt in
+        await error_cb(nats.errors.Error("nats: 'Authorization Violation'"))
+        await error_cb(ConnectionResetError(104, "Connection reset by peer"))
+        raise nats.errors.NoServersError
+
+    monkeypatch.setattr(nats, "connect", refused)
+    connection = NatsConnection(runtime_config(nats_server="nats://127.0.0.1:4222", nats_user="tandem",
+                                               nats_password="wrong"))
+    with pytest.raises(ConfigError, match=r"^NATS at nats://127\.0\.0\.1:4222 \(NATS_SERVER\) refused the login as "
+                                          r"user 'tandem' \(NATS_AUTH_USERNAME / NATS_AUTH_PASSWORD\): "
+                                          r"Authorization Violation$"):
+        await connection.start()
 
 
 def test_nats_unreachable_worker_exits_nonzero(smollm2):

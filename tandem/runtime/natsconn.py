@@ -73,6 +73,18 @@ class NatsConnection:
                 options["user_credentials"] = config.nats_credentials_file
         return options
 
+    def _login(self) -> str:
+        """How this process logged in, for an error message."""
+        config = self.config
+        given = [what for what, used in (
+            (f"as user {config.nats_user or ''!r} (NATS_AUTH_USERNAME / NATS_AUTH_PASSWORD)",
+             config.nats_user is not None or config.nats_password is not None),
+            ("with NATS_AUTH_TOKEN", config.nats_token is not None),
+            ("with NATS_AUTH_NKEY", config.nats_nkey is not None),
+            ("with NATS_AUTH_CREDENTIALS_FILE", config.nats_credentials_file is not None)) if used]
+        return " and ".join(given) or ("without credentials (NATS_AUTH_USERNAME / NATS_AUTH_PASSWORD, "
+                                       "NATS_AUTH_TOKEN, NATS_AUTH_NKEY or NATS_AUTH_CREDENTIALS_FILE)")
+
     async def _connect(self) -> None:
         for server in self.servers:
             if urlsplit(server).scheme not in ("nats", "tls", "ws", "wss"):
@@ -109,7 +121,11 @@ class NatsConnection:
                     **self._options(),  # type: ignore[arg-type]
                 )
         except (OSError, TimeoutError, nats.errors.Error) as e:
-            cause = first_errors[-1] if first_errors else e  # e.g. the server's "Authorization Violation"
+            refusal = _refusal(first_errors)
+            if refusal is not None:
+                raise ConfigError(f"NATS at {self.config.nats_server} (NATS_SERVER) refused the login "
+                                  f"{self._login()}: {refusal}") from None
+            cause = first_errors[-1] if first_errors else e
             raise ConfigError(f"cannot reach NATS at {self.config.nats_server} (NATS_SERVER) within {timeout:g} s "
                               f"(DYN_NATS_CONNECT_TIMEOUT_SECS): {type(cause).__name__}: {cause}") from None
         connecting = False
@@ -200,3 +216,13 @@ class Outbox:
         if self._task is not None:
             self._task.cancel()
         self.writable.set()
+
+
+def _refusal(errors: list[Exception]) -> str | None:
+    """The server's authorization refusal among a first connect's errors (its `-ERR 'Authorization
+    Violation'`), if any. The server closes the connection as it refuses, so a reset often follows the
+    refusal: the last error alone would name the reset, and the reason would depend on a race."""
+    for e in errors:
+        if isinstance(e, nats.errors.Error) and ("authoriz" in str(e).lower() or "authentic" in str(e).lower()):
+            return str(e).removeprefix("nats: ").strip("'")
+    return None
