@@ -41,9 +41,10 @@ def test_mocker_deployment_on_etcd_and_nats_serves_the_openai_client(tmp_path, s
         deployment.stop()
 
 
-def test_nats_restart_under_load_migrates_or_fails_cleanly_and_serves_again(tmp_path, smollm2, nats):
-    """In-flight streams are cut when NATS goes: each one either completes (migrated) or ends with a clean
-    error, none hangs; new requests are served again within seconds of NATS coming back."""
+def test_nats_restart_under_load_migrates_every_stream_and_serves_again(tmp_path, smollm2, nats):
+    """In-flight streams are cut when NATS goes, and each one completes: migrated once NATS is back (a
+    migration waits for the connection, up to DYN_NATS_REQUEST_TIMEOUT_SECS); new requests are served again
+    within seconds of NATS coming back."""
     slow = ["--block-size", "16", "--speedup-ratio", "0.5", "--num-gpu-blocks-override", "2048"]
     deployment = Deployment(tmp_path, smollm2, engine_module="tandem.mocker", engines=[slow, slow],
                             env=nats_env(nats))
@@ -71,10 +72,9 @@ def test_nats_restart_under_load_migrates_or_fails_cleanly_and_serves_again(tmp_
         for thread in threads:
             thread.join(90)
         assert not any(thread.is_alive() for thread in threads), "a stream hung"
-        assert len(outcomes) == 6
-        assert all(o == "completed" or o.startswith("error:") for o in outcomes), outcomes  # never cut short
-        migrated = metric_sum(deployment.metrics(), "dynamo_frontend_model_migration_total")
-        assert migrated + sum(o != "completed" for o in outcomes) > 0  # the restart did cut streams in flight
+        assert outcomes == ["completed"] * 6
+        # the restart cut every stream in flight (each process's connection dropped), and each moved on
+        assert metric_sum(deployment.metrics(), "dynamo_frontend_model_migration_total") >= 6
         deadline = time.monotonic() + 15
         while True:
             try:
