@@ -126,25 +126,38 @@ def test_clear_kv_blocks_empties_the_prefix_cache(mocker: Deployment) -> None:
     assert again.usage.prompt_tokens_details.cached_tokens == 0
 
 
-def _kv_usage(mocker: Deployment) -> float:
-    text = httpx.get(f"{mocker.system_url}/metrics").text  # type: ignore[attr-defined]
+def _kv_usage(system_url: str) -> float:
+    """The KV cache usage the worker whose system server is at `system_url` reports."""
+    text = httpx.get(f"{system_url}/metrics").text
     line = next(line for line in text.splitlines()
                 if line.startswith("dynamo_component_kvstats_gpu_cache_usage_percent{"))
     return float(line.rsplit(" ", 1)[1])
 
 
 def test_cancelled_stream_frees_the_engine(mocker: Deployment) -> None:
-    client = mocker.client()
-    stream = client.completions.create(model=MODEL, prompt=_prompt(200, "forever"), max_tokens=5000, stream=True)
-    next(iter(stream))
-    assert _kv_usage(mocker) > 0
-    stream.close()
-    deadline = time.monotonic() + 10
-    while _kv_usage(mocker) > 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _kv_usage(mocker) == 0  # the request was aborted in the engine, its blocks released
-    reply = client.completions.create(model=MODEL, prompt="after the cancel", max_tokens=3)
-    assert reply.usage.completion_tokens == 3
+    """A worker at a tenth of real time: the stream's 5,000 tokens would take it some five minutes, so only
+    the abort of the closed stream can free its blocks before the deadline."""
+    port = free_port()
+    slow = mocker.add_engine("--block-size", str(BLOCK), "--speedup-ratio", "0.1", "--num-gpu-blocks-override", "4096",
+                             "--model-name", "slow", "--endpoint", f"dyn://{mocker.namespace}.slow.generate",
+                             env={"DYN_SYSTEM_PORT": str(port)})
+    system_url = f"http://127.0.0.1:{port}"
+    try:
+        mocker.wait_for_instances(2)
+        client = mocker.client()
+        stream = client.completions.create(model="slow", prompt=_prompt(200, "forever"), max_tokens=5000, stream=True)
+        next(iter(stream))
+        assert _kv_usage(system_url) > 0
+        stream.close()
+        deadline = time.monotonic() + 10
+        while _kv_usage(system_url) > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _kv_usage(system_url) == 0  # the request was aborted in the engine, its blocks released
+        reply = client.completions.create(model="slow", prompt="after the cancel", max_tokens=3)
+        assert reply.usage.completion_tokens == 3
+    finally:
+        slow.stop()
+        mocker.engines.remove(slow)
 
 
 def _requests_served(system_url: str) -> float:
