@@ -155,6 +155,9 @@ def test_a_variable_that_nothing_reads_fails_the_check() -> None:
                   "loadBasedScaling": True}}, "planner.mode prefill plans a pool of a disaggregated deployment"),
     ({"planner": {"prometheusEndpoint": "http://prometheus:9090"}}, "planner.enabled is false: nothing would use it"),
     ({"planner": {"mode": "both"}}, "at '/planner/mode'"),
+    ({"frontend": {"numProcesses": 2}, "planner": {"enabled": True, "rbac": {"create": True}, "profile": {
+        "volume": {"configMap": {"name": "p"}}}, "prometheusEndpoint": "http://prometheus:9090"}},
+     "Prometheus scrapes a frontend pod's port, which one of its processes answers each time"),
 ], ids=lambda v: v if isinstance(v, str) else json.dumps(v, separators=(",", ":")))
 def test_contradicting_or_misspelled_values_stop_the_render_with_the_reason(values: dict, reason: str) -> None:
     with pytest.raises(RenderError, match=None) as refused:
@@ -168,7 +171,7 @@ def test_the_planner_scales_the_deployments_the_chart_renders_with_the_rights_it
         release: str, mode: str, planner_mode: str, tmp_path: Path) -> None:
     """The planner's connector, built from the planner pod's own arguments, names exactly the release's worker
     Deployments of the pools it plans (as `--helm-release` would name them); its ServiceAccount is bound to a Role
-    that may get and patch their scale; it reads the frontend Service."""
+    that may get and patch their scale; it finds the frontend processes in the release's discovery."""
     from tandem.planner.kubernetes import (
         KubernetesConnector,
         chart_deployments,
@@ -192,8 +195,13 @@ def test_the_planner_scales_the_deployments_the_chart_renders_with_the_rights_it
     assert connector.deployments == expected
     assert set(expected) <= names(docs, "Deployment")
     assert flag(args, "--mode") == planned
-    assert flag(args, "--frontend-url") == f"http://{chart_fullname(release)}-frontend:8000"
-    assert f"{chart_fullname(release)}-frontend" in names(docs, "Service")
+    # No frontend address: the Service would spread its scrapes over the frontend processes. It finds each one
+    # in the release's discovery, as the frontends do the workers.
+    assert "--frontend-url" not in args
+    frontend_env = {e["name"]: e.get("value") for e in container(docs, f"{chart_fullname(release)}-frontend")["env"]}
+    planner_env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    for name in ("DYN_NAMESPACE", "DYN_DISCOVERY_BACKEND", "ETCD_ENDPOINTS"):
+        assert planner_env[name] == frontend_env[name]
     # RBAC: the pod's ServiceAccount is bound to a Role that may get and patch deployments/scale.
     binding = next(iter(of_kind(docs, "RoleBinding")))
     assert pod["serviceAccountName"] in {s["name"] for s in binding["subjects"]}

@@ -1,16 +1,28 @@
 """The planner's view of traffic: interval means from the differences of the frontends' cumulative
-metrics, added over frontends, with a restarted frontend's series counted from zero; and the same read
-from a real frontend serving the test engine."""
+metrics, added over frontends, with a restarted frontend's series counted from zero; the same read from a
+real frontend serving the test engine; and a frontend of two processes on one port (`--num-processes 2`, as
+the chart runs it): every process is found in discovery and the requests sent are counted exactly, while the
+shared address itself is refused."""
 
 from __future__ import annotations
 
 import asyncio
 import math
+import time
 
 import pytest
 
-from tandem.planner.observe import FrontendObserver, Page, Totals, parse_page
+from tandem.planner.observe import (
+    DiscoveredFrontends,
+    FrontendObserver,
+    Page,
+    SharedAddressError,
+    Totals,
+    parse_page,
+)
+from tandem.runtime.discovery import make_store
 from tests.deployment import MODEL, Deployment
+from tests.test_frontend_replicas import openai_over, pinned
 
 PAGE = """\
 # TYPE dynamo_frontend_requests counter
@@ -79,4 +91,74 @@ def test_a_real_frontend_is_observed_over_an_interval(tmp_path, smollm2) -> None
         assert metrics.ttft_ms > 0 and metrics.itl_ms > 0 and metrics.request_duration_s > 0
         assert asyncio.run(FrontendObserver(["http://127.0.0.1:9"]).sample(1)).requests == 0  # nobody there
     finally:
+        deployment.stop()
+
+
+def process_page(process: str, uptime: float, requests: float) -> str:
+    return page(requests, 500 * requests, 0.1 * requests) + (
+        f'# TYPE tandem_frontend_instance_info gauge\ntandem_frontend_instance_info{{instance="{process}"}} 1.0\n'
+        f'# TYPE dynamo_component_system_uptime_seconds gauge\ndynamo_component_system_uptime_seconds {uptime}\n')
+
+
+def scripted(observer: FrontendObserver, pages: list[str]) -> None:
+    """The observer reads `pages` one per scrape instead of asking a frontend."""
+    queue = iter(pages)
+
+    async def scrape(session: object, url: str) -> Page:
+        return parse_page(next(queue), "m")
+
+    observer._scrape = scrape  # type: ignore[method-assign]
+
+
+async def test_a_process_started_since_the_last_read_counts_from_zero_whatever_its_counters() -> None:
+    observer = FrontendObserver(["http://frontend"], "m")
+    # A frontend (process a, up for a day), then its restart b (up 0 s) that has already served 30 requests:
+    # more than a's 20, so no counter went down, and still b's are all new.
+    scripted(observer, [process_page("a", 86400, 20), process_page("b", 0.0, 30)])
+    await observer.sample(0)
+    assert (await observer.sample(10)).requests == 30
+
+
+async def test_another_process_that_ran_before_at_the_same_address_stops_the_planner() -> None:
+    observer = FrontendObserver(["http://frontend"], "m")
+    scripted(observer, [process_page("a", 86400, 20), process_page("b", 86400, 25)])
+    await observer.sample(0)
+    with pytest.raises(SharedAddressError, match="http://frontend is served by several processes \\(a, b\\)"):
+        await observer.sample(10)
+
+
+async def test_two_processes_on_one_port_are_each_counted_and_the_shared_address_is_refused(tmp_path, smollm2) -> None:
+    """As the chart runs a frontend pod (`--num-processes 2`): 3 requests to one process and 4 to the other are
+    7 requests, read from each process at the address it registered in discovery. The port both share is
+    refused: a scrape there reaches one process, whose counters would be taken for the other's."""
+    deployment = Deployment(tmp_path, smollm2, frontend_args=["--num-processes", "2"])
+    store = make_store("file", file_root=deployment.env["DYN_FILE_KV"])
+    await store.start()
+    try:
+        frontends = DiscoveredFrontends(store, deployment.namespace)
+        deadline = time.monotonic() + 30
+        while len(registered := await frontends.processes()) < 2:
+            assert time.monotonic() < deadline, registered
+            await asyncio.sleep(0.1)
+        assert deployment.url.split("://")[1] not in "".join(registered.values())  # each its own address
+        observer = FrontendObserver(frontends, model=MODEL)
+        await observer.sample(0)
+        first, second = (openai_over(connection) for connection in pinned(deployment.url).values())
+        for client, count in ((first, 3), (second, 4)):
+            for n in range(count):
+                client.chat.completions.create(model=MODEL, max_tokens=5, messages=[
+                    {"role": "user", "content": f"hi {n}"}])
+        metrics = await observer.sample(10)
+        assert (metrics.requests, metrics.osl, metrics.interval_s) == (7, 5, 10)
+        assert observer.workers is not None and observer.workers.decode == 1
+
+        shared = FrontendObserver([deployment.url], model=MODEL)
+        with pytest.raises(SharedAddressError, match="is served by several processes"):
+            await shared.check()  # scrapes on new connections: the kernel spreads them over both processes
+            await shared.sample(0)
+            for _ in range(20):  # each interval's scrape is a new connection too: one of them reaches the other
+                first.chat.completions.create(model=MODEL, max_tokens=1, messages=[{"role": "user", "content": "x"}])
+                await shared.sample(10)
+    finally:
+        await store.close()
         deployment.stop()

@@ -19,8 +19,8 @@ from tandem.llm.model_card import ModelInput
 from tandem.router.config import add_router_args, parse_args_with_router_config
 from tandem.router.kv_router import KvRouter, RouterMetrics
 from tandem.runtime import DistributedRuntime, RuntimeConfig, add_runtime_args, configure_logging, run
-from tandem.runtime.config import env_str
-from tandem.runtime.keys import parse_endpoint_path
+from tandem.runtime.config import WILDCARDS, env_str
+from tandem.runtime.keys import frontend_key, parse_endpoint_path
 from tandem.runtime.options import (
     MIGRATION_LIMIT,
     ROUTER_MODES,
@@ -138,7 +138,7 @@ async def serve(args: argparse.Namespace, frontend: FrontendConfig) -> int:
     scope = args.namespace or env_str("DYN_NAMESPACE")  # which workers to serve; None = every namespace
     runtime = await DistributedRuntime.create(config)
     runtime.install_signal_handlers()
-    metrics = FrontendMetrics(runtime.registry)
+    metrics = FrontendMetrics(runtime.registry, runtime.instance_id)
     load = LoadMonitor(LoadThresholds(frontend.active_decode_blocks_threshold, frontend.active_prefill_tokens_threshold,
                                       frontend.active_prefill_tokens_threshold_frac))
     subscribed: set[str] = set()
@@ -195,13 +195,24 @@ async def serve(args: argparse.Namespace, frontend: FrontendConfig) -> int:
     ))
     await server.start()
     runtime.add_drain(server.drain)  # SIGTERM: finish the HTTP streams before the planes close
-    runtime.set_ready()
     scheme = "https" if frontend.tls_cert_path else "http"
+    # This process's own /metrics, for the planner: the system port when there is one (a replica's, since the
+    # HTTP port may be shared), else the HTTP port.
+    own = (f"http://{_reachable(config.system_host, config)}:{runtime.system_server.port}"
+           if runtime.system_server is not None else f"{scheme}://{_reachable(frontend.http_host, config)}:{server.port}")
+    await runtime.register_key(frontend_key(config.namespace, runtime.instance_id), f"{own}/metrics".encode())
+    runtime.set_ready()
     print(f"READY {scheme}://{frontend.http_host}:{server.port}", flush=True)
     await runtime.wait_closed()
     await server.close()
     await manager.close()
     return 0
+
+
+def _reachable(bind: str, config: RuntimeConfig) -> str:
+    """The address peers reach a listener bound to `bind` at."""
+    host = config.advertised_host() if bind in WILDCARDS else bind
+    return f"[{host}]" if ":" in host else host
 
 
 async def _follow_load(runtime: DistributedRuntime, endpoint_path: str, load: LoadMonitor) -> None:

@@ -10,7 +10,7 @@ _TOKENS = (1, 8, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 131072)
 
 
 class FrontendMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, instance_id: int | None = None) -> None:
         def counter(name: str, doc: str, labels: tuple[str, ...]) -> Counter:
             return Counter(f"{PREFIX}_{name}", doc, labels, registry=registry)
 
@@ -45,6 +45,10 @@ class FrontendMetrics:
                                          "Prefill leg on a prefill worker, until its KV transfer parameters", _LATENCY)
         self.kv_transfer_seconds = histogram("kv_transfer_seconds",
                                              "KV transfer to the decode worker, as it reports (kv_transfer_ms)", _LATENCY)
+        if instance_id is not None:
+            # Which process wrote the page: one address may be served by several (--num-processes, a Service).
+            Gauge("tandem_frontend_instance_info", "This frontend process: its discovery instance id", ("instance",),
+                  registry=registry).labels(f"{instance_id:x}").set(1)
         self.model_gauges = {
             name: gauge(f"model_{name}", f"Model configuration: {name}")
             for name in ("total_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "context_length",

@@ -5,6 +5,10 @@ port with SO_REUSEPORT, so the kernel spreads new connections over them. Their K
 events and share their load through replica sync (on by default here). This process only starts the
 replicas, prints READY once they all are, starts a replica again when one dies (that replica's own streams
 are lost; the others are untouched), and passes SIGTERM/SIGINT on for a graceful stop.
+
+A scrape of the shared port reaches one replica, so each replica also serves its own /metrics on a system port
+of its own (DYN_SYSTEM_PORT + its index, or any free port when none is set), which it registers in discovery
+for the planner.
 """
 
 from __future__ import annotations
@@ -42,6 +46,15 @@ def replica_argv(argv: Sequence[str], port: int, replica_sync: bool) -> list[str
     return out
 
 
+def system_port(base: str | None, index: int) -> str:
+    """Replica `index`'s own system port: the given one plus its index (one port each), or any free one."""
+    try:
+        port = int(base or 0)
+    except ValueError:
+        return base or ""  # the replica refuses it, naming DYN_SYSTEM_PORT
+    return str(port + index) if port else "0"
+
+
 def _reserve_port(host: str, port: int) -> socket.socket:
     """A socket bound (not listening) to `port` (0: a free one) with SO_REUSEPORT, so the replicas can bind it
     too and no other program takes it meanwhile."""
@@ -53,17 +66,20 @@ def _reserve_port(host: str, port: int) -> socket.socket:
 
 
 class Replica:
-    def __init__(self, index: int, count: int, argv: list[str]) -> None:
+    def __init__(self, index: int, count: int, argv: list[str], host: str) -> None:
         self.index = index
         self.count = count
         self.argv = argv
+        self.host = host
         self.process: asyncio.subprocess.Process | None = None
         self.ready = asyncio.Event()
         self.url = ""
 
     async def start(self) -> None:
         self.ready.clear()
-        env = {**os.environ, REPLICA_ENV: f"{self.index}/{self.count}", "DYN_FRONTEND_NUM_PROCESSES": "1"}
+        env = {**os.environ, REPLICA_ENV: f"{self.index}/{self.count}", "DYN_FRONTEND_NUM_PROCESSES": "1",
+               "DYN_SYSTEM_PORT": system_port(os.environ.get("DYN_SYSTEM_PORT"), self.index),
+               "DYN_SYSTEM_HOST": os.environ.get("DYN_SYSTEM_HOST") or self.host}
         self.process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "tandem.frontend", *self.argv, env=env, stdout=asyncio.subprocess.PIPE)
         asyncio.get_running_loop().create_task(self._read(self.process))
@@ -82,7 +98,7 @@ class Replica:
 async def supervise(argv: Sequence[str], host: str, port: int, count: int, replica_sync: bool) -> int:
     reserved = _reserve_port(host, port)
     port = reserved.getsockname()[1]
-    replicas = [Replica(i, count, replica_argv(argv, port, replica_sync)) for i in range(count)]
+    replicas = [Replica(i, count, replica_argv(argv, port, replica_sync), host) for i in range(count)]
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

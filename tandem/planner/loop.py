@@ -26,6 +26,7 @@ from tandem.planner.config import PlannerConfig
 from tandem.planner.limits import Replicas, within_limits
 from tandem.planner.load import LoadDecision, LoadPlanner, Verdict
 from tandem.planner.sla import Decision, IntervalMetrics, SlaPlanner
+from tandem.runtime.config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +145,8 @@ class PlannerLoop:
             now = time.monotonic()
             try:
                 await step(now - last)
+            except ConfigError:  # a setting it cannot plan with (a frontend address shared by processes): stop
+                raise
             except Exception:  # one bad interval must not end planning
                 log.exception("planner: the decision failed; trying again next interval")
             last = now

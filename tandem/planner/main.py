@@ -1,13 +1,15 @@
 """`tandem planner`: the planner beside a deployment it did not start.
 
     tandem planner [--config FILE] [--mode agg|disagg|prefill|decode] [--ttft MS] [--itl MS] ...
-        traffic (throughput-based scaling):  --frontend-url URL ... | --metric-pulling-prometheus-endpoint URL
+        traffic (throughput-based scaling):  every frontend process registered in the deployment's discovery
+                                             | --frontend-url URL ... | --metric-pulling-prometheus-endpoint URL
         engines (load-based scaling):        --enable-loadbased-scaling [--disable-throughput-scaling]
                                              and the deployment's runtime flags (--namespace, discovery, event plane)
         acting:                              --environment kubernetes | virtual, or --no-operation
 
 Throughput-based scaling (on unless `--disable-throughput-scaling`) reads the traffic every
-`--adjustment-interval` from the frontends' `/metrics` or from a Prometheus server that scrapes them, and sizes
+`--adjustment-interval` from each frontend process's `/metrics` (found through the deployment's discovery, or
+at the given addresses) or from a Prometheus server that scrapes them, and sizes
 the pools from the workers' profiles (`--profile-results-dir`). Load-based scaling follows the engines'
 forward-pass metrics on the deployment's event plane and moves each pool by one worker at a time. The decisions
 go to the Kubernetes API (the chart's worker Deployments), to an external orchestrator through the discovery
@@ -40,7 +42,7 @@ from tandem.planner.kubernetes import KubernetesConnector, add_kubernetes_args
 from tandem.planner.limits import Replicas
 from tandem.planner.load import LoadPlanner
 from tandem.planner.loop import Connector, Observer, PlannerLoop
-from tandem.planner.observe import FrontendObserver
+from tandem.planner.observe import DiscoveredFrontends, FrontendObserver
 from tandem.planner.prometheus import ENDPOINT_ENV, PrometheusObserver
 from tandem.planner.sla import SlaPlanner
 from tandem.planner.virtual import DEFAULT_TIMEOUT, VirtualConnector
@@ -98,7 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sla = parser.add_argument_group("Throughput-based scaling (profiles and predicted traffic)")
     sla.add_argument("--frontend-url", action="append", metavar="URL",
-                     help="a frontend's base URL, its /metrics read every interval (repeat for each frontend)")
+                     help="a frontend process's base URL, its /metrics read every interval (repeat for each one); "
+                     "an address several processes serve is refused [default: every frontend process registered "
+                     "in the deployment's discovery: --namespace and the discovery settings]")
     sla.add_argument("--metric-pulling-prometheus-endpoint", metavar="URL",
                      help="read the frontends' metrics from this Prometheus server instead [env PROMETHEUS_ENDPOINT; "
                      "bearer token: PROMETHEUS_TOKEN]")
@@ -146,12 +150,12 @@ def config_from(args: argparse.Namespace) -> PlannerConfig:
     values = read_settings(args.config) if args.config else {}
     values.update({name: getattr(args, name) for name in SETTING_FLAGS if getattr(args, name) is not None})
     values.update(setting for flag, setting in SWITCHES.items() if getattr(args, flag))
-    config = PlannerConfig.from_mapping(values, where=args.config or "the flags")
-    if config.enable_throughput_scaling and not (args.frontend_url or prometheus_endpoint(args)):
-        raise ConfigError("throughput-based scaling reads the traffic: give --frontend-url URL (each frontend) or "
-                          "--metric-pulling-prometheus-endpoint URL (env PROMETHEUS_ENDPOINT), or scale on load "
-                          "only (--enable-loadbased-scaling --disable-throughput-scaling)")
-    return config
+    return PlannerConfig.from_mapping(values, where=args.config or "the flags")
+
+
+def discovers_frontends(args: argparse.Namespace, config: PlannerConfig) -> bool:
+    """Whether the traffic is read from the frontend processes registered in discovery (no address given)."""
+    return config.enable_throughput_scaling and not (args.frontend_url or prometheus_endpoint(args))
 
 
 def prometheus_endpoint(args: argparse.Namespace) -> str | None:
@@ -178,15 +182,21 @@ async def serve(args: argparse.Namespace, config: PlannerConfig, sla: SlaPlanner
         log.info("planner: metrics on http://0.0.0.0:%d/metrics", metrics_port)
     closers: list[Callable[[], object]] = []
     try:
-        observer: FrontendObserver | PrometheusObserver | None = None
-        if sla is not None:
-            endpoint = prometheus_endpoint(args)
-            observer = (PrometheusObserver(endpoint, args.model) if endpoint
-                        else FrontendObserver(args.frontend_url, args.model))
         runtime: DistributedRuntime | None = None
         if runtime_config is not None:
             runtime = await DistributedRuntime.create(runtime_config)
             closers.append(runtime.shutdown)
+        observer: FrontendObserver | PrometheusObserver | None = None
+        if sla is not None:
+            endpoint = prometheus_endpoint(args)
+            if endpoint:
+                observer = PrometheusObserver(endpoint, args.model)
+            elif args.frontend_url:
+                observer = FrontendObserver(args.frontend_url, args.model)
+                await observer.check()
+            else:
+                assert runtime is not None
+                observer = FrontendObserver(DiscoveredFrontends(runtime.store, runtime.config.namespace), args.model)
         load: LoadPlanner | None = None
         if config.enable_load_scaling:
             assert runtime is not None
@@ -255,9 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = config_from(args)
         sla = SlaPlanner.from_config(config) if config.enable_throughput_scaling else None
-        # The deployment's runtime: to follow its engines, and to reach the orchestrator through its discovery store.
-        needs_runtime = config.enable_load_scaling or (config.environment is Environment.VIRTUAL
-                                                       and not config.no_operation)
+        # The deployment's runtime: to follow its engines, to find its frontends, and to reach the orchestrator
+        # through its discovery store.
+        needs_runtime = (config.enable_load_scaling or discovers_frontends(args, config)
+                         or (config.environment is Environment.VIRTUAL and not config.no_operation))
         runtime_config = RuntimeConfig.from_args(args) if needs_runtime else None
     except (ConfigError, ValueError) as e:
         print(f"tandem planner: {e}", file=sys.stderr)

@@ -5,6 +5,7 @@ from __future__ import annotations
 INSTANCES = "v1/instances"
 MODELS = "v1/mdc"
 EVENT_CHANNELS = "v1/event_channels"
+FRONTENDS = "v1/frontends"  # each frontend process: the URL of its own /metrics (what the planner reads)
 
 
 def parse_endpoint_path(path: str) -> tuple[str, str, str]:
@@ -48,3 +49,11 @@ def event_channel_prefix(scope: str, topic: str) -> str:
 
 def event_channel_key(scope: str, topic: str, publisher_id: str) -> str:
     return f"{event_channel_prefix(scope, topic)}{publisher_id}"
+
+
+def frontends_prefix(namespace: str) -> str:
+    return f"{FRONTENDS}/{namespace}/"
+
+
+def frontend_key(namespace: str, instance_id: int) -> str:
+    return f"{frontends_prefix(namespace)}{instance_id:x}"
