@@ -190,7 +190,8 @@ class EngineGroup:
 # does on its own: it gives the engines vLLM's thinking budget without changing the other tests' answers.
 _AGGREGATED = ("--max-model-len", "1024", "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",
                "--enable-prompt-embeds", "--connector", "none", "--dyn-reasoning-parser", "qwen3")
-DISAGG_ARGS = ("--max-model-len", "2048")
+# LoRA on both roles: an adapter request is prefilled on a prefill worker that loaded the adapter.
+DISAGG_ARGS = ("--max-model-len", "2048", "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2")
 
 # SmolLM2 as an embedding model (vLLM's pooling runner: its last token's hidden state, normalized), declared
 # matryoshka so that `dimensions` can be tested on a real engine.
@@ -198,7 +199,7 @@ EMBEDDING_ARGS = ("--embedding-worker", "--max-model-len", "1024", "--hf-overrid
 
 # Keyed by name: the configurations real-vLLM tests share. "aggregated": two plain workers (one per core)
 # with LoRA, prompt embeddings, prefix caching, KV events and a reasoning parser; "disaggregated": a prefill
-# and a decode worker with NIXL; "embedding": one embedding worker.
+# and a decode worker with NIXL and LoRA; "embedding": one embedding worker.
 GROUPS: dict[str, tuple[EngineSpec, ...]] = {
     "aggregated": (EngineSpec((), 0, _AGGREGATED), EngineSpec((), 1, _AGGREGATED)),
     "disaggregated": (EngineSpec(("--is-prefill-worker",), 0, DISAGG_ARGS),
@@ -209,7 +210,7 @@ GROUP_ENV: dict[str, Callable[[EnginePool], dict[str, str]]] = {
     # Adapters load from under DYN_LORA_PATH only; a fixed hash seed keeps vLLM's block hashes stable.
     "aggregated": lambda pool: {"DYN_LORA_ENABLED": "true", "DYN_LORA_PATH": str(pool.lora_root),
                                 "PYTHONHASHSEED": "0"},
-    "disaggregated": lambda pool: {},
+    "disaggregated": lambda pool: {"DYN_LORA_ENABLED": "true", "DYN_LORA_PATH": str(pool.lora_root)},
     "embedding": lambda pool: {},
 }
 

@@ -8,12 +8,15 @@ worker. Evidence that the decode worker pulled the KV instead of computing the p
 own counters on the worker's /metrics (`vllm:prompt_tokens_by_source_total{source=...}`,
 `vllm:nixl_xfer_time_seconds`) and the worker's `dynamo_component_remote_prefill_requests_total`. The
 aggregated reference output is the same decode engine computing the prompt itself: requests pinned with
-`x-worker-instance-id` skip the remote prefill.
+`x-worker-instance-id` skip the remote prefill. Both workers run with LoRA: an adapter request is prefilled
+with the adapter, on a prefill worker that loaded it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +34,7 @@ from tandem.runtime import Context
 from tandem.vllm.handlers import DecodeWorkerHandler, DisaggMetrics, PrefillWorkerHandler
 from tests.deployment import MODEL, Deployment, metric_sum
 from tests.engines import DISAGG_ARGS, Engine, EngineGroup, EngineSpec, migrate_mid_stream, wait_until
+from tests.test_vllm_worker import MAKE_ADAPTER
 
 MAX_TOKENS = 16
 MIGRATED_TOKENS = 48
@@ -101,9 +105,10 @@ def _chat(client: openai.OpenAI, messages: list[dict], pinned: int | None = None
                                           extra_headers=headers)
 
 
-def _complete(client: openai.OpenAI, prompt: str, pinned: int | None = None) -> openai.types.Completion:
+def _complete(client: openai.OpenAI, prompt: str, pinned: int | None = None,
+              model: str = MODEL) -> openai.types.Completion:
     headers = {"x-worker-instance-id": str(pinned)} if pinned is not None else None
-    return client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS,
+    return client.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS,
                                      extra_headers=headers)
 
 
@@ -134,9 +139,12 @@ class FakeEngine:
         self.tokens = tokens
         self.kv_transfer_params = kv_transfer_params
         self.sampling: list[Any] = []
+        self.lora_requests: list[Any] = []
 
-    async def generate(self, prompt: Any, sampling: Any, request_id: str, **_: Any) -> Any:
+    async def generate(self, prompt: Any, sampling: Any, request_id: str, lora_request: Any = None,
+                       **_: Any) -> Any:
         self.sampling.append(sampling)
+        self.lora_requests.append(lora_request)
         for i, token in enumerate(self.tokens):
             last = i == len(self.tokens) - 1
             output = SimpleNamespace(token_ids=[token], finish_reason="length" if last else None, stop_reason=None,
@@ -149,9 +157,20 @@ class FakeEngine:
         pass
 
 
-def _handler(cls: type, engine: FakeEngine, metrics: DisaggMetrics | None = None) -> Any:
-    return cls(None, engine, SimpleNamespace(), default_sampling_params={}, model_max_len=2048,
-               shutdown_event=asyncio.Event(), disagg_metrics=metrics)
+class FakeAdapters:
+    """The worker's LoRA service as the handler sees it: the adapters it holds."""
+
+    def __init__(self, *names: str) -> None:
+        self.names = names
+
+    def lora_request(self, name: str) -> str | None:
+        return f"LoRARequest({name})" if name in self.names else None
+
+
+def _handler(cls: type, engine: FakeEngine, metrics: DisaggMetrics | None = None,
+             lora: FakeAdapters | None = None) -> Any:
+    return cls(None, engine, SimpleNamespace(served_model_name=MODEL), default_sampling_params={},
+               model_max_len=2048, shutdown_event=asyncio.Event(), disagg_metrics=metrics, lora=lora)
 
 
 REQUEST = {"token_ids": [1, 2, 3], "stop_conditions": {"max_tokens": 2}, "sampling_options": {"temperature": 0}}
@@ -194,6 +213,20 @@ async def test_prefill_handler_returns_the_kv_params() -> None:
     assert sampling.extra_args["kv_transfer_params"]["do_remote_decode"] is True
     assert out[-1]["disaggregated_params"] == {"kv_transfer_params": params}
     assert out[-1]["completion_usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+
+
+async def test_prefill_handler_computes_an_adapter_request_with_the_adapter_or_not_at_all() -> None:
+    engine = FakeEngine([9], kv_transfer_params=KV_PARAMS)
+    handler = _handler(PrefillWorkerHandler, engine, lora=FakeAdapters("tiny-lora"))
+    await _answer(handler, {**REQUEST, "model": "tiny-lora"}, "l1")
+    await _answer(handler, {**REQUEST, "model": MODEL}, "l2")
+    assert engine.lora_requests == ["LoRARequest(tiny-lora)", None]
+    # An adapter the worker does not hold (unloaded after the frontend routed the request here) fails the
+    # request before the engine sees it: the base weights would give a silently wrong KV.
+    out = await _answer(handler, {**REQUEST, "model": "gone-lora"}, "l3")
+    assert len(engine.lora_requests) == 2
+    assert out == [{"token_ids": [], "finish_reason": "error",
+                    "error": "LoRA adapter 'gone-lora' is not loaded on this worker"}]
 
 
 # -- real vLLM ------------------------------------------------------------------------------------------
@@ -306,6 +339,72 @@ def test_cancel_during_decode_aborts_it(disagg: Disagg) -> None:
                                       dynamo_endpoint="generate"), "the decode worker dropped the cancelled request")
     wait_until(lambda: _idle(d.decode_metrics_url), "the decode engine dropped the cancelled request", timeout=60)
     assert metric(d.decode_metrics_url, "vllm:generation_tokens_total") - generated_before < 400
+
+
+ADAPTER = "disagg-lora"
+
+
+def _load_adapter(engine: Engine, folder: str) -> None:
+    reply = httpx.post(f"{engine.system_url}/v1/loras", timeout=300,
+                       json={"lora_name": ADAPTER, "source": {"uri": f"file://{folder}"}}).json()
+    assert reply["status"] == "success", reply
+
+
+def _adapter_workers(frontend_metrics_url: str) -> tuple[float, float]:
+    """(decode workers, prefill workers) the frontend routes the adapter to."""
+    text = httpx.get(frontend_metrics_url, timeout=30).text
+    return (metric_sum(text, "dynamo_frontend_model_workers", model=ADAPTER),
+            metric_sum(text, "dynamo_frontend_model_prefill_workers", model=ADAPTER))
+
+
+@pytest.mark.slow
+def test_a_lora_adapter_is_prefilled_with_its_weights_by_a_prefill_worker_that_holds_it(
+        disagg: Disagg, engine_pool) -> None:  # type: ignore[no-untyped-def]
+    """An adapter is its own model, served by the workers that loaded it. Loaded on the decode worker only,
+    its requests are aggregated there (no prefill worker holds it); loaded on the prefill worker too, they are
+    prefilled there, with the adapter: the greedy float32 answer equals the decode worker computing the whole
+    request with the adapter, token for token, and differs from the base model's (a prefill on the base
+    weights would give neither)."""
+    d = disagg
+    fe = f"{d.deployment.url}/metrics"
+    folder = engine_pool.lora_root / ADAPTER
+    subprocess.run([sys.executable, "-c", MAKE_ADAPTER, d.group.model_path, str(folder)], check=True)
+    client = d.client()
+    prompt = "Adapted. " + LONG[:400]
+    base = _complete(client, prompt).choices[0].text
+    try:
+        _load_adapter(d.decode, str(folder))
+        wait_until(lambda: _adapter_workers(fe) == (1, 0), "the frontend serves the adapter on the decode worker")
+        remote_before = metric(d.decode_metrics_url, "dynamo_component_remote_prefill_requests_total")
+        prefill_before = _prompt_sources(d.prefill_metrics_url)
+        local = _complete(client, prompt, model=ADAPTER).choices[0].text
+        assert metric(d.decode_metrics_url, "dynamo_component_remote_prefill_requests_total") == remote_before
+        assert _prompt_sources(d.prefill_metrics_url) == prefill_before  # the prefill worker never saw it
+
+        _load_adapter(d.prefill, str(folder))
+        wait_until(lambda: _adapter_workers(fe) == (1, 1), "the frontend prefills the adapter on the prefill worker")
+        d.clear_caches()
+        ok_before = metric(fe, "dynamo_frontend_remote_prefills_total", model=ADAPTER, outcome="ok")
+        decode_before, prefill_before = _prompt_sources(d.decode_metrics_url), _prompt_sources(d.prefill_metrics_url)
+        adapted = _complete(client, prompt, model=ADAPTER)
+        assert adapted.usage is not None
+        decode = _delta(_prompt_sources(d.decode_metrics_url), decode_before)
+        prefill = _delta(_prompt_sources(d.prefill_metrics_url), prefill_before)
+        assert metric(fe, "dynamo_frontend_remote_prefills_total", model=ADAPTER, outcome="ok") - ok_before == 1
+        assert prefill["local_compute"] == adapted.usage.prompt_tokens, prefill
+        assert decode["local_compute"] == 0 and decode["external_kv_transfer"] > 0, decode
+
+        # The same decode engine computing the whole request with the adapter (pinned: no remote prefill).
+        d.clear_caches()
+        decode_before = _prompt_sources(d.decode_metrics_url)
+        aggregated = _complete(client, prompt, pinned=d.decode_id, model=ADAPTER).choices[0].text
+        assert _delta(_prompt_sources(d.decode_metrics_url), decode_before)["external_kv_transfer"] == 0
+        assert adapted.choices[0].text == aggregated == local
+        assert aggregated != base
+    finally:
+        for engine in (d.prefill, d.decode):
+            httpx.delete(f"{engine.system_url}/v1/loras/{ADAPTER}", timeout=60)
+    wait_until(lambda: ADAPTER not in {m.id for m in client.models.list().data}, "the adapter is gone")
 
 
 @pytest.fixture

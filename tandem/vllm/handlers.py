@@ -209,9 +209,15 @@ class BaseWorkerHandler:
         return tokens, len(request.token_ids)
 
     def _lora_request(self, request: PreprocessedRequest) -> Any:
-        if self.lora is None:
+        """The LoRARequest of the adapter the request names; None for the base model. An adapter this worker
+        does not hold (unloaded since the frontend routed the request here) raises LookupError: computing
+        the request with the base weights instead would be a silently wrong answer."""
+        if self.lora is None or not request.model or request.model == self.config.served_model_name:
             return None
-        return self.lora.lora_request(request.model)
+        adapter = self.lora.lora_request(request.model)
+        if adapter is None:
+            raise LookupError(f"LoRA adapter {request.model!r} is not loaded on this worker")
+        return adapter
 
     async def _stream_tokens(
         self, request: PreprocessedRequest, context: Context, sampling: SamplingParams, *, prefill: bool,
@@ -228,6 +234,11 @@ class BaseWorkerHandler:
         except Exception as e:
             yield LLMEngineOutput.failed(f"Invalid prompt: {e}")
             return
+        try:
+            lora_request = self._lora_request(request)
+        except LookupError as e:  # a prefill worker's failure makes the frontend prefill on the decode worker
+            yield LLMEngineOutput.failed(str(e))
+            return
         request_id = context.id()
         prefill_details = request.prefill_result.prompt_tokens_details if request.prefill_result else None
         generated = 0
@@ -236,7 +247,7 @@ class BaseWorkerHandler:
         with self.pending_prompts.prompt(0 if remote_prefill else prompt_len) as first_token_out:
             async with abort_monitor(self.engine_client, context, request_id, self.shutdown_event) as monitor:
                 async for result in monitor.stream(self.engine_client.generate(
-                    prompt, sampling, request_id, lora_request=self._lora_request(request),
+                    prompt, sampling, request_id, lora_request=lora_request,
                     data_parallel_rank=request.dp_rank,
                 )):
                     if not result.outputs:

@@ -4,7 +4,9 @@
   folders (`file://` or a plain path) are copied in; other schemes need a registered custom source.
 * `lora_name_to_id` gives every adapter name the same engine id in every process (Dynamo's).
 * `LoRAService` implements the worker's `load_lora` / `unload_lora` / `list_loras` endpoints on an
-  engine client with vLLM's `add_lora` / `remove_lora` (AsyncLLM), plus discovery callbacks.
+  engine client with vLLM's `add_lora` / `remove_lora` (AsyncLLM), plus discovery callbacks. Every
+  generation worker has them, prefill workers included: a disaggregated adapter request is prefilled
+  with the adapter, on a prefill worker that loaded it.
 * `install_lora_routes` puts `GET/POST /v1/loras` and `DELETE /v1/loras/{name}` on the system port.
 """
 
@@ -505,7 +507,8 @@ def card_callbacks(
     """`(register, unregister)` for `LoRAService` that publish / remove an adapter's model card
     (`v1/mdc/{ns}/{component}/{endpoint}/{instance:x}/{name}`): the base model's card renamed to the
     adapter, with `lora=LoraInfo(name, base_model)` and `user_data={"lora_adapter": True, "lora_id": id}`,
-    so the frontend lists the adapter and routes requests for it to this instance."""
+    so the frontend lists the adapter and routes requests for it to this instance (a prefill worker's card
+    keeps its prefill type: the frontend sends it the adapter's prefills)."""
 
     async def register(name: str, lora_id: int) -> None:
         card = base_card.for_lora(name, {**(base_card.user_data or {}), "lora_adapter": True, "lora_id": lora_id})

@@ -108,7 +108,9 @@ async def _serve(config: Config, runtime: DistributedRuntime, shutdown_event: as
         _expose_engine_metrics(runtime)
 
         lora = None
-        if not config.is_prefill_worker and config.engine_args.enable_lora:
+        # Prefill workers too: an adapter's prompt must be computed with the adapter. Each worker that loads
+        # it registers the adapter's card, so the frontend prefills it only on prefill workers that hold it.
+        if config.engine_args.enable_lora:
             from tandem.vllm.lora import LoRAService
 
             lora = LoRAService(engine)
