@@ -236,12 +236,25 @@ async def test_recent_decisions_count_until_the_events_arrive(runtimes, namespac
         assert (len(chosen) == 1) == expect_same, (ttl, chosen)
 
 
+def _counting(handler):  # type: ignore[no-untyped-def]
+    """The worker's `worker_kv_indexer_query` handler, and the number of times routers asked it (a list of
+    one int, counted as they ask)."""
+    asked = [0]
+
+    async def counting(request, context=None):  # type: ignore[no-untyped-def]
+        asked[0] += 1
+        async for answer in handler(request, context):
+            yield answer
+
+    return counting, asked
+
+
 async def _router_of_a_lossy_worker(runtimes, namespace: str, lost: set[int],  # type: ignore[no-untyped-def]
                                     catch_up_secs: float = 0.0):
     """A KV router (events only; its catch-up of quiet workers every `catch_up_secs`, 0 = off) following
     one in-process worker whose KV events with ids in `lost` never reach it. The worker has published
     event 0 (block hash 0, tokens hash 100) and the router applied it. Returns the router, the worker's
-    event publisher and `value(metric name)`."""
+    event publisher, `value(metric name)` and the number of times the router asked the worker for events."""
     from prometheus_client import CollectorRegistry
 
     from tandem.router.config import KvRouterConfig
@@ -258,7 +271,8 @@ async def _router_of_a_lossy_worker(runtimes, namespace: str, lost: set[int],  #
             return event["event"]["event_id"] not in lost and plane.publish(event)
 
     events = KvEventPublisher(worker_id=runtime.instance_id, publisher=Lossy())
-    await component.endpoint(WORKER_KV_INDEXER_QUERY_ENDPOINT).start_serving(indexer_query_handler([events]))
+    handler, asked = _counting(indexer_query_handler([events]))
+    await component.endpoint(WORKER_KV_INDEXER_QUERY_ENDPOINT).start_serving(handler)
     registry = CollectorRegistry()
     router = KvRouter(runtime, "m", block_size=BLOCK, metrics=RouterMetrics(registry),
                       config=KvRouterConfig(predicted_ttl_secs=0, event_catch_up_secs=catch_up_secs))
@@ -273,7 +287,7 @@ async def _router_of_a_lossy_worker(runtimes, namespace: str, lost: set[int],  #
         while not value(KV_EVENTS_APPLIED):
             plane.publish(first)
             await asyncio.sleep(0.01)
-    return router, events, value
+    return router, events, value, asked
 
 
 def _stored(parent: int | None, n: int):  # type: ignore[no-untyped-def]
@@ -292,7 +306,7 @@ async def _until(value, name: str, count: float) -> None:  # type: ignore[no-unt
 async def test_applied_counts_each_event_once_fetched_ones_too(runtimes, namespace) -> None:  # type: ignore[no-untyped-def]
     """dynamo_component_kv_cache_events_applied_total: a live event once however often it arrives, an
     event fetched to fill a gap too; dynamo_router_event_gaps_recovered_total counts the gap."""
-    router, events, value = await _router_of_a_lossy_worker(runtimes, namespace, lost={1})
+    router, events, value, _ = await _router_of_a_lossy_worker(runtimes, namespace, lost={1})
     duplicate = events.query(0, 0)[0][0]
     for _ in range(3):
         events.publisher.publish(duplicate)
@@ -310,7 +324,7 @@ async def test_applied_counts_each_event_once_fetched_ones_too(runtimes, namespa
 
 async def test_blocks_stored_under_a_lost_block_are_indexed_after_the_recovery(runtimes, namespace) -> None:  # type: ignore[no-untyped-def]
     """A conversation's next turn stores blocks under the prefix whose event was lost."""
-    router, events, value = await _router_of_a_lossy_worker(runtimes, namespace, lost={1})
+    router, events, value, _ = await _router_of_a_lossy_worker(runtimes, namespace, lost={1})
     events.emit(_stored(0, 1))  # lost
     events.emit(_stored(1, 2))  # reveals the gap
     await _until(value, GAPS, 1)
@@ -320,14 +334,18 @@ async def test_blocks_stored_under_a_lost_block_are_indexed_after_the_recovery(r
 async def test_the_last_lost_event_of_a_quiet_worker_is_caught_up(runtimes, namespace) -> None:  # type: ignore[no-untyped-def]
     """No later event reveals the lost one: the router asks the quiet worker for what followed the
     last event it saw, applies it once, and counts the recovery."""
-    router, events, value = await _router_of_a_lossy_worker(runtimes, namespace, lost={1}, catch_up_secs=0.05)
+    router, events, value, asked = await _router_of_a_lossy_worker(runtimes, namespace, lost={1},
+                                                                   catch_up_secs=0.05)
     events.emit(_stored(0, 1))  # lost, and the worker stays quiet
     await _until(value, KV_EVENTS_APPLIED, 2)
     assert router.indexer.find_matches([100, 101]).scores == {(events.worker_id, 0): 2}
     assert value(GAPS) == 1
     events.emit(_stored(1, 2))  # arrives live: no gap, nothing fetched again
     await _until(value, KV_EVENTS_APPLIED, 3)
-    await asyncio.sleep(0.2)  # a few catch-up rounds with nothing new
+    rounds = asked[0] + 3
+    async with asyncio.timeout(10):
+        while asked[0] < rounds:  # three catch-up rounds that find nothing new
+            await asyncio.sleep(0.01)
     assert value(KV_EVENTS_APPLIED) == 3 and value(GAPS) == 1
 
 
@@ -420,16 +438,21 @@ async def _durable_worker(runtime, namespace: str, dropped: set[int] = frozenset
             return event["event"]["event_id"] not in dropped and plane.publish(event)
 
     events = KvEventPublisher(worker_id=runtime.instance_id, publisher=Filtered())
-    handler = indexer_query_handler([events])
-    asked = [0]
-
-    async def counting(request, context=None):  # type: ignore[no-untyped-def]
-        asked[0] += 1
-        async for answer in handler(request, context):
-            yield answer
-
-    await component.endpoint(WORKER_KV_INDEXER_QUERY_ENDPOINT).start_serving(counting)
+    handler, asked = _counting(indexer_query_handler([events]))
+    await component.endpoint(WORKER_KV_INDEXER_QUERY_ENDPOINT).start_serving(handler)
     return events, asked
+
+
+async def _until_in_the_stream(runtime, namespace: str, count: int) -> None:  # type: ignore[no-untyped-def]
+    """Until JetStream holds `count` KV events of the namespace's workers (acknowledged: in their order)."""
+    from tandem.router.protocols import KV_EVENT_TOPIC
+    from tandem.runtime.event_plane.nats import event_subject, stream_name
+
+    js = runtime.nats.nc.jetstream()
+    name = stream_name(event_subject(f"{namespace}/backend", KV_EVENT_TOPIC))
+    async with asyncio.timeout(15):
+        while (await js.stream_info(name)).state.messages < count:
+            await asyncio.sleep(0.02)
 
 
 def _durable_router(runtime):  # type: ignore[no-untyped-def]
@@ -455,20 +478,22 @@ async def test_durable_router_replays_workers_from_jetstream_even_before_discove
     from tests.conftest import runtimes_on
 
     on_nats = runtimes_on(runtimes, request, event_plane="nats")
-    workers = [await on_nats(), await on_nats()]
+    workers = [await on_nats(), await on_nats(), await on_nats()]
     published = []
-    for worker in workers:
+    for worker in workers[:2]:
         events, asked = await _durable_worker(worker, namespace)
         for n in range(5):
             events.emit(_stored(n - 1 if n else None, n))
         published.append((events, asked))
-    await asyncio.sleep(0.5)  # acknowledged by JetStream
+    await _until_in_the_stream(workers[0], namespace, 10)
+    marker, _ = await _durable_worker(workers[2], namespace)  # its one event is in the stream after all ten
+    marker.emit(_stored(None, 0))
     router = _durable_router(await on_nats())
-    first, second = (worker.instance_id for worker in workers)
-    router.sync_workers({first: f"{namespace}.backend.generate"})
+    first, second, third = (worker.instance_id for worker in workers)
+    router.sync_workers({first: f"{namespace}.backend.generate", third: f"{namespace}.backend.generate"})
     await _until_indexed(router, first, 5)
-    await asyncio.sleep(0.3)  # the second worker's events have been replayed too, and kept
-    router.sync_workers({first: f"{namespace}.backend.generate", second: f"{namespace}.backend.generate"})
+    await _until_indexed(router, third, 1)  # so the second worker's events have been replayed too, and kept
+    router.sync_workers({worker.instance_id: f"{namespace}.backend.generate" for worker in workers})
     await _until_indexed(router, second, 5)
     assert [asked[0] for _, asked in published] == [0, 0]
 
