@@ -4,6 +4,8 @@ event plane, so each sees the load the other put on the workers."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 
 from tandem.router.config import KvRouterConfig
 from tandem.router.kv_router import KvRouter
@@ -49,7 +51,21 @@ async def test_routers_share_active_sequences(runtimes, namespace) -> None:  # t
 
 
 async def test_without_sync_routers_stay_independent(runtimes, namespace) -> None:  # type: ignore[no-untyped-def]
-    (a, workers), (b, _) = _router(await runtimes(), namespace, False), _router(await runtimes(), namespace, False)
-    a.select("r0", list(range(5 * BLOCK)), workers)
-    await asyncio.sleep(0.3)
-    assert "r0" in a.sequences and "r0" not in b.sequences
+    """a and b without sync, c and d with it, a and c in one runtime, b and d in another: once d has seen
+    c's load, a's would have reached d, and c's b, had a published or b followed."""
+    first, second = await runtimes(), await runtimes()
+    (a, workers), (b, _) = _router(first, namespace, False), _router(second, namespace, False)
+    (c, _), (d, _) = _router(first, namespace, True), _router(second, namespace, True)
+    async with asyncio.timeout(15):  # PUB/SUB drops what precedes the subscription: again until d has one
+        for attempt in itertools.count():
+            prompt = list(range(1000 * (attempt + 1), 1000 * (attempt + 1) + 5 * BLOCK))
+            a.select(f"a{attempt}", prompt, workers)
+            c.select(f"c{attempt}", prompt, workers)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(0.5):
+                    while f"c{attempt}" not in d.sequences:
+                        await asyncio.sleep(0.01)
+                    break
+    assert len(a.sequences) == len(c.sequences) == attempt + 1
+    assert len(b.sequences) == 0  # it follows no one
+    assert not any(f"a{n}" in d.sequences for n in range(attempt + 1))  # a published nothing
