@@ -47,7 +47,7 @@ def test_a_frontend_sees_the_load_the_other_placed(tmp_path: Path, smollm2: str,
             next(iter(stream))  # the worker has it: the router counted its blocks
 
         place()
-        assert _active_blocks(placing) > 0 and _active_blocks(watching) == 0 or sync
+        assert _active_blocks(placing) > 0
         if sync:
             # Publish/subscribe drops what precedes the subscription: place more until the view arrives.
             deadline = time.monotonic() + 30
