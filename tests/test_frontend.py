@@ -4,6 +4,7 @@ SmolLM2 tokenizer) and the official `openai` client."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import openai
 import pytest
 
 from tests.deployment import MODEL, Deployment, metric_sum
+from tests.engines import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -352,12 +354,27 @@ def test_text_input_model_is_relayed(tmp_path: Path, smollm2):
         # What only the frontend's parsing or guided decoding could honour is refused, not ignored.
         tools = [{"type": "function", "function": {"name": "f"}}]
         for body, param in (({"tools": tools}, "tool_choice"), ({"guided_regex": "a+"}, "guided_regex"),
-                            ({"nvext": {"max_thinking_tokens": 3}}, "nvext.max_thinking_tokens")):
-            r = httpx.post(f"{deployment.url}/v1/chat/completions",
+                            ({"nvext": {"max_thinking_tokens": 3}}, "nvext.max_thinking_tokens"),
+                            ({"stream": True, "nvext": {"annotations": ["token_ids"]}}, "nvext.annotations"),
+                            ({"nvext": {"greed_sampling": True}}, "nvext.greed_sampling"),
+                            ({"headers": {"x-dynamo-request-priority": "1"}}, "x-dynamo-request-priority")):
+            headers = body.pop("headers", None)
+            r = httpx.post(f"{deployment.url}/v1/chat/completions", headers=headers,
                            json={"model": MODEL, "messages": say("x"), **body})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
         reply = client.chat.completions.create(model=MODEL, messages=say("no tools"), tools=tools, tool_choice="none")
         assert reply.choices[0].message.content == "no tools"
+        # Counted and logged as every request: 3 + 3 + 2 prompt words in, as many words out (the engine's usage).
+        metrics = deployment.metrics()
+        for request_type, count in (("unary", 2), ("stream", 1)):
+            assert metric_sum(metrics, "dynamo_frontend_requests_total", model=MODEL, endpoint="chat_completions",
+                              request_type=request_type, status="success") == count
+        for name, value in (("input_sequence_tokens_sum", 8), ("output_sequence_tokens_sum", 8),
+                            ("time_to_first_token_seconds_count", 3), ("request_duration_seconds_count", 3),
+                            ("inflight_requests", 0), ("queued_requests", 0)):
+            assert metric_sum(metrics, f"dynamo_frontend_{name}", model=MODEL) == value, name
+        logged = re.compile(rf"request \w+ model={MODEL} worker=\w+ status=success prompt_tokens=[23] completion")
+        wait_until(lambda: len(logged.findall(deployment.frontend.stderr())) == 3, "three log lines")
         # The body travels to the engine as it is: an integer msgpack cannot carry is the client's mistake.
         r = httpx.post(f"{deployment.url}/v1/chat/completions",
                        json={"model": MODEL, "messages": say("x"), "vendor_extension": {"n": 2**70}})

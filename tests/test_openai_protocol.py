@@ -343,7 +343,7 @@ def test_messages_kept_as_dicts():
 
 
 def test_nvext():
-    req = oai.parse_chat_request(chat_body(temperature=0.9, nvext={
+    req = oai.parse_chat_request(chat_body(temperature=0.9, stream=True, nvext={
         "greed_sampling": True, "backend_instance_id": 17, "annotations": ["formatted_prompt", "token_ids"],
         "use_raw_prompt": True, "cache_salt": "s", "max_thinking_tokens": 64, "agent_hints": {"priority": 3},
         "extra_fields": ["worker_id"],
@@ -357,15 +357,19 @@ def test_nvext():
 
 
 def test_routing_headers():
-    req = oai.parse_chat_request(chat_body(nvext={"backend_instance_id": 1, "decode_worker_id": 5}))
-    headers = {"X-Worker-Instance-Id": "2", "x-prefill-instance-id": "3", "X-Data-Parallel-Rank": "1",
+    req = oai.parse_chat_request(chat_body(nvext={"prefill_worker_id": 1, "decode_worker_id": 5}))
+    headers = {"x-prefill-instance-id": "3", "X-Data-Parallel-Rank": "1",
                "x-dynamo-prefill-dp-rank": "0", "X-Dynamo-Request-Priority": "9", "content-type": "x"}  # fmt: skip
     assert oai.routing_hints(req, headers) == RoutingHints(
-        backend_instance_id=2, prefill_worker_id=3, decode_worker_id=5, dp_rank=1, prefill_dp_rank=0, priority=9
+        prefill_worker_id=3, decode_worker_id=5, dp_rank=1, prefill_dp_rank=0, priority=9
     )
     # the newer x-dynamo-* name wins over the legacy one
     both = {"x-worker-instance-id": "2", "x-dynamo-worker-instance-id": "4"}
-    assert oai.routing_hints(req, both).backend_instance_id == 4  # type: ignore[union-attr]
+    assert oai.routing_hints(None, both).backend_instance_id == 4  # type: ignore[union-attr]
+    # a request pinned whole has no legs to pin
+    err = error_of(lambda b: oai.routing_hints(oai.parse_chat_request(b), {"X-Worker-Instance-Id": "2"}),
+                   chat_body(nvext={"decode_worker_id": 5}))
+    assert err.status == 400 and err.param == "nvext.decode_worker_id"
     err = error_of(lambda b: oai.routing_hints(oai.parse_chat_request(b), {"x-dp-rank": "zero"}), chat_body())
     assert err.status == 400 and "x-dp-rank" in err.message
 

@@ -131,8 +131,8 @@ def parse_request(body: bytes) -> GenerateRequest:
         raise openai.fail("model", "'model' must be a non-empty string (or left out when one model is served).")
     _check_token_ids(raw.token_ids)
     if raw.priority != 0:
-        raise openai.fail("priority", f"priority {raw.priority} is not supported: tandem does not pass priorities "
-                                      "to the engines (only 0).")
+        raise openai.fail("priority", f"priority {raw.priority} in the body is not supported (only 0): send it in "
+                                      f"the {openai.PRIORITY_HEADER} header.")
     _check_cache_salt(raw.cache_salt)
     sp = raw.sampling_params
     stop = _check_sampling(sp)

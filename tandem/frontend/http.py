@@ -292,9 +292,10 @@ class FrontendServer:
         model = self._model(chat.model, ModelType.Chat, "/v1/chat/completions")
         pipeline: ModelPipeline = model.pipeline
         if pipeline.preprocessor is None:
-            _check_text_input(chat, model.name)
+            hints = openai.routing_hints(chat, request.headers)
+            _check_text_input(chat, model.name, hints, request)
             raw = openai.check_wire_fields(msgspec.json.decode(body))
-            return await self._relay_text(request, chat, raw, pipeline, "chat_completions")
+            return await self._relay_text(request, chat, raw, hints, pipeline, "chat_completions")
         reasoning_field = self.config.reasoning_field
 
         def answer(request_id: str, prepared: Prepared) -> Answer:
@@ -373,7 +374,11 @@ class FrontendServer:
         request_id = uuid.uuid4().hex
         context = Context(request_id)
         attempt = Attempt()
-        pinned = _pinned_instance(openai.routing_hints(None, request.headers), pipeline, request)
+        hints = openai.routing_hints(None, request.headers)
+        if hints is not None and hints.priority is not None:  # pooling runs no scheduler policy of the client's
+            raise openai.RequestError(f"header {openai.PRIORITY_HEADER} is not supported on /v1/embeddings",
+                                      param=openai.PRIORITY_HEADER)
+        pinned = _pinned_instance(hints, pipeline, request)
         outputs = pipeline.generate(work, context, attempt, pinned=pinned)
         metrics, started, status = self.metrics, time.perf_counter(), "error"
         prompt_tokens = sum(map(len, token_ids))
@@ -489,12 +494,9 @@ class FrontendServer:
         started = time.perf_counter()
         chat = isinstance(req, openai.ChatRequest)
         outcome = Outcome(reasoning_tokens=0 if chat and pipeline.preprocessor.parsers.reasoning else None)
-        metrics = self.metrics
         request_type = "stream" if req.stream else "unary"
         status = "error"
-        metrics.inflight.labels(model_name).inc()
-        metrics.queued.labels(model_name).inc()  # until the first token
-        metrics.isl.labels(model_name).observe(prompt_tokens)
+        self._begin(model_name)
         response: web.StreamResponse | None = None
         self._inflight[request_id] = context
         try:
@@ -508,6 +510,8 @@ class FrontendServer:
             if req.stream:
                 response = web.StreamResponse(headers=SSE_HEADERS)
                 await response.prepare(request)
+                if req.ext.annotations:
+                    await response.write(_annotation_events(req, prepared))
                 if await self._stream(response, exchange):
                     status = "success"
                 return response
@@ -517,7 +521,7 @@ class FrontendServer:
             return reply
         except (asyncio.CancelledError, ConnectionResetError) as gone:
             context.kill()  # the client went away: stop the worker now
-            metrics.cancellations.labels(model_name, endpoint, request_type).inc()
+            self.metrics.cancellations.labels(model_name, endpoint, request_type).inc()
             status = "cancelled"
             if isinstance(gone, asyncio.CancelledError):
                 raise
@@ -526,23 +530,37 @@ class FrontendServer:
         finally:
             del self._inflight[request_id]
             await outputs.aclose()
-            elapsed = time.perf_counter() - started
-            metrics.inflight.labels(model_name).dec()
-            if outcome.first_token_at is None:
-                metrics.queued.labels(model_name).dec()
-            metrics.requests.labels(model_name, endpoint, request_type, status).inc()
-            metrics.duration.labels(model_name).observe(elapsed)
-            metrics.osl.labels(model_name).observe(outcome.completion_tokens)
-            ttft = (outcome.first_token_at - started) if outcome.first_token_at else None
-            if ttft is not None:
-                metrics.ttft.labels(model_name).observe(ttft)
-            log.info(
-                "request %s%s model=%s worker=%s status=%s prompt_tokens=%d completion_tokens=%d finish=%s "
-                "migrations=%d ttft_ms=%s total_ms=%.1f",
-                request_id, _client_id(request), model_name, f"{attempt.instance_id:x}" if attempt.instance_id else "-", status,
-                prompt_tokens, outcome.completion_tokens, outcome.finish_reason, attempt.migrations,
-                f"{ttft * 1000:.1f}" if ttft is not None else "-", elapsed * 1000,
-            )
+            self._end(request, request_id, model_name, endpoint, request_type, status, started, attempt,
+                      prompt_tokens, outcome)
+
+    def _begin(self, model: str) -> None:
+        """A generation request starts: in flight, and queued until its first token (`_deltas`, or the
+        text relay, takes it off the queue)."""
+        self.metrics.inflight.labels(model).inc()
+        self.metrics.queued.labels(model).inc()
+
+    def _end(self, request: web.Request, request_id: str, model: str, endpoint: str, request_type: str,
+             status: str, started: float, attempt: Attempt, prompt_tokens: int, outcome: Outcome) -> None:
+        """A generation request (token or text input) ends: its counts, histograms and log line."""
+        metrics = self.metrics
+        elapsed = time.perf_counter() - started
+        metrics.inflight.labels(model).dec()
+        if outcome.first_token_at is None:
+            metrics.queued.labels(model).dec()
+        metrics.requests.labels(model, endpoint, request_type, status).inc()
+        metrics.isl.labels(model).observe(prompt_tokens)
+        metrics.duration.labels(model).observe(elapsed)
+        metrics.osl.labels(model).observe(outcome.completion_tokens)
+        ttft = (outcome.first_token_at - started) if outcome.first_token_at else None
+        if ttft is not None:
+            metrics.ttft.labels(model).observe(ttft)
+        log.info(
+            "request %s%s model=%s worker=%s status=%s prompt_tokens=%d completion_tokens=%d finish=%s "
+            "migrations=%d ttft_ms=%s total_ms=%.1f",
+            request_id, _client_id(request), model, f"{attempt.instance_id:x}" if attempt.instance_id else "-", status,
+            prompt_tokens, outcome.completion_tokens, outcome.finish_reason, attempt.migrations,
+            f"{ttft * 1000:.1f}" if ttft is not None else "-", elapsed * 1000,
+        )
 
     async def _stream(self, response: web.StreamResponse, exchange: Exchange) -> bool:
         """The streaming answer: the route's events as the deltas come, then its closing events. Returns
@@ -698,39 +716,49 @@ class FrontendServer:
         status = _status_of(error)
         return web.json_response(shape(openai.RequestError(_public_message(error), status=status)), status=status)
 
-    async def _relay_text(self, request: web.Request, chat: Any, raw: dict[str, Any], pipeline: ModelPipeline,
-                          endpoint: str) -> web.StreamResponse:
+    async def _relay_text(self, request: web.Request, chat: openai.ChatRequest, raw: dict[str, Any],
+                          hints: RoutingHints | None, pipeline: ModelPipeline, endpoint: str) -> web.StreamResponse:
         """Text-input models (`--use-vllm-tokenizer` workers) template and tokenize in the engine: forward
-        the OpenAI request and relay the chat chunks it streams back."""
+        the OpenAI request and relay the chat chunks it streams back; counted and logged as every request
+        (its token counts are the engine's usage)."""
+        pinned = _pinned_instance(hints, pipeline, request)
+        if hints is not None and hints.decode_worker_id is not None:
+            pinned = hints.decode_worker_id  # no prefill leg here: its decode worker serves it whole
         request_id = uuid.uuid4().hex
         context = Context(request_id)
+        attempt, outcome = Attempt(), Outcome()
         response_id, created, model_name = f"chatcmpl-{request_id}", int(time.time()), pipeline.model.name
         body = dict(raw, model=model_name)
-        hints = openai.routing_hints(chat, request.headers)
-        outputs = pipeline.generate(body, context, Attempt(), pinned=_pinned_instance(hints, pipeline, request))
+        outputs = pipeline.generate(body, context, attempt, pinned=pinned)
+        request_type = "stream" if chat.stream else "unary"
+        status = "error"
+        started = time.perf_counter()
+        self._begin(model_name)
+        response: web.StreamResponse | None = None
+        usage: dict[str, Any] = {}
         self._inflight[request_id] = context
         try:
             try:
                 first: dict[str, Any] = await anext(outputs, {})
             except Exception as e:
                 return self._failure(e, model_name, endpoint)
+            if first:  # the engine's first chunk carries its first text
+                outcome.first_token_at = time.perf_counter()
+                self.metrics.queued.labels(model_name).dec()
             chunks = [first]
             if chat.stream:
                 response = web.StreamResponse(headers=SSE_HEADERS)
                 await response.prepare(request)
-            content: list[str] = []
-            finish: str | None = None
-            usage = None
             try:
                 while chunks:
                     chunk = chunks.pop()
                     if chunk:
                         chunk.update(id=response_id, created=created, model=model_name)
                         for choice in chunk.get("choices", []):
-                            content.append((choice.get("delta") or {}).get("content") or "")
-                            finish = choice.get("finish_reason") or finish
+                            outcome.text.append((choice.get("delta") or {}).get("content") or "")
+                            outcome.finish_reason = choice.get("finish_reason") or outcome.finish_reason
                         usage = chunk.get("usage") or usage
-                        if chat.stream:
+                        if response is not None:
                             await response.write(openai.sse(chunk))
                     nxt = await anext(outputs, None)
                     if nxt is not None:
@@ -738,32 +766,52 @@ class FrontendServer:
                     else:
                         self._raise_if_cut_off(context)
             except (StreamIncompleteError, RemoteError, NoWorkerError) as e:
-                if not chat.stream:
+                if response is None:
                     return self._failure(e, model_name, endpoint)
                 await response.write(openai.sse_error(_status_of(e), _public_message(e)))
                 await response.write_eof()
                 return response
-            if chat.stream:
+            outcome.completion_tokens = usage.get("completion_tokens", 0)
+            status = "success"
+            if response is not None:
                 await response.write(openai.SSE_DONE)
                 await response.write_eof()
                 return response
             return web.json_response(openai.chat_completion(
-                response_id, created, model_name, content="".join(content), finish_reason=finish or "stop",
-                usage=usage or openai.usage(0, 0)))
+                response_id, created, model_name, content="".join(outcome.text),
+                finish_reason=outcome.finish_reason or "stop", usage=usage or openai.usage(0, 0)))
         except (asyncio.CancelledError, ConnectionResetError) as gone:
             context.kill()
+            self.metrics.cancellations.labels(model_name, endpoint, request_type).inc()
+            status = "cancelled"
             if isinstance(gone, asyncio.CancelledError):
                 raise
-            return response if chat.stream else web.Response(status=499)
+            return response or web.Response(status=499)
         finally:
             del self._inflight[request_id]
             await outputs.aclose()
+            self._end(request, request_id, model_name, endpoint, request_type, status, started, attempt,
+                      usage.get("prompt_tokens", 0), outcome)
 
 
-def _check_text_input(chat: openai.ChatRequest, model: str) -> None:
+# What a text-input worker's request (the client's body, relayed) has no place for: refused by name.
+_TEXT_UNSERVED_NVEXT = ("annotations", "use_raw_prompt", "greed_sampling")
+_TEXT_UNSERVED_HINTS = ("prefill_worker_id", "dp_rank", "prefill_dp_rank", "priority", "cache_salt")
+
+
+def _check_text_input(chat: openai.ChatRequest, model: str, hints: RoutingHints | None, request: web.Request) -> None:
     """A text-input model's engine templates the request and its output is relayed as it is: what needs the
-    frontend's parsing or the engine's guided decoding is refused rather than ignored."""
+    frontend's parsing or the engine's guided decoding, and what its worker's request cannot carry (routing
+    hints other than the worker, nvext's prompt and sampling switches), is refused rather than ignored."""
     why = f"model {model!r} takes text input (--use-vllm-tokenizer): its engine's output is relayed unparsed"
+    relayed = f"model {model!r} takes text input (--use-vllm-tokenizer): its engine gets the request as it is"
+    for name in _TEXT_UNSERVED_NVEXT:
+        if getattr(chat.ext, name):
+            raise openai.RequestError(f"{relayed}, and 'nvext.{name}' is not honoured there", param=f"nvext.{name}")
+    for name in _TEXT_UNSERVED_HINTS if hints is not None else ():
+        if getattr(hints, name) is not None:
+            param = openai.hint_param(name, request.headers)
+            raise openai.RequestError(f"{relayed}, and '{param}' is not honoured there", param=param)
     if chat.tools and chat.tool_choice != "none":
         raise openai.RequestError(f"{why}, so tool calls cannot be returned; send tool_choice 'none' or serve "
                                   "the model with token input", param="tool_choice")
@@ -798,13 +846,37 @@ def _client_id(request: web.Request) -> str:
 
 
 def _pinned_instance(hints: RoutingHints | None, pipeline: ModelPipeline, request: web.Request) -> int | None:
-    """The worker the request names (header or nvext.backend_instance_id); 404 when it serves no such model."""
-    pinned = hints.backend_instance_id if hints else None
-    if pinned is not None and pinned not in pipeline.model.instances:
-        param = next((h for h in openai.WORKER_HEADERS if h in request.headers), "nvext.backend_instance_id")
-        raise openai.RequestError(f"worker instance {pinned} does not serve model {pipeline.model.name!r}",
-                                  status=404, param=param, code="worker_not_found")
-    return pinned
+    """The worker the request names for all of it (header or nvext.backend_instance_id), once every worker it
+    names is checked: a 404 naming the header or field when one is not a worker of the model of its kind
+    (a worker that serves the model for the whole request or its decode leg, a prefill worker for the
+    prefill leg)."""
+    if hints is None:
+        return None
+    model = pipeline.model
+    for name, workers, kind in (("backend_instance_id", model.instances, "a worker serving"),
+                                ("decode_worker_id", model.instances, "a decode worker of"),
+                                ("prefill_worker_id", model.prefill_instances, "a prefill worker of")):
+        worker = getattr(hints, name)
+        if worker is not None and worker not in workers:
+            raise openai.RequestError(f"worker instance {worker} is not {kind} model {model.name!r}", status=404,
+                                      param=openai.hint_param(name, request.headers), code="worker_not_found")
+    return hints.backend_instance_id
+
+
+def _annotation_events(req: openai.AnyRequest, prepared: Prepared) -> bytes:
+    """The SSE events a streamed answer opens with for the request's `nvext.annotations`, as Dynamo writes
+    them: `event: <name>` and a comment line holding the value as a JSON string (the templated prompt; the
+    prompt's token ids as JSON text)."""
+    events = []
+    for name in req.ext.annotations:
+        if name == "token_ids":
+            value = msgspec.json.encode(prepared.prompt_ids).decode()
+        elif isinstance(req, openai.ChatRequest):
+            value = prepared.prompt_text
+        else:
+            value = req.prompt if isinstance(req.prompt, str) else ""
+        events.append(b"event: " + name.encode() + b"\n: " + msgspec.json.encode(value) + b"\n\n")
+    return b"".join(events)
 
 
 def _public_message(error: BaseException) -> str:

@@ -166,6 +166,8 @@ class Nvext(msgspec.Struct, omit_defaults=True):
 
 
 _NVEXT_KNOWN = frozenset(Nvext.__struct_fields__) - {"extra"}
+# The annotations a streamed answer honours, as Dynamo's: each is one SSE event ahead of the first chunk.
+ANNOTATIONS = ("formatted_prompt", "token_ids")
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):
@@ -389,10 +391,10 @@ def _check_common(raw: _Body) -> dict[str, Any]:
     for i, tid in enumerate(raw.stop_token_ids or ()):
         if not 0 <= tid < _U32:
             raise fail(f"stop_token_ids[{i}]", f"stop_token_ids must be token ids >= 0 (got {tid}).")
-    return {"stream": bool(raw.stream), "stop": stop, "ext": _nvext(raw.nvext), "guided": _guided(raw)}
+    return {"stream": bool(raw.stream), "stop": stop, "ext": _nvext(raw.nvext, bool(raw.stream)), "guided": _guided(raw)}
 
 
-def _nvext(raw: dict[str, Any] | None) -> Nvext:
+def _nvext(raw: dict[str, Any] | None, stream: bool) -> Nvext:
     if not raw:
         return Nvext()
     known = {k: v for k, v in raw.items() if k in _NVEXT_KNOWN}
@@ -400,8 +402,19 @@ def _nvext(raw: dict[str, Any] | None) -> Nvext:
         ext = msgspec.convert(known, Nvext)
     except msgspec.ValidationError as e:
         raise from_validation(e, "nvext") from None
+    if ext.annotations:
+        _check_annotations(ext.annotations, stream)
     ext.extra = check_wire({k: v for k, v in raw.items() if k not in _NVEXT_KNOWN}, "nvext")
     return ext
+
+
+def _check_annotations(annotations: list[str], stream: bool) -> None:
+    param = "nvext.annotations"
+    unknown = [a for a in annotations if a not in ANNOTATIONS]
+    if unknown:
+        raise fail(param, f"'{param}' may hold {' and '.join(ANNOTATIONS)} (got {unknown[0]!r}).")
+    if not stream:
+        raise fail(param, f"'{param}' are answered as events of a streamed answer: send 'stream': true.")
 
 
 def _json_schema(value: dict[str, Any] | str, param: str) -> Any:
@@ -701,6 +714,10 @@ def parse_completion_request(body: bytes) -> CompletionRequest:
         raise fail("echo", "echo is not supported.")
     if raw.suffix:
         raise fail("suffix", "suffix is not supported.")
+    annotations = derived["ext"].annotations
+    if annotations and (embeds is not None or ("formatted_prompt" in annotations and not isinstance(prompt, str))):
+        raise fail("nvext.annotations", "'nvext.annotations': a prompt of token ids has no formatted prompt, and "
+                                        "prompt embeddings have neither a formatted prompt nor token ids.")
     return CompletionRequest(**(msgspec.structs.asdict(raw) | derived | {"prompt": prompt, "prompt_embeds": embeds}))
 
 
@@ -736,31 +753,53 @@ def output_options(req: AnyRequest) -> OutputOptions:
 
 # Routing headers; the first name present wins, newer x-dynamo-* first.
 WORKER_HEADERS = ("x-dynamo-worker-instance-id", "x-worker-instance-id")
+PRIORITY_HEADER = "x-dynamo-request-priority"
 _ROUTING_HEADERS: dict[str, tuple[str, ...]] = {
     "backend_instance_id": WORKER_HEADERS,
     "prefill_worker_id": ("x-dynamo-prefill-instance-id", "x-prefill-instance-id"),
     "dp_rank": ("x-dynamo-dp-rank", "x-dp-rank", "x-data-parallel-rank"),
     "prefill_dp_rank": ("x-dynamo-prefill-dp-rank", "x-prefill-dp-rank"),
-    "priority": ("x-dynamo-request-priority",),
+    "priority": (PRIORITY_HEADER,),
 }
+_NVEXT_HINTS = ("backend_instance_id", "prefill_worker_id", "decode_worker_id", "cache_salt")
+# vLLM's priority is any integer (lower first); Dynamo carries it as an i32. The rest are ids and ranks.
+_HEADER_RANGES = {"priority": (-(2**31), 2**31)}
+_ID_RANGE = (0, 2**64)
+
+
+def hint_param(name: str, headers: Mapping[str, str]) -> str:
+    """What set routing hint `name`: the header the client sent, else its nvext field."""
+    return next((key for key in _ROUTING_HEADERS.get(name, ()) if key in headers), f"nvext.{name}")
 
 
 def routing_hints(req: AnyRequest | None, headers: Mapping[str, str] | None = None) -> RoutingHints | None:
     """Routing from nvext (a route without nvext gives no request), overridden by the routing headers;
-    None when nothing was asked for."""
-    names = ("backend_instance_id", "prefill_worker_id", "decode_worker_id", "cache_salt")
-    hints: dict[str, Any] = {name: getattr(req.ext, name) for name in names} if req is not None else {}
-    if headers:
-        lower = {k.lower(): v for k, v in headers.items()}
+    None when nothing was asked for. The whole request pinned to one worker (`backend_instance_id`) has no
+    legs of its own to pin: given with `prefill_worker_id` or `decode_worker_id`, a 400 names the other."""
+    hints: dict[str, Any] = {name: getattr(req.ext, name) for name in _NVEXT_HINTS} if req is not None else {}
+    lower = {k.lower(): v for k, v in headers.items()} if headers else {}
+    if lower:
         for name, keys in _ROUTING_HEADERS.items():
             for key in (k for k in keys if k in lower):
                 try:
-                    hints[name] = int(lower[key])
+                    value = int(lower[key])
                 except ValueError:
-                    raise fail(None, f"header {key} must be an integer (got {lower[key]!r}).") from None
+                    raise fail(key, f"header {key} must be an integer (got {lower[key]!r}).") from None
+                low, high = _HEADER_RANGES.get(name, _ID_RANGE)
+                if not low <= value < high:
+                    raise fail(key, f"header {key} must be in [{low}, {high - 1}] (got {value}).")
+                hints[name] = value
                 break
     hints = {k: v for k, v in hints.items() if v is not None}
-    return RoutingHints(**hints) if hints else None
+    if not hints:
+        return None
+    if "backend_instance_id" in hints:
+        for leg in ("prefill_worker_id", "decode_worker_id"):
+            if leg in hints:
+                param = hint_param(leg, lower)
+                raise fail(param, f"'{param}' names a worker for one leg of a request that "
+                                  f"'{hint_param('backend_instance_id', lower)}' pins whole to one worker.")
+    return RoutingHints(**hints)
 
 
 # -- responses -------------------------------------------------------------------------------------

@@ -209,7 +209,7 @@ def _sampling(model: dict[str, Any]) -> dict[str, Any]:
             "grammar": _STRING}}),
         "nvext": _nullable({"type": "object", "properties": {
             "backend_instance_id": _int(0, 2**64 - 1), "prefill_worker_id": _int(0, 2**64 - 1),
-            "decode_worker_id": _int(0, 2**64 - 1), "annotations": {"type": "array", "items": {"type": "string"}},
+            "decode_worker_id": _int(0, 2**64 - 1), "annotations": {"type": "array", "items": {"enum": ["formatted_prompt", "token_ids"]}},
             "use_raw_prompt": _BOOL, "greed_sampling": _BOOL, "cache_salt": _STRING,
             "max_thinking_tokens": _int(0)}}),
     }
@@ -576,8 +576,11 @@ def _requires(field: str, other: str, value: Any) -> dict[str, Any]:
             "then": {"required": [other], "properties": {other: {"const": value}}}}
 
 
-# stream_options only with stream; json_schema only with its schema.
+# stream_options and nvext.annotations (SSE events) only with stream; json_schema only with its schema.
 _CROSS_FIELD = [_requires("stream_options", "stream", True),
+                {"if": {"required": ["nvext"], "properties": {"nvext": {
+                    "type": "object", "required": ["annotations"], "properties": {"annotations": {"minItems": 1}}}}},
+                 "then": {"required": ["stream"], "properties": {"stream": {"const": True}}}},
                 {"if": {"required": ["response_format"], "properties": {"response_format": {
                     "type": "object", "properties": {"type": {"const": "json_schema"}}}}},
                  "then": {"properties": {"response_format": {"required": ["json_schema"], "properties": {

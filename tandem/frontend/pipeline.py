@@ -55,6 +55,13 @@ def _on_dp_rank(request: Any, dp_rank: int) -> Any:
     return msgspec.structs.replace(request, routing=routing)
 
 
+def _leg_pins(request: Any) -> tuple[int | None, int | None]:
+    """The prefill and decode workers the request names for its legs (`routing.prefill_worker_id`,
+    `routing.decode_worker_id`; the frontend checked that the model has them)."""
+    routing = request.routing if isinstance(request, PreprocessedRequest) else None
+    return (routing.prefill_worker_id, routing.decode_worker_id) if routing is not None else (None, None)
+
+
 def _has_token_prompt(request: Any) -> TypeGuard[PreprocessedRequest]:
     """A token-input request whose prompt is its token ids (not prompt embeddings): what the KV routers hash
     and prefill workers take."""
@@ -205,20 +212,25 @@ class ModelPipeline:
         """Stream engine outputs for `request`, moving to another worker when one fails.
 
         `attempt` records the serving instance, the tokens generated so far and the migrations.
-        Raises NoWorkerError, StreamIncompleteError (migration exhausted or not allowed) or
-        RemoteError (the worker reported an error).
+        `pinned`: the worker that serves the whole request (no remote prefill). Raises NoWorkerError,
+        StreamIncompleteError (migration exhausted or not allowed) or RemoteError (the worker reported an
+        error).
         """
         budget = self.migration_limit
         exclude: set[int] = set()
         preferred: int | None = None
         hashes = self._hashes(request) if pinned is None else None
+        prefill_pin, decode_pin = _leg_pins(request)
         # A prompt-embeddings request is served whole by a decode worker: the prefill hand-off (and conditional
         # disaggregation's cache check) works on token ids, which it has none of.
         if (_has_token_prompt(request) and pinned is None
                 and (self.model.prefill_instances or self.enforce_disagg)):
-            request, preferred = await self._disaggregate(request, context, hashes)
+            request, preferred = await self._disaggregate(request, context, hashes, pinned_legs=(
+                prefill_pin is not None or decode_pin is not None))
             if context.is_stopped():
                 return  # the client went away during the prefill: no decode
+        if decode_pin is not None:
+            pinned = decode_pin  # the decode leg stays on it, as a request pinned whole does
         prompt_len = len(request.token_ids) if isinstance(request, PreprocessedRequest) else 0
         while True:
             # A migrated request recomputes its prompt on the next worker (`_continuation`).
@@ -304,14 +316,15 @@ class ModelPipeline:
                     routed.free()
 
     # -- disaggregated prefill ------------------------------------------------
-    async def _disaggregate(self, request: PreprocessedRequest, context: Context,
-                            hashes: PromptHashes | None) -> tuple[PreprocessedRequest, int | None]:
+    async def _disaggregate(self, request: PreprocessedRequest, context: Context, hashes: PromptHashes | None,
+                            pinned_legs: bool = False) -> tuple[PreprocessedRequest, int | None]:
         """The request for the decode stage and, under conditional disaggregation, the decode worker that
         keeps it. It carries `prefill_result` when a prefill worker computed the prompt; otherwise it is
         the original request (the decode worker prefills locally), or NoWorkerError (503) under
-        --enforce-disagg. Counted in `dynamo_frontend_remote_prefills_total` by outcome."""
+        --enforce-disagg. `pinned_legs`: the client named the prefill or decode worker, so conditional
+        disaggregation does not choose. Counted in `dynamo_frontend_remote_prefills_total` by outcome."""
         name = self.model.name
-        if self.model.prefill_instances:
+        if self.model.prefill_instances and not pinned_legs:
             local = self._conditional_decode_worker(request, hashes)
             if local is not None:
                 self.metrics.remote_prefill(name, SKIPPED_CONDITIONAL)
@@ -352,8 +365,11 @@ class ModelPipeline:
                       hashes: PromptHashes | None = None) -> PreprocessedRequest | None:
         """Run the prompt on a prefill worker (max_tokens 1) and return the decode request carrying its
         `prefill_result` (the KV transfer parameters); None when no prefill worker is reachable or the
-        prefill failed. The leg is a child of `context`: cancelling the request cancels it."""
-        candidates = [i for i in sorted(self.model.prefill_instances) if self._is_usable(i)]
+        prefill failed. The leg is a child of `context`: cancelling the request cancels it. A request that
+        names its prefill worker (`routing.prefill_worker_id`) is prefilled there."""
+        pin = _leg_pins(request)[0]
+        candidates = [pin] if pin is not None else [i for i in sorted(self.model.prefill_instances)
+                                                    if self._is_usable(i)]
         if not candidates:
             log.warning("request %s: no reachable prefill worker for model %r", context.id(), self.model.name)
             return None

@@ -61,6 +61,7 @@ class Prepared:
     processor: OutputProcessor
     prompt_tokens: int  # the prompt's length: its token ids, or the rows of its prompt embeddings
     parser: ChatParser | None = None
+    prompt_text: str = ""  # a chat request's templated prompt (nvext's `formatted_prompt` annotation)
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -116,7 +117,7 @@ class Preprocessor:
             preprocessed.output_options.skip_special_tokens = False  # the family's markers are special tokens
         processor = OutputProcessor(self.tokenizer, prompt_ids, preprocessed.stop_conditions,
                                     preprocessed.sampling_options, preprocessed.output_options)
-        return Prepared(preprocessed, processor, prompt_len, parser)
+        return Prepared(preprocessed, processor, prompt_len, parser, prompt)
 
     async def count_prompt_tokens(self, request: openai.ChatRequest, body_size: int) -> int:
         """The tokens of the request's templated prompt (the token-counting routes)."""

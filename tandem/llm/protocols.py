@@ -117,6 +117,12 @@ class PreprocessedRequest(msgspec.Struct, omit_defaults=True):
     def max_tokens(self) -> int | None:
         return self.stop_conditions.max_tokens
 
+    @property
+    def priority(self) -> int:
+        """The engine's scheduling priority (`routing.priority`, vLLM's: lower first); 0 when none is given."""
+        routing = self.routing
+        return (routing.priority or 0) if routing is not None else 0
+
 
 class EmbeddingRequest(msgspec.Struct, omit_defaults=True):
     """What an embedding worker's `generate` gets: the token ids of each input (the frontend tokenized

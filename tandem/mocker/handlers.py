@@ -35,6 +35,9 @@ class MockerHandler:
         self.worker_id = worker_id
 
     async def generate(self, request: PreprocessedRequest, context: Context) -> AsyncIterator[LLMEngineOutput]:
+        if request.priority:  # the client's 400, never a priority silently dropped
+            raise InvalidRequestError(f"priority {request.priority} (x-dynamo-request-priority) is not supported: "
+                                      "the mocker schedules first come, first served")
         try:
             sim = self._sim_request(request, context.id())
             engine = self._engine(request)

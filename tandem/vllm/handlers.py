@@ -248,7 +248,7 @@ class BaseWorkerHandler:
             async with abort_monitor(self.engine_client, context, request_id, self.shutdown_event) as monitor:
                 async for result in monitor.stream(self.engine_client.generate(
                     prompt, sampling, request_id, lora_request=lora_request,
-                    data_parallel_rank=request.dp_rank,
+                    data_parallel_rank=request.dp_rank, priority=request.priority,
                 )):
                     if not result.outputs:
                         yield LLMEngineOutput.failed("No outputs from vLLM engine")
