@@ -1,4 +1,5 @@
-"""Router modes and load-based rejection, without processes."""
+"""Router modes and load-based rejection, without processes (through a real frontend and mocker workers:
+test_routing_modes.py)."""
 
 from __future__ import annotations
 
@@ -32,14 +33,31 @@ def test_random_uses_every_worker():
 
 def test_load_monitor_thresholds():
     monitor = LoadMonitor(LoadThresholds(decode_blocks=0.5, prefill_tokens=100))
-    monitor.apply({"worker_id": 1, "kv_used_blocks": 60, "active_prefill_tokens": 0})
-    monitor.apply({"worker_id": 2, "kv_used_blocks": 10, "active_prefill_tokens": 500})
-    monitor.apply({"worker_id": 3, "kv_used_blocks": 10, "active_prefill_tokens": 10})
+    monitor.apply({"worker_id": 1, "kv_used_blocks": 60})
+    monitor.apply({"worker_id": 2, "kv_used_blocks": 10})
+    monitor.apply({"worker_id": 3, "active_decode_blocks": 51})  # a worker that reports no kv_used_blocks
     monitor.apply({"garbage": True})
-    busy = {w for w in (1, 2, 3, 4) if monitor.is_busy(w, total_blocks=100, max_batched_tokens=None)}
-    assert busy == {1, 2}  # 4 never reported: not busy
+    sent = monitor.prefill(2, 101)
+    assert {w for w in (1, 2, 3, 4) if monitor.is_busy(w, total_blocks=100, max_batched_tokens=None)} == {1, 2, 3}
+    sent.done()
+    sent.done()  # at the first token and again at the end: counted off once
+    assert not monitor.is_busy(2, total_blocks=100, max_batched_tokens=None)
+    assert not monitor.is_busy(1, total_blocks=None, max_batched_tokens=None)  # no block count: no ratio
+    assert not LoadMonitor(LoadThresholds()).is_busy(1, 100, 100)
+
+
+def test_prompt_tokens_awaiting_their_first_token_are_summed_per_worker():
+    monitor = LoadMonitor(LoadThresholds(prefill_tokens=500))
+    under = monitor.prefill(1, 300)
+    assert not monitor.is_busy(1, None, None)  # at or under the threshold: free
+    over = monitor.prefill(1, 300)
+    assert monitor.is_busy(1, None, None) and not monitor.is_busy(2, None, None)
+    under.done()
+    assert not monitor.is_busy(1, None, None)
+    over.done()
+    assert monitor.prefill_tokens == {}
     frac = LoadMonitor(LoadThresholds(prefill_tokens_frac=0.5))
-    frac.apply({"worker_id": 1, "active_prefill_tokens": 600})
+    frac.prefill(1, 600)
     assert frac.is_busy(1, total_blocks=None, max_batched_tokens=1000)
     assert not frac.is_busy(1, total_blocks=None, max_batched_tokens=2000)
-    assert not LoadMonitor(LoadThresholds()).is_busy(1, 100, 100)
+    assert not frac.is_busy(1, total_blocks=None, max_batched_tokens=None)  # the card does not say: never busy

@@ -256,6 +256,9 @@ class ModelPipeline:
             child = Context(context.id())
             context.link_child(child)
             self.inflight[instance] = self.inflight.get(instance, 0) + 1
+            # Its prompt is the worker's prefill load until a token comes (a decode stage's was prefilled elsewhere).
+            prefill = self.load.prefill(instance, len(outgoing.token_ids)
+                                        if _has_token_prompt(outgoing) and not decode_stage else 0)
             client = self.manager.clients[self.model.instances[instance]]
             try:
                 try:
@@ -276,6 +279,7 @@ class ModelPipeline:
                             self._decode_stage_output(output, prefill_details)
                         ids = output.get("token_ids")
                         if ids:
+                            prefill.done()
                             if routed is not None:  # the KV router stops counting its prompt as load
                                 routed.tokens_arrived()
                             attempt.generated.extend(ids)
@@ -312,6 +316,7 @@ class ModelPipeline:
                                 context.id(), instance, len(attempt.generated), e)
             finally:
                 self.inflight[instance] -= 1
+                prefill.done()
                 if routed is not None:
                     routed.free()
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -84,7 +83,8 @@ def make_selector(mode: RouterMode, inflight: dict[int, int]) -> Selector:
 
 @dataclass
 class LoadThresholds:
-    """Busy when used KV blocks / total > `decode_blocks` or active prefill tokens > `prefill_tokens`."""
+    """Busy when used KV blocks / total > `decode_blocks` or prompt tokens awaiting prefill > `prefill_tokens`
+    (or > `prefill_tokens_frac` of the worker's `max_num_batched_tokens`)."""
 
     decode_blocks: float | None = None
     prefill_tokens: int | None = None
@@ -95,18 +95,36 @@ class LoadThresholds:
         return any(v is not None for v in (self.decode_blocks, self.prefill_tokens, self.prefill_tokens_frac))
 
 
-@dataclass
-class WorkerLoad:
-    kv_used_blocks: int = 0
-    active_prefill_tokens: int = 0
+class PendingPrefill:
+    """A request's prompt tokens counted against its worker until `done()` (idempotent): at its first token,
+    or at its end without one."""
+
+    __slots__ = ("_counts", "_worker", "_tokens")
+
+    def __init__(self, counts: dict[int, int], worker: int, tokens: int) -> None:
+        self._counts, self._worker, self._tokens = counts, worker, tokens
+        if tokens:
+            counts[worker] = counts.get(worker, 0) + tokens
+
+    def done(self) -> None:
+        if self._tokens:
+            left = self._counts[self._worker] - self._tokens
+            if left:
+                self._counts[self._worker] = left
+            else:
+                del self._counts[self._worker]
+            self._tokens = 0
 
 
 @dataclass
 class LoadMonitor:
-    """Latest load per worker from the `kv_metrics` events workers publish."""
+    """Whether a worker is busy: the KV blocks it uses, from the `kv_metrics` events workers publish, and the
+    prompt tokens this frontend sent it that have not had their first token yet (prefill work queued or
+    running there; no worker reports that, the frontend knows it of its own requests)."""
 
     thresholds: LoadThresholds
-    loads: dict[int, WorkerLoad] = field(default_factory=dict)
+    kv_used_blocks: dict[int, int] = field(default_factory=dict)
+    prefill_tokens: dict[int, int] = field(default_factory=dict)
 
     def apply(self, event: Any) -> None:
         """One `kv_metrics` event (an `ActiveLoad`, as the event plane delivers it); others are ignored."""
@@ -114,28 +132,21 @@ class LoadMonitor:
             active = active_load_from_builtins(event)
         except msgspec.ValidationError:
             return
-        load = self.loads.setdefault(active.worker_id, WorkerLoad())
         used = active.kv_used_blocks if active.kv_used_blocks is not None else active.active_decode_blocks
         if used is not None:
-            load.kv_used_blocks = used
-        if active.active_prefill_tokens is not None:
-            load.active_prefill_tokens = active.active_prefill_tokens
+            self.kv_used_blocks[active.worker_id] = used
+
+    def prefill(self, worker: int, tokens: int) -> PendingPrefill:
+        """Count `tokens` prompt tokens sent to `worker` until the returned handle's `done()`."""
+        return PendingPrefill(self.prefill_tokens, worker, tokens)
 
     def is_busy(self, worker: int, total_blocks: int | None, max_batched_tokens: int | None) -> bool:
-        load = self.loads.get(worker)
-        if load is None or not self.thresholds.enabled:
-            return False
         t = self.thresholds
-        if t.decode_blocks is not None and total_blocks and load.kv_used_blocks / total_blocks > t.decode_blocks:
+        used = self.kv_used_blocks.get(worker)
+        if t.decode_blocks is not None and used is not None and total_blocks and used / total_blocks > t.decode_blocks:
             return True
-        if t.prefill_tokens is not None and load.active_prefill_tokens > t.prefill_tokens:
+        pending = self.prefill_tokens.get(worker, 0)
+        if t.prefill_tokens is not None and pending > t.prefill_tokens:
             return True
-        return bool(
-            t.prefill_tokens_frac is not None
-            and max_batched_tokens
-            and load.active_prefill_tokens > t.prefill_tokens_frac * max_batched_tokens
-        )
-
-    def forget(self, workers: Collection[int]) -> None:
-        for worker in workers:
-            self.loads.pop(worker, None)
+        return bool(t.prefill_tokens_frac is not None and max_batched_tokens
+                    and pending > t.prefill_tokens_frac * max_batched_tokens)
