@@ -1,7 +1,10 @@
 """The planner's connectors to deployments it does not run itself.
 
 - Kubernetes: the official `kubernetes` client against a fake API server (aiohttp on loopback) that serves the
-  `scale` subresource of Deployments and records every PATCH. No live cluster is involved.
+  `scale` subresource of Deployments and records every PATCH. No live cluster is involved. `tandem planner
+  --environment kubernetes` also runs as a process logged in as in a pod: `KUBERNETES_SERVICE_HOST` and
+  `_PORT` name the fake server (HTTPS), and the ServiceAccount's token, CA and namespace files are where
+  Kubernetes mounts them, in a mount namespace of the planner's own (needs root).
 - Virtual: decisions and acknowledgements through the discovery store, file and etcd (a real server), between
   the planner's `VirtualConnector` and an orchestrator's `VirtualConnectorClient`.
 """
@@ -11,6 +14,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import ssl
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,6 +67,8 @@ class FakeApiServer:
     failing: set[tuple[str, str]] = field(default_factory=set)  # answered 500
     requests: list[Request] = field(default_factory=list)
     url: str = ""
+    tls: tuple[Path, Path] | None = None  # (certificate, key): serve HTTPS, as a real API server does
+    token: str | None = None  # the bearer token it accepts; any other is answered 401, as a real server does
 
     @property
     def patches(self) -> list[Request]:
@@ -72,10 +80,14 @@ class FakeApiServer:
         app.router.add_route("*", "/{tail:.*}", self.handle)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        context = None
+        if self.tls is not None:
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            context.load_cert_chain(*self.tls)
+        site = web.TCPSite(self.runner, "127.0.0.1", 0, ssl_context=context)
         await site.start()
-        port = self.runner.addresses[0][1]
-        self.url = f"http://127.0.0.1:{port}"
+        self.port = self.runner.addresses[0][1]
+        self.url = f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     async def stop(self) -> None:
         await self.runner.cleanup()
@@ -97,6 +109,9 @@ class FakeApiServer:
         self.requests.append(Request(request.method, request.path, dict(request.query),
                                      request.headers.get("Content-Type", ""), body,
                                      request.headers.get("Authorization")))
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if self.token is not None and (scheme.lower(), token) != ("bearer", self.token):
+            return self.status(401, "Unauthorized", "Unauthorized")
         parts = request.path.strip("/").split("/")
         # apis apps v1 namespaces {ns} deployments {name} scale
         if len(parts) != 8 or parts[:4] != ["apis", "apps", "v1", "namespaces"] or parts[5] != "deployments" \
@@ -124,7 +139,7 @@ class FakeApiServer:
 async def api_server():
     servers: list[FakeApiServer] = []
 
-    async def start(replicas: dict[str, int], **options: set[tuple[str, str]]) -> FakeApiServer:
+    async def start(replicas: dict[str, int], **options: object) -> FakeApiServer:
         server = FakeApiServer(dict(replicas), **options)
         await server.start()
         servers.append(server)
@@ -270,6 +285,109 @@ async def test_an_api_error_while_scaling_is_raised_for_the_loop_to_log(api_serv
     await server.stop()
     with pytest.raises(KubernetesError, match="cannot reach the Kubernetes API server"):
         await connector.replicas()
+
+
+# -- tandem planner --environment kubernetes, logged in as in a pod -----------------------------------------------
+
+ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"  # where Kubernetes mounts a pod's ServiceAccount
+TOKEN = "in-cluster-token"
+
+
+def service_account(root: Path, token: str = TOKEN, ca: bool = True) -> tuple[Path, Path, Path]:
+    """A ServiceAccount's files as Kubernetes mounts them (token, ca.crt, namespace), and the API server's
+    certificate and key (for 127.0.0.1, its own authority): (account folder, certificate, key)."""
+    from tests.test_discovery import _self_signed
+
+    account = root / "serviceaccount"
+    account.mkdir(parents=True)
+    cert, key = _self_signed(root, "apiserver")
+    (account / "token").write_text(token)
+    (account / "namespace").write_text(NAMESPACE)
+    if ca:
+        (account / "ca.crt").write_bytes(cert.read_bytes())
+    return account, cert, key
+
+
+async def in_cluster_planner(server: FakeApiServer, account: Path, *args: str) -> asyncio.subprocess.Process:
+    """`tandem planner --environment kubernetes ARGS` as in a pod: the API server named by
+    KUBERNETES_SERVICE_HOST/PORT, the ServiceAccount's files at their place in a mount namespace of its own,
+    and no kubeconfig or namespace given."""
+    if os.geteuid() != 0:
+        raise RuntimeError("the in-cluster planner runs in a mount namespace of its own: the test needs root")
+    env = {name: value for name, value in os.environ.items() if name not in (
+        "KUBECONFIG", "POD_NAMESPACE", "TANDEM_HELM_RELEASE", "TANDEM_WORKER_DEPLOYMENT")}
+    env.update(KUBERNETES_SERVICE_HOST="127.0.0.1", KUBERNETES_SERVICE_PORT=str(server.port), HOME=str(account))
+    place = f'mount -t tmpfs tmpfs /var/run && mkdir -p {ACCOUNT} && cp "$0"/* {ACCOUNT}/ && exec "$@"'
+    return await asyncio.create_subprocess_exec(
+        "unshare", "--mount", "--propagation", "private", "sh", "-c", place, str(account),
+        sys.executable, "-m", "tandem.planner", "--environment", "kubernetes", *args,
+        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+
+
+async def wait_for_line(process: asyncio.subprocess.Process, text: str, timeout: float = 120) -> list[str]:
+    """The process's output lines up to the first that contains `text` (fails if it exits first)."""
+    assert process.stdout is not None
+    lines: list[str] = []
+    async with asyncio.timeout(timeout):
+        while not lines or text not in lines[-1]:
+            line = await process.stdout.readline()
+            assert line, f"exited with {await process.wait()} before {text!r}: {''.join(lines)}"
+            lines.append(line.decode())
+    return lines
+
+
+PLANNER_ARGS = ("--helm-release", "llm", "--mode", "agg", "--frontend-url", "http://127.0.0.1:9",
+                "--control-api-port", "0", "--profile-results-dir")
+
+
+async def test_in_a_pod_the_planner_logs_in_with_its_service_account(api_server, tmp_path: Path) -> None:
+    """No kubeconfig and no namespace given: the planner reaches the API server at KUBERNETES_SERVICE_HOST over
+    HTTPS verified with the account's CA, sends the account's token, and works in the account's namespace."""
+    from tests.test_planner_run import write_profiles
+
+    write_profiles(tmp_path)
+    account, cert, key = service_account(tmp_path / "pod")
+    server = await api_server({"llm-tandem-worker": 2}, tls=(cert, key), token=TOKEN)
+    planner = await in_cluster_planner(server, account, *PLANNER_ARGS, str(tmp_path))
+    try:
+        lines = await wait_for_line(planner, "; scaling through kubernetes")  # planning, and stops on SIGTERM
+    finally:
+        planner.terminate()
+        _, errors = await planner.communicate()
+    assert planner.returncode == 0, errors.decode()
+    assert any("planner: scaling Deployments llm-tandem-worker in namespace serving (now 2 workers)" in line
+               for line in lines)
+    # Its start-up check: the scale read and a dry-run PATCH, with the account's token.
+    assert {(r.method, r.path, r.query.get("dryRun"), str(r.authorization).lower()) for r in server.requests} == {
+        ("GET", scale_path("llm-tandem-worker"), None, f"bearer {TOKEN}"),
+        ("PATCH", scale_path("llm-tandem-worker"), "All", f"bearer {TOKEN}")}
+    assert server.patches == []
+
+
+@pytest.mark.parametrize(("case", "message"), [
+    ("stale token", "the planner may not get deployments/scale of Deployment llm-tandem-worker (the worker workers) "
+                    "in namespace serving (401 Unauthorized): its ServiceAccount needs a Role with verbs get and "
+                    "patch on resource deployments/scale of API group apps"),
+    ("no deployment", "Deployment llm-tandem-worker (the worker workers) in namespace serving does not exist "
+                      '(deployments.apps "llm-tandem-worker" not found)'),
+    ("no CA", "no Kubernetes credentials from this pod's ServiceAccount"),
+])
+async def test_in_a_pod_a_refused_login_or_a_missing_deployment_exits_2_naming_it(
+        api_server, tmp_path: Path, case: str, message: str) -> None:
+    from tests.test_planner_run import write_profiles
+
+    write_profiles(tmp_path)
+    account, cert, key = service_account(tmp_path / "pod", token="stale" if case == "stale token" else TOKEN,
+                                         ca=case != "no CA")
+    server = await api_server({} if case == "no deployment" else {"llm-tandem-worker": 1}, tls=(cert, key),
+                              token=TOKEN)
+    planner = await in_cluster_planner(server, account, *PLANNER_ARGS, str(tmp_path))
+    _, errors = await asyncio.wait_for(planner.communicate(), timeout=120)
+    assert planner.returncode == 2, errors.decode()
+    assert message in errors.decode()
+    assert server.patches == []
+    if case == "stale token":  # the file's token was sent, and refused
+        assert {str(r.authorization).lower() for r in server.requests} == {"bearer stale"}
 
 
 # -- virtual ---------------------------------------------------------------------------------------------------

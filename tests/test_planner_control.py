@@ -1,8 +1,14 @@
 """The planner's control API (`/v1/min-endpoints`): read and change the endpoints and budgets of a running
 planner, with and without a key, on loopback and not; bad changes are refused whole, naming the field; a
-change takes effect at the next decision."""
+change takes effect at the next decision: of a `tandem planner` process too, which then scales a Deployment of
+a fake Kubernetes API server."""
 
 from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -10,6 +16,11 @@ import pytest
 from tandem.planner.config import PlannerConfig, PlannerMode
 from tandem.planner.control import PATH, ControlServer, ControlSettings
 from tandem.planner.limits import Replicas, within_limits
+from tests.conftest import free_port
+from tests.deployment import Deployment
+from tests.load import Load
+from tests.test_planner_connectors import api_server, scale_path, wait_for_line, write_kubeconfig  # noqa: F401
+from tests.test_planner_run import write_profiles
 
 
 async def serving(config: PlannerConfig, **settings: object) -> tuple[ControlServer, str]:
@@ -108,3 +119,39 @@ async def test_a_non_loopback_bind_without_a_key_refuses_every_request_unless_op
         assert config.min_endpoint == 2
     finally:
         await server.close()
+
+
+async def test_a_change_reaches_the_next_decision_of_a_running_planner(api_server, tmp_path: Path, smollm2) -> None:  # noqa: F811
+    """`tandem planner --environment kubernetes` beside a frontend of two processes under a light load: it decides
+    every second that one worker is enough and leaves the worker Deployment at 1. Raising `min_endpoint` over
+    its control API makes its next decision scale the Deployment to 3, as the API server sees it."""
+    profiles = tmp_path / "profiles"
+    write_profiles(profiles)
+    server = await api_server({"llm-tandem-worker": 1})
+    deployment = Deployment(tmp_path, smollm2, frontend_args=["--num-processes", "2"])
+    port = free_port()
+    planner = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tandem.planner", "--environment", "kubernetes", "--helm-release", "llm",
+        "--kubeconfig", str(write_kubeconfig(tmp_path / "kubeconfig", server)), "--mode", "agg",
+        "--profile-results-dir", str(profiles), "--adjustment-interval", "1", "--load-predictor", "constant",
+        "--no-correction", "--control-api-port", str(port), "--discovery-backend", "file",
+        env={**os.environ, **deployment.env}, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    light = Load(deployment.url, clients=1, pause=0.2, words=20)
+    try:
+        await wait_for_line(planner, "decode 1 -> 1 (unchanged)")  # deciding on the traffic: one worker
+        assert server.patches == []
+        async with httpx.AsyncClient() as http:
+            changed = await http.patch(f"http://127.0.0.1:{port}{PATH}", json={"min_endpoint": 3})
+        assert changed.status_code == 200 and changed.json()["min_endpoint"] == 3
+        await wait_for_line(planner, "decode 1 -> 3 (scaled)")
+        async with asyncio.timeout(30):  # the scaling runs beside the loop
+            while not server.patches:
+                await asyncio.sleep(0.05)
+        assert [(r.path, r.body) for r in server.patches] == [(scale_path("llm-tandem-worker"),
+                                                                {"spec": {"replicas": 3}})]
+    finally:
+        light.stop()
+        planner.terminate()
+        await planner.wait()
+        deployment.stop()
+    assert light.failures == []
