@@ -4,6 +4,8 @@ disaggregation. The pipeline's details in one process: tests/test_disagg_fronten
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +17,7 @@ import pytest
 
 from tests.conftest import TandemProcess, free_port, free_port_range
 from tests.deployment import MODEL, Deployment, kv_events_emitted, metric_sum, wait_for_kv_events
+from tests.engines import wait_until
 
 BLOCK = 16
 MOCKER = ["--block-size", str(BLOCK), "--speedup-ratio", "100"]
@@ -154,20 +157,29 @@ def test_prefill_worker_killed_falls_back_or_fails_with_503(one_by_one: Callable
 def test_client_cancelling_during_prefill_leaves_nothing_running(one_by_one: Callable) -> None:
     """The client gives up while a slow prefill runs: the prefill worker stops the request at once and
     the decode worker never gets it."""
-    # Half a percent of real time: this prompt's prefill takes about 4 s.
-    deployment, prefill_url, decode_url = one_by_one(prefill_args=["--speedup-ratio", "0.005"])
-    impatient = deployment.client(timeout=0.5)
-    with pytest.raises(openai.APITimeoutError):
-        impatient.completions.create(model=MODEL, prompt=_prefixed(1, words=30), max_tokens=4)
-    gone = time.monotonic()
-    while _worker_metric(prefill_url, "dynamo_component_inflight_requests") and time.monotonic() - gone < 10:
-        time.sleep(0.05)
-    assert _worker_metric(prefill_url, "dynamo_component_inflight_requests") == 0
+    # A thousandth of real time: this prompt's prefill would take about 20 s; the client leaves once the
+    # prefill worker has it.
+    deployment, prefill_url, decode_url = one_by_one(prefill_args=["--speedup-ratio", "0.001"])
+
+    async def leave_during_the_prefill() -> None:
+        async with httpx.AsyncClient(timeout=60) as http:
+            request = asyncio.ensure_future(http.post(f"{deployment.url}/v1/completions", json={
+                "model": MODEL, "prompt": _prefixed(1, words=30), "max_tokens": 4}))
+            await asyncio.to_thread(wait_until, lambda: _worker_metric(
+                prefill_url, "dynamo_component_inflight_requests") == 1, "the prefill worker has the request", 30)
+            request.cancel()  # closes the connection
+            with contextlib.suppress(asyncio.CancelledError):
+                await request
+
+    asyncio.run(leave_during_the_prefill())
+    wait_until(lambda: _worker_metric(prefill_url, "dynamo_component_inflight_requests") == 0,
+               "the prefill worker stopped the request", 10)
     assert _worker_metric(prefill_url, "dynamo_component_cancellation_total") == 1  # stopped, not finished
+    # The frontend counts the outcome as its handler ends: a decode would have been sent by then.
+    wait_until(lambda: metric_sum(deployment.metrics(), "dynamo_frontend_inflight_requests") == 0,
+               "the frontend finished the request", 10)
+    assert metric_sum(deployment.metrics(), "dynamo_frontend_remote_prefills_total", outcome="cancelled") == 1
     assert _worker_metric(decode_url, "dynamo_component_requests_total") == 0
-    metrics = deployment.metrics()
-    assert metric_sum(metrics, "dynamo_frontend_remote_prefills_total", outcome="cancelled") == 1
-    assert metric_sum(metrics, "dynamo_frontend_inflight_requests") == 0
 
 
 @pytest.mark.parametrize("routing", ["events-only", "with-predicted"])
