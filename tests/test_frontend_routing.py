@@ -61,3 +61,17 @@ def test_prompt_tokens_awaiting_their_first_token_are_summed_per_worker():
     assert frac.is_busy(1, total_blocks=None, max_batched_tokens=1000)
     assert not frac.is_busy(1, total_blocks=None, max_batched_tokens=2000)
     assert not frac.is_busy(1, total_blocks=None, max_batched_tokens=None)  # the card does not say: never busy
+
+
+def test_a_data_parallel_worker_is_busy_only_when_every_rank_is():
+    monitor = LoadMonitor(LoadThresholds(decode_blocks=0.5))
+    monitor.apply({"worker_id": 1, "dp_rank": 0, "kv_used_blocks": 90})
+    monitor.apply({"worker_id": 1, "dp_rank": 1, "kv_used_blocks": 10})
+    assert not monitor.is_busy(1, total_blocks=100, max_batched_tokens=None, dp_size=2)  # rank 1 has room
+    monitor.apply({"worker_id": 1, "dp_rank": 1, "kv_used_blocks": 60})
+    monitor.apply({"worker_id": 1, "dp_rank": 0, "kv_used_blocks": 20})  # the latest report is not the worker
+    assert not monitor.is_busy(1, total_blocks=100, max_batched_tokens=None, dp_size=2)
+    monitor.apply({"worker_id": 1, "dp_rank": 0, "kv_used_blocks": 70})
+    assert monitor.is_busy(1, total_blocks=100, max_batched_tokens=None, dp_size=2)
+    monitor.apply({"worker_id": 2, "dp_rank": 0, "kv_used_blocks": 90})  # its rank 1 has not reported: free
+    assert not monitor.is_busy(2, total_blocks=100, max_batched_tokens=None, dp_size=2)

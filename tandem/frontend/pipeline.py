@@ -144,7 +144,8 @@ class ModelPipeline:
             raise NoWorkerError(f"no workers are serving model {self.model.name!r}")
         if self.load.thresholds.enabled:
             config = self.model.card.runtime_config
-            free = [i for i in live if not self.load.is_busy(i, config.total_kv_blocks, config.max_num_batched_tokens)]
+            free = [i for i in live if not self.load.is_busy(i, config.total_kv_blocks, config.max_num_batched_tokens,
+                                                             self.model.dp_sizes.get(i, 1))]
             if not free:
                 raise NoWorkerError("Service temporarily unavailable: All workers are busy, please retry later",
                                     busy=True)

@@ -118,12 +118,13 @@ class PendingPrefill:
 
 @dataclass
 class LoadMonitor:
-    """Whether a worker is busy: the KV blocks it uses, from the `kv_metrics` events workers publish, and the
-    prompt tokens this frontend sent it that have not had their first token yet (prefill work queued or
-    running there; no worker reports that, the frontend knows it of its own requests)."""
+    """Whether a worker is busy: the KV blocks each of its data-parallel ranks uses, from the `kv_metrics`
+    events workers publish, and the prompt tokens this frontend sent it that have not had their first token
+    yet (prefill work queued or running there; no worker reports that, the frontend knows it of its own
+    requests)."""
 
     thresholds: LoadThresholds
-    kv_used_blocks: dict[int, int] = field(default_factory=dict)
+    kv_used_blocks: dict[tuple[int, int], int] = field(default_factory=dict)  # (worker, dp rank) -> blocks
     prefill_tokens: dict[int, int] = field(default_factory=dict)
 
     def apply(self, event: Any) -> None:
@@ -134,16 +135,19 @@ class LoadMonitor:
             return
         used = active.kv_used_blocks if active.kv_used_blocks is not None else active.active_decode_blocks
         if used is not None:
-            self.kv_used_blocks[active.worker_id] = used
+            self.kv_used_blocks[(active.worker_id, active.dp_rank)] = used
 
     def prefill(self, worker: int, tokens: int) -> PendingPrefill:
         """Count `tokens` prompt tokens sent to `worker` until the returned handle's `done()`."""
         return PendingPrefill(self.prefill_tokens, worker, tokens)
 
-    def is_busy(self, worker: int, total_blocks: int | None, max_batched_tokens: int | None) -> bool:
+    def is_busy(self, worker: int, total_blocks: int | None, max_batched_tokens: int | None,
+                dp_size: int = 1) -> bool:
+        """`total_blocks`: a rank's KV blocks. Over the blocks threshold only when each of the worker's
+        `dp_size` ranks is (one that has not reported counts as free)."""
         t = self.thresholds
-        used = self.kv_used_blocks.get(worker)
-        if t.decode_blocks is not None and used is not None and total_blocks and used / total_blocks > t.decode_blocks:
+        if t.decode_blocks is not None and total_blocks and all(
+                self.kv_used_blocks.get((worker, rank), 0) / total_blocks > t.decode_blocks for rank in range(dp_size)):
             return True
         pending = self.prefill_tokens.get(worker, 0)
         if t.prefill_tokens is not None and pending > t.prefill_tokens:
