@@ -1,7 +1,8 @@
 """Anthropic's Messages API (`/v1/messages`, `/v1/messages/count_tokens`) with the official `anthropic`
 client against a real frontend and test engines: `plain` (no parsers) and `hermes` (Hermes tool calls and
 Qwen3 thinking, the test template that renders tools and tool results). The frontend asks for an API key,
-as Claude Code's deployments do, and takes bodies of at most 1 MB."""
+as Claude Code's deployments do, and takes bodies of at most 1 MB. Every answer the client gets (messages,
+streamed events, token counts, errors) is validated against the SDK's own models (tests/shapes.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ from typing import Any
 
 import anthropic
 import httpx
+import httpx2
 import pytest
 
 from tests.deployment import Deployment
+from tests.shapes import checked_http_client
 from tests.test_frontend_tools import TEMPLATES
 
 KEY = "sesame"
@@ -40,7 +43,9 @@ def deployment(tmp_path_factory, smollm2):
 
 @pytest.fixture(scope="module")
 def client(deployment):
-    return anthropic.Anthropic(base_url=deployment.url, api_key=KEY, max_retries=0)
+    """The official client; every answer it gets is checked against the SDK's models (tests/shapes.py)."""
+    return anthropic.Anthropic(base_url=deployment.url, api_key=KEY, max_retries=0,
+                               http_client=checked_http_client(httpx2))
 
 
 def say(text: str) -> list[dict[str, Any]]:

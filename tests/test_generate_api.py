@@ -1,5 +1,6 @@
 """vLLM's token-in/token-out route, `POST /inference/v1/generate`, on tandem's frontend with the test engine:
-vLLM 0.32's request, response, stream chunk and error shapes, the sampling params reaching the engine, the
+vLLM 0.32's response, stream chunk and error shapes (every body and chunk validated by vLLM's own models), the
+sampling params reaching the engine, the
 same tokens as /v1/completions for the same ids, --api-key on /inference, and every field of vLLM's request
 that tandem does not honour refused with a 400 naming it.
 
@@ -13,9 +14,12 @@ from typing import Any
 
 import httpx
 import pytest
+from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateResponse, GenerateStreamResponse
+from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
 from tandem.testing.engine import DEFAULT_TEXT
 from tests.deployment import MODEL, Deployment
+from tests.shapes import conforms, sse_events
 
 KEY = "sesame"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -35,19 +39,23 @@ def post(deployment: Deployment, body: dict[str, Any], headers: dict[str, str] |
 
 
 def generate(deployment: Deployment, ids: list[int], **fields: Any) -> dict[str, Any]:
-    """A unary answer (sampling_params default to none)."""
+    """A unary answer (sampling_params default to none), valid as vLLM's GenerateResponse."""
     r = post(deployment, {"token_ids": ids, "sampling_params": {}} | fields)
     assert r.status_code == 200, r.text
+    conforms(GenerateResponse, r.text)
     return r.json()
 
 
 def stream(deployment: Deployment, ids: list[int], **fields: Any) -> list[Any]:
-    """The stream's events: the JSON chunks, then "[DONE]"."""
+    """The stream's events: the JSON chunks (each valid as vLLM's GenerateStreamResponse, or its ErrorResponse),
+    then "[DONE]"."""
     r = post(deployment, {"token_ids": ids, "sampling_params": {}, "stream": True} | fields)
     assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/event-stream"), r.text
-    lines = [line[len("data: "):] for line in r.text.split("\n\n") if line]
-    assert all(not line.startswith("data: ") for line in lines)
-    return [line if line == "[DONE]" else json.loads(line) for line in lines]
+    events = sse_events(r.text)
+    assert all(name is None for name, _ in events) and events[-1][1] == "[DONE]"
+    for _, data in events[:-1]:
+        conforms(ErrorResponse if "error" in json.loads(data) else GenerateStreamResponse, data)
+    return [json.loads(data) for _, data in events[:-1]] + ["[DONE]"]
 
 
 @pytest.fixture(scope="module")
@@ -64,15 +72,14 @@ def say(tok):
 def test_unary_answer_in_vllms_shape(deployment, say):
     prompt, answer = say("Hello world")
     body = generate(deployment, prompt, request_id="req-1", model=MODEL)
-    assert set(body) == {"request_id", "model", "created", "output_mode", "choices", "usage"}
     assert body["request_id"] == "req-1" and body["model"] == MODEL and body["output_mode"] == "tokens"
-    assert isinstance(body["created"], int)
-    assert body["choices"] == [{"index": 0, "finish_reason": "stop", "stop_reason": None, "token_ids": answer,
-                                "logprobs": None}]
+    assert body["created"] > 0 and "prompt_token_ids" not in body  # (asked for with return_token_ids)
+    [choice] = body["choices"]
+    assert (choice["index"], choice["finish_reason"], choice["stop_reason"], choice["token_ids"],
+            choice["logprobs"]) == (0, "stop", None, answer, None)  # fmt: skip
     usage = body["usage"]
     assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(prompt), len(answer))
     assert usage["total_tokens"] == len(prompt) + len(answer)
-    assert set(usage) <= {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"}
 
 
 def test_model_may_be_left_out_and_the_request_id_is_made_up(deployment, say):
@@ -91,9 +98,10 @@ def test_streamed_chunks_in_vllms_shape(deployment, say):
     assert len(chunks) == len(answer)  # one token per engine output here, the last with the finish reason
     for i, (chunk, token) in enumerate(zip(chunks, answer, strict=True)):
         last = i == len(answer) - 1
-        assert chunk == {"request_id": "stream-1", "usage": None, "output_mode": "tokens", "choices": [
-            {"index": 0, "finish_reason": "stop" if last else None, "stop_reason": None, "token_ids": [token],
-             "logprobs": None}]}
+        assert (chunk["request_id"], chunk["usage"], chunk["output_mode"]) == ("stream-1", None, "tokens")
+        [choice] = chunk["choices"]
+        assert (choice["index"], choice["finish_reason"], choice["stop_reason"], choice["token_ids"],
+                choice["logprobs"]) == (0, "stop" if last else None, None, [token], None)  # fmt: skip
 
 
 def test_usage_chunk_and_continuous_usage(deployment, say):
@@ -101,7 +109,7 @@ def test_usage_chunk_and_continuous_usage(deployment, say):
     events = stream(deployment, prompt, stream_options={"include_usage": True})
     *chunks, usage_chunk, done = events
     assert done == "[DONE]" and all(c["usage"] is None for c in chunks)
-    assert set(usage_chunk) == {"request_id", "usage", "output_mode", "choices"} and usage_chunk["choices"] == []
+    assert usage_chunk["choices"] == [] and "prompt_token_ids" not in usage_chunk
     assert usage_chunk["request_id"] == chunks[0]["request_id"]
     usage = usage_chunk["usage"]
     assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == \
@@ -228,7 +236,7 @@ def test_mid_stream_failure(deployment, tok):
     prompt = tok.encode("[[fail]]")
     *chunks, error, done = stream(deployment, prompt)
     assert done == "[DONE]" and chunks and all(c["choices"][0]["token_ids"] for c in chunks)
-    assert set(error) == {"error"} and error["error"]["code"] == 500
+    assert error["error"]["code"] == 500
     assert error["error"]["type"] == "InternalServerError" and error["error"]["param"] is None
     r = post(deployment, {"token_ids": prompt, "sampling_params": {}})
     assert r.status_code == 500 and r.json()["error"] == error["error"]
@@ -240,8 +248,9 @@ def test_api_key_guards_the_route(deployment, say):
     for headers in ({}, {"Authorization": "Bearer nope"}):
         r = post(deployment, body, headers)
         assert r.status_code == 401
-        assert r.json() == {"error": {"message": "Incorrect or missing API key", "type": "Unauthorized",
-                                      "param": None, "code": 401}}
+        error = conforms(ErrorResponse, r.text).error
+        assert (error.message, error.type, error.param, error.code) == \
+            ("Incorrect or missing API key", "Unauthorized", None, 401)
     assert post(deployment, body, {"x-api-key": KEY}).status_code == 200
     # /tokenize stays open, as vLLM's
     assert httpx.post(f"{deployment.url}/tokenize", json={"prompt": "x"}).status_code == 200
@@ -250,9 +259,9 @@ def test_api_key_guards_the_route(deployment, say):
 def _refused(deployment: Deployment, body: dict[str, Any], status: int = 400) -> dict[str, Any]:
     r = post(deployment, body)
     assert r.status_code == status, r.text
-    error = r.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status and error["message"]
-    return error
+    error = conforms(ErrorResponse, r.text).error
+    assert error.code == status and error.message
+    return r.json()["error"]
 
 
 IDS = [1, 2, 3]

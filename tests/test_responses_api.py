@@ -2,7 +2,8 @@
 streamed answers (event order, sequence numbers, the SDK's typed events and its stream helper), reasoning
 and function tools on a Hermes-style engine, tool round trips with `previous_response_id` and without,
 the response store (chaining, retrieval, deletion, eviction, ids of another process), structured output
-as guided decoding, and OpenAI-shaped 400s naming the field.
+as guided decoding, and OpenAI-shaped 400s naming the field. Every answer the client gets, every streamed event
+and error body, is validated against the SDK's own models (tests/shapes.py).
 
 The test engine writes what the prompt scripts: `[[say:TEXT]]`, `[[prompt]]` (its templated prompt),
 `[[echo]]` (the request options it received), `[[fail]]` (an error mid-stream)."""
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-import typing
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from openai.types import responses as R
 from tandem.testing.engine import DEFAULT_TEXT
 from tests.conftest import TandemProcess
 from tests.deployment import Deployment
+from tests.shapes import RESPONSE_EVENTS, checked_http_client, conforms, sse_events
 
 TEMPLATES = Path(__file__).parent / "templates"
 HERMES_FLAGS = ["--dyn-tool-call-parser", "hermes", "--dyn-reasoning-parser", "qwen3",
@@ -40,12 +41,6 @@ CALL_PARIS = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"
 CALL_CAFE = '<tool_call>\n{"name": "search", "arguments": {"query": "cafe"}}\n</tool_call>'
 # What the hermes engine writes: thinking, text, two calls.
 HERMES = f"<think>The user wants weather.</think>\n\nChecking.\n{CALL_PARIS}\n{CALL_CAFE}"
-
-# The SDK's class for each event type, from its own union of stream events.
-_UNION = R.ResponseStreamEvent
-_MEMBERS = typing.get_args(typing.get_args(_UNION)[0]) if typing.get_origin(_UNION) is typing.Annotated \
-    else typing.get_args(_UNION)
-EVENT_CLASSES: dict[str, type] = {typing.get_args(m.model_fields["type"].annotation)[0]: m for m in _MEMBERS}
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +66,8 @@ def small(deployment):
 
 @pytest.fixture
 def client(deployment) -> openai.OpenAI:
-    return deployment.client(timeout=60)
+    """The official client; every answer it gets is checked against the SDK's models (tests/shapes.py)."""
+    return deployment.client(timeout=60, http_client=checked_http_client())
 
 
 def say(text: str) -> str:
@@ -102,16 +98,10 @@ def compress(types: list[str]) -> list[str]:
 
 
 def check_typed(events: list[Any]) -> None:
-    """Every event is the SDK's class for its type, validates as that class, and numbers 0, 1, 2, ...
-    (`usage` aside: `test_usage_matches_the_sdk_schema` checks it)."""
+    """Every event reached the test as the SDK's class for its type (the client's transport validated each
+    event's wire form against that class, and the numbering 0, 1, 2, ...)."""
     for event in events:
-        cls = EVENT_CLASSES[event.type]
-        assert isinstance(event, cls), (event.type, type(event))
-        wire = event.to_dict()
-        if isinstance(wire.get("response"), dict):
-            wire["response"].pop("usage", None)
-        cls.model_validate(wire)  # the fields the SDK needs are all there, in its types
-    assert [e.sequence_number for e in events] == list(range(len(events)))
+        assert isinstance(event, RESPONSE_EVENTS[event.type]), (event.type, type(event))
 
 
 def serves(client: openai.OpenAI) -> None:
@@ -137,12 +127,15 @@ def test_unary_string_input(client, tok):
     assert r.usage.output_tokens_details.reasoning_tokens == 0
 
 
-def test_usage_matches_the_sdk_schema(client):
-    """The usage object as the SDK declares it (every required field, unary and streamed)."""
-    unary = client.responses.create(model="plain", input=say("Hello there"))
-    events = list(client.responses.create(model="plain", input=say("Hello there"), stream=True))
-    for usage in (unary.usage, events[-1].response.usage):
-        R.ResponseUsage.model_validate(usage.to_dict())
+def test_usage_matches_the_sdk_schema(deployment):
+    """The usage object as the SDK declares it (every required field, no other), unary and streamed."""
+    body = {"model": "plain", "input": say("Hello there")}
+    unary = httpx.post(f"{deployment.url}/v1/responses", json=body, timeout=60)
+    conforms(R.ResponseUsage, json.dumps(unary.json()["usage"]))
+    streamed = httpx.post(f"{deployment.url}/v1/responses", json=body | {"stream": True}, timeout=60)
+    name, done = sse_events(streamed.text)[-1]
+    assert name == "response.completed"
+    conforms(R.ResponseUsage, json.dumps(json.loads(done)["response"]["usage"]))
 
 
 def test_unary_message_list_with_instructions(client):

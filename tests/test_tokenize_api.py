@@ -1,5 +1,6 @@
-"""vLLM's /tokenize and /detokenize on tandem's frontend: the ids are the ones the model's workers get for
-the same prompt (the chat form through the model's chat template), and bad bodies are 4xx naming the field."""
+"""vLLM's /tokenize and /detokenize on tandem's frontend: answers valid as vLLM's own TokenizeResponse and
+DetokenizeResponse, the ids the model's workers get for the same prompt (the chat form through the model's
+chat template), and bad bodies 4xx naming the field in OpenAI's error shape."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from pathlib import Path
 import httpx
 import pytest
 import tokenizers
+from vllm.entrypoints.serve.tokenize.protocol import DetokenizeResponse, TokenizeResponse
 
 from tests.deployment import MODEL, Deployment
+from tests.shapes import OpenAIError, conforms
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count: one, two, three."}]
 
@@ -25,25 +28,37 @@ def post(deployment: Deployment, path: str, body: object) -> httpx.Response:
     return httpx.post(f"{deployment.url}{path}", json=body, timeout=30)
 
 
+def tokenized(deployment: Deployment, body: object) -> TokenizeResponse:
+    r = post(deployment, "/tokenize", body)
+    assert r.status_code == 200, r.text
+    return conforms(TokenizeResponse, r.text)
+
+
+def detokenized(deployment: Deployment, body: object) -> DetokenizeResponse:
+    r = post(deployment, "/detokenize", body)
+    assert r.status_code == 200, r.text
+    return conforms(DetokenizeResponse, r.text)
+
+
 def test_chat_form_counts_what_the_worker_gets(deployment, tok):
-    tokenized = post(deployment, "/tokenize", {"model": MODEL, "messages": MESSAGES}).json()
+    chat = tokenized(deployment, {"model": MODEL, "messages": MESSAGES})
     reply = deployment.client().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1)
-    assert tokenized["count"] == len(tokenized["tokens"]) == reply.usage.prompt_tokens
-    assert tokenized["max_model_len"] == 8192 and tokenized["token_strs"] is None
-    text = tok.decode(tokenized["tokens"])
+    assert chat.count == len(chat.tokens) == reply.usage.prompt_tokens
+    assert chat.max_model_len == 8192 and chat.token_strs is None
+    text = tok.decode(chat.tokens)
     assert text.endswith("<|im_start|>assistant\n") and "Count: one, two, three." in text
     # Without the generation prompt, and with the template's own variables.
-    closed = post(deployment, "/tokenize", {"messages": MESSAGES, "add_generation_prompt": False}).json()
-    assert closed["tokens"] == tokenized["tokens"][:closed["count"]] and closed["count"] < tokenized["count"]
+    closed = tokenized(deployment, {"messages": MESSAGES, "add_generation_prompt": False})
+    assert closed.tokens == chat.tokens[:closed.count] and closed.count < chat.count
 
 
 def test_prompt_form_and_the_round_trip(deployment, smollm2):
     hf = tokenizers.Tokenizer.from_file(str(Path(smollm2) / "tokenizer.json"))  # the model's own tokenizer
     text = "Hello, wörld! 🙂"
-    tokenized = post(deployment, "/tokenize", {"prompt": text, "return_token_strs": True}).json()  # model optional
-    assert tokenized["tokens"] == hf.encode(text, add_special_tokens=True).ids
-    assert tokenized["token_strs"] == [hf.id_to_token(i) for i in tokenized["tokens"]]
-    assert post(deployment, "/detokenize", {"model": MODEL, "tokens": tokenized["tokens"]}).json() == {"prompt": text}
+    ids = tokenized(deployment, {"prompt": text, "return_token_strs": True})  # model optional
+    assert ids.tokens == hf.encode(text, add_special_tokens=True).ids
+    assert ids.token_strs == [hf.id_to_token(i) for i in ids.tokens]
+    assert detokenized(deployment, {"model": MODEL, "tokens": ids.tokens}).prompt == text
 
 
 @pytest.mark.parametrize(("path", "body", "status", "param"), [
@@ -63,8 +78,8 @@ def test_prompt_form_and_the_round_trip(deployment, smollm2):
 ])
 def test_bad_bodies_name_the_field(deployment, path, body, status, param):
     r = post(deployment, path, body)
-    assert r.status_code == status and r.json()["error"]["param"] == param, r.text
-    assert post(deployment, "/tokenize", {"prompt": "still serving"}).status_code == 200
+    assert r.status_code == status and conforms(OpenAIError, r.text).error.param == param, r.text
+    assert tokenized(deployment, {"prompt": "still serving"}).count > 0
 
 
 def test_model_is_required_when_several_are_served(tmp_path, smollm2):
