@@ -280,6 +280,7 @@ def test_prefill_token_thresholds(cluster: Cluster, held: Callable[..., Held], n
                    timeout=30)
 
     blockers = {w.instance: [held(frontend, "block", worker=w) for _ in range(SEQS)] for w in (a, b, c)}
+    wait_until(lambda: frontend.metric("dynamo_frontend_inflight_requests") == 3 * SEQS, "the blockers are in flight")
     waiting(0)  # each worker runs its blockers' decodes: whatever comes next waits for them
     for worker, pending in ((a, 1), (b, 2), (c, 2)):
         for _ in range(pending):
