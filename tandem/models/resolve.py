@@ -15,17 +15,32 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~")) or name in (".", "..")
 
 
-def _from_hub_cache(repo_id: str) -> str | None:
-    """The snapshot folder of `repo_id` in the local HF cache, without touching the network."""
+def _from_hub_cache(repo_id: str, revision: str | None = None, *, cache_dir: str | None = None,
+                    partial: bool = False) -> str | None:
+    """The snapshot folder of `repo_id` at `revision` in the local HF cache (`cache_dir`, else the default),
+    without touching the network. A snapshot known to lack some of the repo's files counts only if `partial`."""
     try:
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
     except ImportError:
         return None
     try:
-        return snapshot_download(repo_id, local_files_only=True)
+        # Ignoring every file skips huggingface_hub's completeness check, as vLLM's own offline lookup does.
+        return snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=True,
+                                 ignore_patterns="*" if partial else None)
     except (LocalEntryNotFoundError, HFValidationError):
         return None
+
+
+def loaded_model_folder(model: str, revision: str | None = None, cache_dir: str | None = None) -> str:
+    """Where the files of a model an engine has loaded are on this machine: `model` itself when it is a
+    folder; for a hub id, its snapshot at `revision` in the HF cache (`cache_dir`, else the default),
+    which the engine filled if it downloaded the model. Partial snapshots count: an engine fetches its
+    weights, config and tokenizer, not every file of the repo. The hub id unchanged when no snapshot is
+    there (the engine loaded it from elsewhere)."""
+    if os.path.isdir(model):
+        return model
+    return _from_hub_cache(model, revision, cache_dir=cache_dir, partial=True) or model
 
 
 def resolve_model(name: str, *, prepare: bool = True, cache_dir: str | os.PathLike[str] | None = None) -> str:

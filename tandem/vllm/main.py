@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from tandem.llm.model_card import ModelInput, ModelRuntimeConfig, ModelType
+from tandem.models.resolve import loaded_model_folder
 from tandem.router.protocols import KV_METRICS_TOPIC
 from tandem.runtime import DistributedRuntime, configure_logging, run
 from tandem.vllm.args import Config, dump_config, parse_args
@@ -160,8 +161,12 @@ async def _serve(config: Config, runtime: DistributedRuntime, shutdown_event: as
                 await component.endpoint(name).start_serving(fn, metrics_labels={"model": config.served_model_name})
             install_lora_routes(runtime, lora)
 
+        # The card describes the files the engine loaded: for a hub id, the HF cache's snapshot (downloaded now if
+        # it was not cached at startup) at the revision vLLM used, in vLLM's download dir if one was given.
+        model_folder = loaded_model_folder(model_config.model, model_config.revision,
+                                           vllm_config.load_config.download_dir)
         spec = WorkerSpec(
-            config.model_path, config.served_model_name, config.disaggregation_mode, block_size,
+            model_folder, config.served_model_name, config.disaggregation_mode, block_size,
             config.migration_limit,
             model_type=ModelType.Embedding if embedding else ModelType.parse(config.endpoint_types),
             model_input=ModelInput.Text if config.use_vllm_tokenizer else ModelInput.Tokens,
