@@ -15,6 +15,7 @@ import httpx
 
 from tests.conftest import free_port
 from tests.deployment import MODEL, Deployment, metric_sum
+from tests.engines import wait_until
 
 MOCKER = ["--speedup-ratio", "1", "--block-size", "16"]  # streams of 100 tokens last about a second
 
@@ -45,28 +46,33 @@ def test_a_worker_killed_under_load_fails_no_request(tmp_path, smollm2):
         results: list[tuple[int, int, str | None, str]] = []
         lock = threading.Lock()
         stop = threading.Event()
+        killed = threading.Event()
+        served_after_the_kill = [0] * 12  # per client: requests it started after the kill, finished
 
         def client(n: int) -> None:
             i = 0
             while not stop.is_set():  # new requests keep arriving before, during and after the kill
+                after = killed.is_set()
                 result = _stream(deployment.url, f"client {n} request {i} tell me a story", 100)
                 with lock:
                     results.append(result)
+                    served_after_the_kill[n] += after
                 i += 1
 
         def victim_streams() -> float:
             metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
             return metric_sum(metrics, "dynamo_component_inflight_requests", dynamo_endpoint="generate")
 
-        with concurrent.futures.ThreadPoolExecutor(12) as pool:
-            futures = [pool.submit(client, n) for n in range(12)]
+        with concurrent.futures.ThreadPoolExecutor(len(served_after_the_kill)) as pool:
+            futures = [pool.submit(client, n) for n in range(len(served_after_the_kill))]
             try:
                 deadline = time.monotonic() + 60
                 while victim_streams() == 0:  # however slow the machine, the kill cuts streams
                     assert time.monotonic() < deadline, "no stream reached the victim"
                     time.sleep(0.05)
                 victim.proc.kill()  # SIGKILL: its streams are cut, its discovery entries stay until their lease ends
-                time.sleep(3.0)
+                killed.set()
+                wait_until(lambda: min(served_after_the_kill) > 0, "every client had a request served after the kill", 60)
             finally:
                 stop.set()
             for future in futures:
