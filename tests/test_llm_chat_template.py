@@ -125,10 +125,16 @@ def test_errors() -> None:
     assert t.render([{"role": "user", "content": ""}]) == "ok"
     with pytest.raises(ChatTemplateError, match="first message must be user"):
         t.render([{"role": "system", "content": ""}])
-    # Concatenating None content (an assistant tool-call turn) in a template that expects strings.
-    t = ChatTemplate("{{ 'x' + messages[0]['content'] }}")
+    # Arithmetic on message data of another type than the template expects.
+    t = ChatTemplate("{{ 1 + messages[0]['content'] }}")
     with pytest.raises(ChatTemplateError):
-        t.render([{"role": "assistant", "content": None}])
+        t.render([{"role": "assistant", "content": "x"}])
+    # An assistant turn of tool calls only (no content) renders as empty content, as vLLM renders it, in a
+    # template that concatenates the content (SmolLM2's does).
+    t = ChatTemplate("{% for m in messages %}{{ '<' + m['role'] + '>' + m['content'] }}{% endfor %}")
+    call = {"id": "1", "type": "function", "function": {"name": "w", "arguments": "{}"}}
+    assert t.render([{"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "content": "21"}]) \
+        == "<assistant><tool>21"
     # The sandbox refuses attribute access to internals.
     t = ChatTemplate("{{ messages.__class__.__subclasses__() }}")
     with pytest.raises(ChatTemplateError):

@@ -81,15 +81,17 @@ def _flatten_content(content: Any) -> Any:
 
 
 def _prepare_message(message: Any) -> Any:
-    """Copy-on-write normalisation: flattened content, tool-call arguments as objects (as vLLM does:
-    templates apply `tojson` or iterate over `arguments`, while OpenAI sends a JSON string)."""
+    """Copy-on-write normalisation: flattened content, no content as "" (an assistant turn of tool calls only:
+    templates that concatenate `message['content']`, SmolLM2's among them, would fail on None), tool-call
+    arguments as objects (templates apply `tojson` or iterate over `arguments`, while OpenAI sends a JSON
+    string). All three as vLLM renders messages."""
     if not isinstance(message, Mapping):
         return message
     out: dict[str, Any] | None = None
     content = message.get("content")
-    if isinstance(content, list):
+    if content is None or isinstance(content, list):
         out = dict(message)
-        out["content"] = _flatten_content(content)
+        out["content"] = "" if content is None else _flatten_content(content)
     tool_calls = message.get("tool_calls")
     if isinstance(tool_calls, list) and tool_calls:
         calls = []
