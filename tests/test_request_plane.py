@@ -396,6 +396,9 @@ async def test_caller_cancelled_before_the_request_is_accepted_kills_it(runtimes
     """The calling task is cancelled between sending the request and the worker accepting it (a client
     disconnect): the worker's handler must not keep running unseen."""
     async def forever(request, context):
+        if request.get("marker"):
+            yield {"marker": True}
+            return
         while not context.is_killed():
             yield {}
             await asyncio.sleep(0.01)
@@ -410,7 +413,8 @@ async def test_caller_cancelled_before_the_request_is_accepted_kills_it(runtimes
     with pytest.raises(asyncio.CancelledError):
         await call
     path = f"{namespace}.backend.generate"
-    await asyncio.sleep(0.2)
+    # A request sent after it, answered: the worker has had the cancelled one (and its KILL) by now.
+    assert [x async for x in await client.generate({"marker": 1})] == [{"marker": True}]
     async with asyncio.timeout(5):
         while server.request_server.inflight(path) or open_streams(server):
             await asyncio.sleep(0.01)
