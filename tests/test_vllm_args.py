@@ -96,6 +96,7 @@ def transfer_json(config: Config) -> dict | None:
         (["--runner", "pooling", "--use-vllm-tokenizer"], "--use-vllm-tokenizer: an embedding worker"),
         (["--embedding-worker", "--dyn-reasoning-parser", "qwen3"], "--dyn-reasoning-parser: an embedding worker"),
         (["--embedding-worker", "--runner", "generate"], "it cannot go with --runner generate"),
+        (["--runner", "pooling", "--is-decode-worker"], "--is-decode-worker: an embedding worker"),
         (["--embedding-worker", "--connector", "lmcache"], "an embedding worker moves no KV"),
         (["--embedding-worker", "--endpoint-types", "chat"], "an embedding worker serves embedding only"),
     ],
@@ -182,7 +183,7 @@ def test_cli_wins_over_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DYN_VLLM_IS_PREFILL_WORKER", "true")
     monkeypatch.setenv("DYN_NAMESPACE", "from-env")
     monkeypatch.setenv("DYN_MIGRATION_LIMIT", "3")
-    monkeypatch.setenv("DYN_CONNECTOR", "kvbm")
+    monkeypatch.setenv("DYN_CONNECTOR", "nixl")
     monkeypatch.setenv("DYN_ENDPOINT_TYPES", "chat")
     config = build("--no-is-prefill-worker", "--namespace", "from-cli", "--migration-limit", "5",
                    "--connector", "lmcache", "--dyn-endpoint-types", "completions")
@@ -196,7 +197,7 @@ def test_cli_wins_over_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_env_values_used(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DYN_NAMESPACE", "ns1")
     monkeypatch.setenv("DYN_MIGRATION_LIMIT", "3")
-    monkeypatch.setenv("DYN_CONNECTOR", "kvbm, nixl")
+    monkeypatch.setenv("DYN_CONNECTOR", "lmcache")
     monkeypatch.setenv("DYN_VLLM_USE_TOKENIZER", "yes")
     monkeypatch.setenv("DYN_VLLM_SLEEP_MODE_LEVEL", "2")
     monkeypatch.setenv("DYN_LOCAL_INDEXER", "off")
@@ -204,7 +205,7 @@ def test_env_values_used(monkeypatch: pytest.MonkeyPatch) -> None:
     config = build()
     assert config.namespace == "ns1"
     assert config.migration_limit == 3
-    assert config.connector == ["kvbm", "nixl"]
+    assert config.connector == ["lmcache"]
     assert config.use_vllm_tokenizer
     assert config.sleep_mode_level == 2
     assert not config.enable_local_indexer
@@ -300,8 +301,6 @@ def test_component_names(argv: list[str], component: str) -> None:
 
 NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
 LMCACHE = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
-KVBM = {"kv_connector": "DynamoConnector", "kv_connector_module_path": "kvbm.vllm_integration.connector",
-        "kv_role": "kv_both"}
 
 
 @pytest.mark.parametrize(
@@ -309,14 +308,7 @@ KVBM = {"kv_connector": "DynamoConnector", "kv_connector_module_path": "kvbm.vll
     [
         (["nixl"], NIXL),
         (["lmcache"], LMCACHE),
-        (["kvbm"], KVBM),
         (["NIXL"], NIXL),
-        (["kvbm", "nixl"], {"kv_connector": "PdConnector", "kv_role": "kv_both",
-                            "kv_connector_module_path": "kvbm.vllm_integration.connector",
-                            "kv_connector_extra_config": {"connectors": [KVBM, NIXL]}}),
-        (["nixl,lmcache"], {"kv_connector": "PdConnector", "kv_role": "kv_both",
-                            "kv_connector_module_path": "kvbm.vllm_integration.connector",
-                            "kv_connector_extra_config": {"connectors": [NIXL, LMCACHE]}}),
         (["none"], None),
         (["null"], None),
         ([], None),
@@ -327,10 +319,28 @@ def test_kv_transfer_config(connectors: list[str], expected: dict | None) -> Non
     assert transfer_json(config) == expected
 
 
+@pytest.mark.parametrize("connectors", [["kvbm"], ["KVBM"], ["kvbm", "nixl"], ["nixl,kvbm"]])
+def test_kvbm_is_refused_until_built(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+                                     connectors: list[str]) -> None:
+    """Refused at parsing, flag or environment alike (the engine would fail at start on a missing module)."""
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--connector", *connectors])
+    assert info.value.code == 2
+    assert "--connector kvbm: KV block-manager (KVBM) tiers are not built in tandem yet" in capsys.readouterr().err
+    monkeypatch.setenv("DYN_CONNECTOR", " ".join(connectors))
+    with pytest.raises(ValueError, match="^--connector kvbm: KV block-manager"):
+        build()
+
+
+@pytest.mark.parametrize("connectors", [["nixl", "lmcache"], ["lmcache,nixl"]])
+def test_chained_connectors_are_refused_until_built(connectors: list[str]) -> None:
+    """Two or more connectors make KVBM's PdConnector, which tandem does not have."""
+    with pytest.raises(ValueError, match="^--connector .*: chaining connectors needs KVBM's PdConnector"):
+        build("--connector", *connectors)
+
+
 def test_mp_executor_for_nixl_tp1() -> None:
     assert build().engine_args.distributed_executor_backend == "mp"
-    assert build("--connector", "kvbm", "nixl").engine_args.distributed_executor_backend == "mp"
-    assert build("--connector", "kvbm").engine_args.distributed_executor_backend is None
     assert build("--connector", "lmcache").engine_args.distributed_executor_backend is None
     assert build("--connector", "none").engine_args.distributed_executor_backend is None
     explicit = build("--distributed-executor-backend", "uni")
@@ -342,7 +352,6 @@ def test_nixl_progress_thread_extension_on_cpu_only() -> None:
     from tandem.vllm.args import NIXL_CPU_EXTENSION
 
     assert build().engine_args.worker_extension_cls == NIXL_CPU_EXTENSION
-    assert build("--connector", "kvbm", "nixl").engine_args.worker_extension_cls == NIXL_CPU_EXTENSION
     assert not build("--connector", "none").engine_args.worker_extension_cls
     assert not build(is_cpu=False).engine_args.worker_extension_cls
     own = build("--worker-extension-cls", "my.module.Extension").engine_args.worker_extension_cls
@@ -500,7 +509,7 @@ def test_side_channel_port_comes_back_after_a_restart() -> None:
 
 
 def test_nixl_side_channel_only_with_nixl() -> None:
-    assert build("--connector", "kvbm").nixl_side_channel is None
+    assert build("--connector", "lmcache").nixl_side_channel is None
     user = build("--connector", "none", "--kv-transfer-config", '{"kv_connector":"NixlConnector","kv_role":"kv_both"}')
     assert user.nixl_side_channel is not None
 
@@ -613,9 +622,9 @@ def test_vllm_args_pass_through() -> None:
 
 def test_dynamo_and_vllm_flags_interleave() -> None:
     config = build("--max-model-len", "256", "--is-prefill-worker", "--served-model-name", "x",
-                   "--connector", "kvbm", "nixl", "--seed", "3")
+                   "--connector", "lmcache", "--seed", "3")
     assert config.is_prefill_worker and config.served_model_name == "x"
-    assert config.connector == ["kvbm", "nixl"]
+    assert config.connector == ["lmcache"]
     assert config.engine_args.max_model_len == 256 and config.engine_args.seed == 3
 
 
@@ -662,3 +671,21 @@ def test_an_embedding_worker_runs_the_pooling_runner_alone(argv: list[str]) -> N
     assert config.connector == [] and config.engine_args.kv_transfer_config is None
     assert config.engine_args.kv_events_config is None and not config.use_kv_events
     assert config.endpoint_types == "embedding"
+
+
+@pytest.mark.parametrize("role", [[], ["--is-prefill-worker"], ["--is-decode-worker"]])
+@pytest.mark.parametrize("runner", [[], ["--runner", "auto"], ["--runner", "generate"]])
+def test_a_generation_worker_runs_the_generate_runner(role: list[str], runner: list[str]) -> None:
+    """Forced, as Dynamo does: vLLM's `auto` would give an embedding model the pooling runner, which a worker
+    registered for chat and completions cannot serve."""
+    config = build(*role, *runner)
+    assert not config.embedding_worker and config.engine_args.runner == "generate"
+
+
+@pytest.mark.parametrize("role", [[], ["--is-prefill-worker"], ["--is-decode-worker"]])
+def test_a_generation_worker_refuses_another_runner(role: list[str]) -> None:
+    """vLLM's other runner (a speculative-decoding draft model's) is refused by name, not accepted and ignored."""
+    with pytest.raises(ValueError, match="^--runner draft: a generation worker .* runs vLLM's generate runner"):
+        build(*role, "--runner", "draft")
+    with pytest.raises(ValueError, match="^--convert embed adapts the model to vLLM's pooling runner"):
+        build(*role, "--convert", "embed")  # vLLM's `auto` runner would then pool

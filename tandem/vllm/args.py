@@ -51,7 +51,10 @@ PROG = "python -m tandem.vllm"
 DEFAULT_MODEL = MODEL_NAME
 DEFAULT_ENDPOINT = "generate"
 DEFAULT_CONNECTORS = ("nixl",)
-VALID_CONNECTORS = ("nixl", "lmcache", "kvbm", "null", "none")
+VALID_CONNECTORS = ("nixl", "lmcache", "null", "none")
+# Dynamo's KV block manager connector, understood and refused by name until tandem builds KVBM's tiers
+# (rather than accepted and the engine failing at start on a module that is not there).
+KVBM_CONNECTOR = "kvbm"
 DEFAULT_ENDPOINT_TYPES = "chat,completions"
 # Dynamo forces 16 tokens per KV block. vLLM's CPU attention backend only accepts multiples of 32
 # ("No common block size for 16 (CPU_ATTN: [MultipleOf(32)])"), so CPU workers default to 32.
@@ -91,11 +94,6 @@ NOT_BUILT_FLAGS: tuple[tuple[str, str, bool], ...] = (
 _CONNECTOR_CONFIGS: dict[str, dict[str, Any]] = {
     "nixl": {"kv_connector": "NixlConnector", "kv_role": "kv_both"},
     "lmcache": {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"},
-    "kvbm": {
-        "kv_connector": "DynamoConnector",
-        "kv_connector_module_path": "kvbm.vllm_integration.connector",
-        "kv_role": "kv_both",
-    },
 }
 
 _CPU_CORES_RE = re.compile(r"^(auto|nobind|[0-9]+(-[0-9]+)?([,|][0-9]+(-[0-9]+)?)*)$")
@@ -214,7 +212,7 @@ def _split_words(value: str) -> list[str]:
 
 def _normalize_connectors(values: list[str]) -> list[str]:
     names = [name.lower() for value in values for name in _split_words(value)]
-    invalid = [name for name in names if name not in VALID_CONNECTORS]
+    invalid = [name for name in names if name not in (*VALID_CONNECTORS, KVBM_CONNECTOR)]
     if invalid:
         raise ValueError(
             f"Invalid connector(s): {', '.join(invalid)}. Valid options are: {', '.join(VALID_CONNECTORS)}"
@@ -223,6 +221,13 @@ def _normalize_connectors(values: list[str]) -> list[str]:
         if len(names) > 1:
             raise ValueError("'none' and 'null' cannot be combined with other connectors")
         return []
+    if KVBM_CONNECTOR in names:
+        raise ValueError("--connector kvbm: KV block-manager (KVBM) tiers are not built in tandem yet; "
+                         "use nixl, lmcache or none")
+    if len(names) > 1:
+        # Dynamo chains two or more connectors in KVBM's PdConnector, a module tandem does not have.
+        raise ValueError(f"--connector {' '.join(names)}: chaining connectors needs KVBM's PdConnector, and KV "
+                         "block-manager (KVBM) tiers are not built in tandem yet; give one of nixl, lmcache, none")
     return names
 
 
@@ -278,9 +283,9 @@ def build_dynamo_parser() -> argparse.ArgumentParser:
     connectors = env_str("DYN_CONNECTOR")
     g.add_argument(
         "--connector", nargs="*", default=_split_words(connectors) if connectors else list(DEFAULT_CONNECTORS),
-        help="ordered KV connectors from nixl, lmcache, kvbm, none (builds --kv-transfer-config; two or more "
-        "form a PdConnector); pass `--connector none` to give your own --kv-transfer-config "
-        "[env DYN_CONNECTOR, space or comma separated, default nixl]",
+        help="the KV connector: nixl, lmcache or none (builds --kv-transfer-config); kvbm and chains of two or "
+        "more (KVBM's PdConnector) are refused, not built yet; pass `--connector none` to give your own "
+        "--kv-transfer-config [env DYN_CONNECTOR, space or comma separated, default nixl]",
     )
     add_options(g, _DYNAMO_OPTIONS, Config)
     try:
@@ -399,7 +404,7 @@ def build_config(argv: list[str] | None = None, *, is_cpu: bool | None = None, a
     )
     apply_options(config, _DYNAMO_OPTIONS + _CPU_OPTIONS, dyn)
     config.namespace = config.runtime.namespace
-    _embedding_worker(config, ns, connector_given=dyn.connector != list(DEFAULT_CONNECTORS))
+    _choose_runner(config, ns, connector_given=dyn.connector != list(DEFAULT_CONNECTORS))
     config.validate()
     check_parser_options(config.dyn_tool_call_parser, config.dyn_reasoning_parser)
     check_durable_kv_events(config.durable_kv_events, config.runtime.event_plane)
@@ -434,9 +439,10 @@ def build_config(argv: list[str] | None = None, *, is_cpu: bool | None = None, a
     return config
 
 
-def _embedding_worker(config: Config, ns: argparse.Namespace, *, connector_given: bool) -> None:
-    """`--embedding-worker` or vLLM's `--runner pooling`: an embedding model, served aggregated, with no KV
-    connector and no generation endpoint types. What cannot go with it is refused, naming the flag."""
+def _choose_runner(config: Config, ns: argparse.Namespace, *, connector_given: bool) -> None:
+    """vLLM's runner. `--embedding-worker` or `--runner pooling`: an embedding model, served aggregated, with
+    no KV connector and no generation endpoint types; any other worker generates, with the generate runner.
+    What cannot go with the worker's kind is refused, naming the flag."""
     if config.embedding_worker:
         if ns.runner not in ("auto", "pooling"):
             raise ValueError(f"--embedding-worker runs vLLM's pooling runner; it cannot go with --runner {ns.runner}")
@@ -446,6 +452,15 @@ def _embedding_worker(config: Config, ns: argparse.Namespace, *, connector_given
         if ModelType.parse(config.endpoint_types) & ModelType.Embedding:
             raise ValueError("--endpoint-types embedding needs an embedding worker: add --embedding-worker "
                              "(vLLM's --runner pooling)")
+        if ns.runner not in ("auto", "generate"):
+            raise ValueError(f"--runner {ns.runner}: a generation worker (aggregated, prefill or decode) runs "
+                             "vLLM's generate runner; leave --runner out (or add --embedding-worker for embeddings)")
+        if ns.convert not in ("auto", "none"):
+            raise ValueError(f"--convert {ns.convert} adapts the model to vLLM's pooling runner, which a generation "
+                             "worker does not run; add --embedding-worker for an embedding worker")
+        # Forced, as Dynamo does: left to vLLM, `auto` picks the pooling runner for an embedding model (or
+        # with --convert), which a worker registered for chat and completions cannot serve.
+        ns.runner = "generate"
         return
     clashes = [flag for flag, given in (("--is-prefill-worker", config.is_prefill_worker),
                                         ("--is-decode-worker", config.is_decode_worker),
@@ -535,20 +550,14 @@ def _apply_engine_defaults(config: Config) -> None:
 
 
 def create_kv_transfer_config(connectors: list[str]) -> Any:
-    """The KVTransferConfig Dynamo builds from a normalized connector list; None when the list is empty."""
+    """The KVTransferConfig Dynamo builds from a normalized connector list (one connector at most, see
+    `_normalize_connectors`); None when the list is empty."""
     if not connectors:
         return None
     from vllm.config import KVTransferConfig
 
-    configs = [dict(_CONNECTOR_CONFIGS[name]) for name in connectors]
-    if len(configs) == 1:
-        return KVTransferConfig(**configs[0])
-    return KVTransferConfig(
-        kv_connector="PdConnector",
-        kv_role="kv_both",
-        kv_connector_extra_config={"connectors": configs},
-        kv_connector_module_path="kvbm.vllm_integration.connector",
-    )
+    [name] = connectors
+    return KVTransferConfig(**_CONNECTOR_CONFIGS[name])
 
 
 def create_kv_events_config(config: Config) -> Any:
