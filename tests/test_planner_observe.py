@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import sys
 import time
 
 import pytest
@@ -23,6 +24,7 @@ from tandem.planner.observe import (
 from tandem.runtime.discovery import make_store
 from tests.deployment import MODEL, Deployment
 from tests.test_frontend_replicas import openai_over, pinned
+from tests.test_planner_run import write_profiles
 
 PAGE = """\
 # TYPE dynamo_frontend_requests counter
@@ -130,7 +132,8 @@ async def test_another_process_that_ran_before_at_the_same_address_stops_the_pla
 async def test_two_processes_on_one_port_are_each_counted_and_the_shared_address_is_refused(tmp_path, smollm2) -> None:
     """As the chart runs a frontend pod (`--num-processes 2`): 3 requests to one process and 4 to the other are
     7 requests, read from each process at the address it registered in discovery. The port both share is
-    refused: a scrape there reaches one process, whose counters would be taken for the other's."""
+    refused (by `tandem planner`: exit 2): a scrape there reaches one process, whose counters would be taken for
+    the other's."""
     deployment = Deployment(tmp_path, smollm2, frontend_args=["--num-processes", "2"])
     store = make_store("file", file_root=deployment.env["DYN_FILE_KV"])
     await store.start()
@@ -159,6 +162,15 @@ async def test_two_processes_on_one_port_are_each_counted_and_the_shared_address
             for _ in range(20):  # each interval's scrape is a new connection too: one of them reaches the other
                 first.chat.completions.create(model=MODEL, max_tokens=1, messages=[{"role": "user", "content": "x"}])
                 await shared.sample(10)
+        profiles = tmp_path / "profiles"
+        write_profiles(profiles)
+        planner = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "tandem.planner", "--no-operation", "--frontend-url", deployment.url, "--mode", "agg",
+            "--profile-results-dir", str(profiles), "--control-api-port", "0", "--adjustment-interval", "1",
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+        _, errors = await asyncio.wait_for(planner.communicate(), timeout=120)
+        assert planner.returncode == 2 and f"the frontend at {deployment.url} is served by several processes" in \
+            errors.decode()
     finally:
         await store.close()
         deployment.stop()

@@ -234,11 +234,11 @@ class FrontendObserver:
                 before = self._last.get(key)
                 self._last[key] = _Scraped(page, sent)
                 since = before.sent if before is not None else self._previous
-                new = (since is not None and page.uptime is not None and page.process is not None
-                       and (before is None or page.process != before.page.process) and page.uptime < time.monotonic() - since)
-                # The requests in flight at the last read that are still counted as in flight (a restarted
+                started_since = since is not None and page.uptime is not None and page.uptime < time.monotonic() - since
+                other = before is None or page.process != before.page.process
+                # `left`: the requests in flight at the last read that are still counted as in flight (a restarted
                 # frontend's went with it: all those in flight now are new).
-                if new:  # started since it was last read: everything it counted is this interval's
+                if started_since and other:  # everything this process counted is this interval's
                     increase, left = page.totals, 0.0
                 elif before is None:
                     continue  # the starting point of a frontend seen for the first time
