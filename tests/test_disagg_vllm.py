@@ -347,7 +347,7 @@ ADAPTER = "disagg-lora"
 def _load_adapter(engine: Engine, folder: str) -> None:
     reply = httpx.post(f"{engine.system_url}/v1/loras", timeout=300,
                        json={"lora_name": ADAPTER, "source": {"uri": f"file://{folder}"}}).json()
-    assert reply["status"] == "success", reply
+    assert reply.get("status") == "success", reply  # a worker without LoRA answers no status
 
 
 def _adapter_workers(frontend_metrics_url: str) -> tuple[float, float]:
