@@ -104,10 +104,16 @@ async def test_sigterm_drains_the_in_flight_stream_then_exits_0(workers, caller,
 
 async def test_second_signal_exits_at_once(workers, caller, namespace):
     worker = workers(env={"DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS": "60"})
-    await echo_client(caller, namespace)
+    client = await echo_client(caller, namespace)
+    stream = await client.generate({"n": 100_000, "delay": 0.01})
+    await stream.__anext__()
     worker.proc.send_signal(signal.SIGTERM)
-    await asyncio.sleep(0.3)
-    assert worker.proc.poll() is None  # still in its grace period
+    async with asyncio.timeout(10):  # it has the first signal (and a minute of grace before it exits)
+        while not any("SIGTERM received: shutting down gracefully" in line for line in worker.stderr_lines):
+            await asyncio.sleep(0.01)
+    await stream.__anext__()  # and still streams after it: in its grace period
+    await stream.__anext__()
+    assert worker.proc.poll() is None
     worker.proc.send_signal(signal.SIGTERM)
     assert await asyncio.to_thread(worker.proc.wait, 10) != 0
 

@@ -78,8 +78,10 @@ async def test_canary_health_check_marks_a_hung_endpoint_notready(runtimes, name
     runtime = await runtimes(system_port=0, health_check_enabled=True, canary_wait_time=0.2,
                              health_check_request_timeout=0.3)
     hang = asyncio.Event()
+    canaries = []
 
     async def generate(request):
+        canaries.append(request)
         if request.get("_HEALTH_CHECK") and hang.is_set():
             await asyncio.sleep(3600)
         yield {"ok": True}
@@ -88,7 +90,9 @@ async def test_canary_health_check_marks_a_hung_endpoint_notready(runtimes, name
     await runtime.namespace(namespace).component("backend").endpoint("generate").start_serving(
         generate, health_check_payload={"_HEALTH_CHECK": True}
     )
-    await asyncio.sleep(0.5)
+    async with asyncio.timeout(10):  # a second canary: the first one's answer has been recorded
+        while len(canaries) < 2:
+            await asyncio.sleep(0.01)
     assert runtime.health.report()["endpoints"] == {"generate": "ready"}
     hang.set()
     for _ in range(50):
