@@ -94,11 +94,27 @@ async def test_file_values_are_never_partial(tmp_path):
     await store.close()
 
 
+def _dead_peers_key(root: Path, ttl: float) -> Path:
+    """A key of a peer that died just now: written with an expiry `ttl` from now, never touched again."""
+    path = root / "v1" / "instances" / "ns%2Fc%2Fe%2Fdead"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"dead")
+    now = time.time()
+    os.utime(path, (now, now + ttl))
+    return path
+
+
+async def _until_gone(path: Path) -> None:
+    async with asyncio.timeout(10):
+        while path.exists():
+            await asyncio.sleep(0.02)
+
+
 async def test_file_keep_alive_keeps_keys_past_the_ttl(tmp_path):
     store = FileStore(str(tmp_path / "kv"), ttl=0.6)
     await store.start()
     await store.put("v1/instances/ns/c/e/1", b"alive")
-    await asyncio.sleep(1.5)
+    await _until_gone(_dead_peers_key(tmp_path / "kv", 0.6))  # reaped: the live key's first expiry has passed too
     assert await store.get("v1/instances/ns/c/e/1") == b"alive"
     await store.close()
 
@@ -234,7 +250,7 @@ async def test_file_expiry_follows_the_owners_ttl_not_the_readers(tmp_path):
     await slow.start()
     await eager.start()
     await slow.put("v1/instances/ns/c/e/slow", b"mine")
-    await asyncio.sleep(1.5)  # far past the eager store's own TTL
+    await _until_gone(_dead_peers_key(Path(root), 0.3))  # reaped: past the eager store's own TTL
     assert await eager.get("v1/instances/ns/c/e/slow") == b"mine"
     await slow.close()
     await eager.close()
