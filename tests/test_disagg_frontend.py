@@ -17,7 +17,7 @@ from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.models import ModelManager, ServedModel
 from tandem.frontend.pipeline import Attempt, ModelPipeline
 from tandem.frontend.routing import LoadMonitor, LoadThresholds, NoWorkerError
-from tandem.llm.model_card import ModelType, build_card, register_model
+from tandem.llm.model_card import ModelRuntimeConfig, ModelType, build_card, register_model
 from tandem.llm.protocols import PreprocessedRequest, StopConditions
 from tandem.router.config import KvRouterConfig, add_router_args, parse_args_with_router_config
 from tandem.router.kv_router import KvRouter
@@ -324,3 +324,42 @@ async def test_cancel_as_the_prefill_worker_accepts(runtimes: Any, namespace: st
     await asyncio.wait_for(workers.prefill_cancelled.wait(), 10)
     assert len(pipeline.prefill_router.sequences) == 0  # type: ignore[union-attr]
     assert workers.prefill_started.is_set() and workers.decode_requests == [] and _count(metrics, "cancelled") == 1
+
+
+async def test_the_serving_workers_card_configures_the_model_whoever_registers_first(
+        runtimes: Any, namespace: str, smollm2: str) -> None:
+    """A prefill worker registering before any decode worker does not give the model its configuration: the
+    migration limit and the KV blocks of the busy thresholds are the decode workers' (a frontend with
+    --migration-limit 0 defers to the card)."""
+    workers = Workers()
+
+    async def serve(component: str, handler: Any, card: Any) -> None:
+        runtime = await runtimes()
+        endpoint = runtime.namespace(namespace).component(component).endpoint("generate")
+        await endpoint.start_serving(handler)
+        await register_model(endpoint, card)
+
+    frontend = await runtimes()
+    manager = ModelManager(frontend, namespace=namespace, build_pipeline=lambda model: ModelPipeline(
+        model, manager, router_mode=RouterMode.ROUND_ROBIN, migration_limit=0, migration_max_seq_len=None,
+        load=LoadMonitor(LoadThresholds()), metrics=FrontendMetrics(CollectorRegistry())))
+    await manager.start()
+
+    async def model_with(instances: int, prefill_instances: int) -> ServedModel:
+        async with asyncio.timeout(10):
+            while (model := manager.models.get("m")) is None or (
+                    len(model.instances), len(model.prefill_instances)) != (instances, prefill_instances):
+                manager.changed.clear()
+                await manager.changed.wait()
+        return model
+
+    await serve("prefill", workers.prefill, build_card(
+        smollm2, "m", model_type=ModelType.Prefill, worker_type="Prefill", kv_cache_block_size=BLOCK,
+        runtime_config=ModelRuntimeConfig(total_kv_blocks=10)))
+    model = await model_with(0, 1)
+    await serve("backend", workers.decode, build_card(
+        smollm2, "m", worker_type="Decode", kv_cache_block_size=BLOCK, migration_limit=2,
+        runtime_config=ModelRuntimeConfig(total_kv_blocks=500)))
+    assert await model_with(1, 1) is model
+    assert model.card.runtime_config.total_kv_blocks == 500
+    assert model.pipeline.migration_limit == 2

@@ -158,6 +158,10 @@ class ModelManager:
             return
         await self.client(endpoint_path)
         is_prefill = card.worker_type == WorkerType.Prefill or bool(ModelType(card.model_type) & ModelType.Prefill)
+        if not is_prefill and not model.instances:
+            # The serving configuration (migration limit, KV blocks and batch size for the busy thresholds) is
+            # the serving workers'; a prefill worker's card stands in only until the first of them arrives.
+            model.card = card
         (model.prefill_instances if is_prefill else model.instances)[instance_id] = endpoint_path
         if not is_prefill:
             model.types |= card.types

@@ -129,11 +129,15 @@ class ModelPipeline:
         self.prefill_router = prefill_router
         self.selector: Selector = make_selector(router_mode, self.inflight)
         self.prefill_selector: Selector = make_selector(RouterMode.ROUND_ROBIN, self.inflight)
-        self.migration_limit = migration_limit or model.card.migration_limit
+        self._migration_limit = migration_limit  # 0: the serving workers' card decides
         self.migration_max_seq_len = migration_max_seq_len
         self.load = load
         self.metrics = metrics
         self.enforce_disagg = enforce_disagg  # no remote prefill -> 503 instead of local prefill
+
+    @property
+    def migration_limit(self) -> int:
+        return self._migration_limit or self.model.card.migration_limit
 
     # -- routing -------------------------------------------------------------------------------
     def candidates(self, exclude: set[int]) -> list[int]:
