@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tandem.models import ModelNotFoundError, prepare, resolve_model
+from tandem.models import ModelNotFoundError, default_served_name, prepare, resolve_model
 from tandem.models import cli as model_cli
 from tandem.models.prepare import MARKER, MODEL_NAME, REQUIRED_FILES, cache_root, is_prepared
 
@@ -71,6 +72,25 @@ def test_hub_id_found_in_local_hf_cache(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     assert Path(resolve_model("some-org/some-model")) == snapshot
 
+
+
+def test_a_hub_id_from_the_cache_is_served_under_its_id(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        smollm2: str) -> None:
+    """Not under the snapshot folder's name, which is a revision hash; local folders keep their own name."""
+    import huggingface_hub.constants
+
+    from tandem.mocker.args import parse_args
+
+    repo = tmp_path / "hub" / "models--some-org--some-model"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    (repo / "snapshots").mkdir()
+    shutil.copytree(smollm2, repo / "snapshots" / commit)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert parse_args(["--model-path", "some-org/some-model"]).served_model_name == "some-org/some-model"
+    assert parse_args(["--model-path", smollm2]).served_model_name == os.path.basename(smollm2)
+    assert default_served_name("smollm2", resolve_model("smollm2")) == "SmolLM2-135M-Instruct"
 
 @pytest.mark.parametrize("alias", ["smollm2", "SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"])
 def test_aliases_map_to_prepared_folder(alias: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

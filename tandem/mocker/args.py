@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from tandem.llm.model_card import ModelType
 from tandem.mocker.scheduler import SchedulerConfig
-from tandem.models import resolve_model
+from tandem.models import default_served_name, resolve_model
 from tandem.runtime import RuntimeConfig, add_runtime_args
 from tandem.runtime.keys import parse_endpoint_path
 from tandem.runtime.options import MIGRATION_LIMIT, Option
@@ -224,7 +224,7 @@ def _config(args: argparse.Namespace) -> MockerConfig:
     namespace, component, endpoint_name = parse_endpoint_path(endpoint)
     return MockerConfig(
         model_path=model_path,
-        served_model_name=args.model_name or os.path.basename(model_path.rstrip("/")),
+        served_model_name=args.model_name or default_served_name(_MODEL_PATH.value(args, "smollm2"), model_path),
         namespace=namespace, component=component, endpoint=endpoint_name,
         num_workers=args.num_workers, migration_limit=MIGRATION_LIMIT.value(args, 0), context_length=context_length,
         enable_conditional_disagg=args.enable_conditional_disagg, drop_kv_events=drop_kv_events,

@@ -43,6 +43,14 @@ def loaded_model_folder(model: str, revision: str | None = None, cache_dir: str 
     return _from_hub_cache(model, revision, cache_dir=cache_dir, partial=True) or model
 
 
+def default_served_name(name: str, model_path: str) -> str:
+    """The name a worker serves `name` under when none is given: the hub id for a model found in the HF
+    cache (its folder there is a revision hash), else the folder's own name."""
+    if os.path.basename(os.path.dirname(model_path.rstrip("/"))) == "snapshots":
+        return name
+    return os.path.basename(model_path.rstrip("/"))
+
+
 def resolve_model(name: str, *, prepare: bool = True, cache_dir: str | os.PathLike[str] | None = None) -> str:
     """Resolve `name` to a local folder when one exists, else return the hub id for the engine to fetch.
 

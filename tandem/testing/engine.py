@@ -53,7 +53,7 @@ from tandem.llm.protocols import (
     text_chunk,
 )
 from tandem.mocker.engine import synthetic_embedding
-from tandem.models import resolve_model
+from tandem.models import default_served_name, resolve_model
 from tandem.router.protocols import KV_METRICS_TOPIC, ActiveLoad
 from tandem.runtime import (
     Context,
@@ -293,7 +293,7 @@ async def main(argv: list[str] | None = None) -> int:
     engine = kind(args, model_path, runtime.instance_id)
     engine.load_publisher = await component.event_publisher(KV_METRICS_TOPIC)
     spec = WorkerSpec(
-        model_path, args.model_name or os.path.basename(model_path.rstrip("/")), DisaggregationMode.AGGREGATED,
+        model_path, args.model_name or default_served_name(args.model, model_path), DisaggregationMode.AGGREGATED,
         args.block_size, MIGRATION_LIMIT.value(args, 0), model_type=model_type,
         model_input=ModelInput(args.model_input), context_length=args.context_length,
         custom_template_path=args.custom_jinja_template, loras=args.lora,
