@@ -477,3 +477,34 @@ async def test_lifecycle_restores_an_earlier_loop_handler(tmp_path: Path) -> Non
         assert got == ["earlier"]
     finally:
         loop.remove_signal_handler(signal.SIGUSR2)
+
+
+def test_stat_loggers_made_before_the_runtime_report_once_bound() -> None:
+    """A checkpointed worker creates its engine, and so vLLM's stat loggers, before its runtime: binding the
+    worker's id and registry afterwards gives the same load reports as loggers made with them."""
+    from prometheus_client import CollectorRegistry
+
+    from tandem.router.protocols import ActiveLoad
+    from tandem.vllm.publisher import KvMetricsStatLogger, StatLoggerFactory
+
+    class Sent:
+        def __init__(self) -> None:
+            self.items: list[Any] = []
+
+        def publish(self, item: Any) -> bool:
+            self.items.append(item)
+            return True
+
+    factory = StatLoggerFactory(dp_rank=0)
+    logger = factory(None, 0)  # as vLLM calls it while creating the engine
+    assert isinstance(logger, KvMetricsStatLogger)
+    registry, sent = CollectorRegistry(), Sent()
+    factory.bind(0x5eed, registry)
+    factory.set_publisher(sent)
+    factory.set_num_gpu_blocks(64)
+    factory.init_publish()
+    logger.record(SimpleNamespace(kv_cache_usage=0.5), None)
+    assert [ActiveLoad(**item) for item in sent.items] == [ActiveLoad(0x5eed, 0, 0, None, 0),
+                                                          ActiveLoad(0x5eed, 0, 32, None, 32)]
+    assert registry.get_sample_value("dynamo_component_kvstats_total_blocks", {"dp_rank": "0"}) == 64
+    assert registry.get_sample_value("dynamo_component_kvstats_gpu_cache_usage_percent", {"dp_rank": "0"}) == 0.5

@@ -40,10 +40,10 @@ def enable_iteration_details(engine_args: Any) -> bool:
 
 class ForwardPasses:
     """One engine's steps and queue, fed by `ForwardPassStatLogger` and the handler (`pending`); publishing starts
-    with `start` once the worker has its event plane and knows its cache."""
+    with `start` once the worker has its id and event plane and knows its cache (the engine, and so this, may
+    exist before the worker's runtime)."""
 
-    def __init__(self, worker_id: int, dp_rank: int) -> None:
-        self.worker_id = worker_id
+    def __init__(self, dp_rank: int) -> None:
         self.dp_rank = dp_rank
         self.pending = PendingPrompts()
         self.kv_usage = 0.0
@@ -51,10 +51,11 @@ class ForwardPasses:
         self.max_num_batched_tokens = 0
         self.recorder: ForwardPassRecorder | None = None
 
-    def start(self, publisher: SupportsPublish, num_blocks: int, block_size: int, max_num_batched_tokens: int) -> None:
+    def start(self, worker_id: int, publisher: SupportsPublish, num_blocks: int, block_size: int,
+              max_num_batched_tokens: int) -> None:
         self.kv_capacity = num_blocks * block_size
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.recorder = ForwardPassRecorder(worker_id=self.worker_id, dp_rank=self.dp_rank, publisher=publisher,
+        self.recorder = ForwardPassRecorder(worker_id=worker_id, dp_rank=self.dp_rank, publisher=publisher,
                                             state=self.state)
         self.recorder.start()
 

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import os
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 from tandem.llm.model_card import ModelInput, ModelRuntimeConfig, ModelType
@@ -23,6 +24,7 @@ from tandem.vllm.forward_pass import ForwardPasses, ForwardPassLoggerFactory, en
 from tandem.vllm.handlers import DisaggMetrics, handler_class
 from tandem.vllm.health_check import bos_token_id_of
 from tandem.vllm.lifeline import mark_owner
+from tandem.vllm.publisher import StatLoggerFactory
 from tandem.worker.forward_pass import FORWARD_PASS_TOPIC
 from tandem.worker.harness import ServedWorker, WorkerSpec, serve_worker
 
@@ -57,6 +59,24 @@ def setup_vllm_engine(config: Config, stat_loggers: list[Any] | None = None) -> 
     return engine, vllm_config, defaults
 
 
+@dataclass
+class _EngineStats:
+    """vLLM's stat loggers of the worker, made with its engine: in checkpoint mode before the runtime, so the
+    KV load loggers get the worker's id and metrics registry once the runtime is up (`bind`)."""
+
+    passes: ForwardPasses
+    load: StatLoggerFactory | None  # a prefill worker reports no KV load
+
+    @classmethod
+    def of(cls, config: Config) -> _EngineStats:
+        dp_rank = config.engine_args.data_parallel_rank or 0
+        return cls(ForwardPasses(dp_rank), None if config.is_prefill_worker else StatLoggerFactory(dp_rank=dp_rank))
+
+    @property
+    def loggers(self) -> list[Any]:
+        return [ForwardPassLoggerFactory(self.passes), *([self.load] if self.load else [])]
+
+
 async def worker(config: Config) -> int:
     early_exit, checkpoint = get_checkpoint_config()
     if early_exit:
@@ -65,9 +85,10 @@ async def worker(config: Config) -> int:
     if config.dump_config_to:
         dump_config(config.dump_config_to, config)
     engine = vllm_config = defaults = None
+    stats = _EngineStats.of(config)
     if checkpoint is not None:
         # The engine exists before the runtime so the checkpoint holds no open connections.
-        engine, vllm_config, defaults = setup_vllm_engine(config)
+        engine, vllm_config, defaults = setup_vllm_engine(config, stats.loggers)
         if not await checkpoint.run_lifecycle(engine, sleep_level=config.sleep_mode_level):
             engine.shutdown()
             return 0
@@ -75,26 +96,24 @@ async def worker(config: Config) -> int:
     runtime.install_signal_handlers()
     shutdown_event = asyncio.Event()
     try:
-        return await _serve(config, runtime, shutdown_event, engine, vllm_config, defaults)
+        return await _serve(config, runtime, shutdown_event, stats, engine, vllm_config, defaults)
     finally:
         if not runtime.is_shutting_down:
             await runtime.shutdown()
 
 
-async def _serve(config: Config, runtime: DistributedRuntime, shutdown_event: asyncio.Event, engine: Any,
-                 vllm_config: Any, defaults: Any) -> int:
-    from tandem.vllm.publisher import KvEventRelay, StatLoggerFactory
+async def _serve(config: Config, runtime: DistributedRuntime, shutdown_event: asyncio.Event, stats: _EngineStats,
+                 engine: Any, vllm_config: Any, defaults: Any) -> int:
+    from tandem.vllm.publisher import KvEventRelay
 
     component = runtime.namespace(config.namespace).component(config.component)
     worker_id = runtime.instance_id
     dp_rank = config.engine_args.data_parallel_rank or 0
-    stat_factory = None
-    if not config.is_prefill_worker:
-        stat_factory = StatLoggerFactory(None, worker_id=worker_id, registry=runtime.registry, dp_rank=dp_rank)
-    passes = ForwardPasses(worker_id, dp_rank)
+    passes, stat_factory = stats.passes, stats.load
+    if stat_factory is not None:
+        stat_factory.bind(worker_id, runtime.registry)
     if engine is None:
-        loggers = [ForwardPassLoggerFactory(passes), *([stat_factory] if stat_factory else [])]
-        engine, vllm_config, defaults = await asyncio.to_thread(setup_vllm_engine, config, loggers)
+        engine, vllm_config, defaults = await asyncio.to_thread(setup_vllm_engine, config, stats.loggers)
     try:
         num_blocks = vllm_config.cache_config.num_gpu_blocks or 0
         block_size = vllm_config.cache_config.block_size
@@ -103,7 +122,7 @@ async def _serve(config: Config, runtime: DistributedRuntime, shutdown_event: as
             stat_factory.set_publisher(await component.event_publisher(KV_METRICS_TOPIC))
             stat_factory.set_num_gpu_blocks(num_blocks)
             stat_factory.init_publish()
-        passes.start(await component.event_publisher(FORWARD_PASS_TOPIC), num_blocks, block_size,
+        passes.start(worker_id, await component.event_publisher(FORWARD_PASS_TOPIC), num_blocks, block_size,
                      vllm_config.scheduler_config.max_num_batched_tokens)
         runtime.add_shutdown_hook(passes.stop)
         _expose_engine_metrics(runtime)
@@ -116,7 +135,7 @@ async def _serve(config: Config, runtime: DistributedRuntime, shutdown_event: as
 
             lora = LoRAService(engine)
         model_config = vllm_config.model_config
-        embedding = model_config.runner_type == "pooling"  # also an embedding model vLLM chose the runner for
+        embedding = config.embedding_worker  # vLLM runs the pooling runner exactly then (args.py forces it)
         handler = handler_class(prefill=config.is_prefill_worker, text_input=config.use_vllm_tokenizer,
                                 embedding=embedding)(
             runtime, engine, config, default_sampling_params=defaults, model_max_len=model_max_len,

@@ -407,6 +407,13 @@ class StatLoggerFactory:
         self.loggers[rank] = logger
         return logger
 
+    def bind(self, worker_id: int, registry: CollectorRegistry) -> None:
+        """The worker's id and metrics registry, before or after vLLM made the loggers (a checkpointed
+        worker creates its engine before its runtime)."""
+        self.worker_id, self.registry = worker_id, registry
+        for logger in self.loggers.values():
+            logger.bind(worker_id, registry)
+
     def set_publisher(self, publisher: PublisherProvider) -> None:
         self.publisher_provider = publisher
         for logger in self.loggers.values():

@@ -107,6 +107,12 @@ class KvMetricsStatLogger:
         if self.active_blocks is not None:
             self._maybe_publish(force=True)
 
+    def bind(self, worker_id: int, registry: CollectorRegistry) -> None:
+        """The worker's id and metrics registry, for a logger made before the worker had them (a vLLM engine
+        created before the runtime, in checkpoint mode)."""
+        self.worker_id = worker_id
+        self._gauges = kv_gauges(registry)
+
     def set_num_gpu_blocks(self, num_gpu_blocks: int | None) -> None:
         self.num_gpu_blocks = int(num_gpu_blocks or 0)
         if self._gauges is not None:
