@@ -27,6 +27,22 @@ def metric_sum(text: str, name: str, **labels: str) -> float:
                if sample.name == name and labels.items() <= sample.labels.items())
 
 
+# Where a vLLM engine's prompt tokens got their KV (`vllm:prompt_tokens_by_source_total{source=...}`): computed
+# by this engine, found in its prefix cache, or pulled from another worker (NIXL). A decode worker that computes
+# none of a prompt and pulls some of it did not prefill it.
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+
+
+def prompt_sources(text: str) -> dict[str, float]:
+    """A vLLM worker's prompt tokens by source, from its /metrics page."""
+    return {s: metric_sum(text, "vllm:prompt_tokens_by_source_total", source=s) for s in PROMPT_SOURCES}
+
+
+def deltas(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    """Each counter's growth from `before` to `after`."""
+    return {k: after[k] - before[k] for k in after}
+
+
 def streamed_outcome(stream: openai.Stream, underway: threading.Semaphore, tokens: int = 300) -> str:
     """Read a chat completion stream of `tokens` tokens, releasing `underway` at its first one (so a test
     can act once its streams are running, however slow the machine): "completed", or "short:<count>"."""

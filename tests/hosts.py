@@ -19,21 +19,26 @@ class Hosts:
     def __init__(self, names: list[str]) -> None:
         if os.geteuid() != 0:
             raise RuntimeError("the multi-host tests create network namespaces: they need root")
-        tag = os.getpid() % 10_000
+        tag = self.tag = os.getpid() % 10_000
         self.subnet = f"10.{200 + tag % 50}.{tag % 250}"
         self.bridge = f"tb{tag}"
+        self.gateway = f"{self.subnet}.254"  # the bridge's own address: this machine, as the hosts reach it
         self.netns: dict[str, str] = {}
         self.address: dict[str, str] = {}
         self._links: dict[str, str] = {}  # host -> its veth end on the bridge
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
-            _ip("addr", "add", f"{self.subnet}.254/24", "dev", self.bridge)
+            _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
             _ip("link", "set", self.bridge, "up")
             for i, name in enumerate(names, start=1):
                 self._add(name, i, tag)
         except BaseException:
             self.remove()
             raise
+
+    def add(self, name: str) -> None:
+        """One more host on the bridge (a pod started later)."""
+        self._add(name, len(self.netns) + 1, self.tag)
 
     def _add(self, name: str, i: int, tag: int) -> None:
         netns, outside, inside = f"tandem-{tag}-{name}", f"tv{tag}h{i}", f"tv{tag}n{i}"

@@ -32,7 +32,7 @@ import pytest
 from tandem.llm.protocols import PreprocessedRequest
 from tandem.runtime import Context
 from tandem.vllm.handlers import DecodeWorkerHandler, DisaggMetrics, PrefillWorkerHandler
-from tests.deployment import MODEL, Deployment, metric_sum
+from tests.deployment import MODEL, Deployment, deltas, metric_sum, prompt_sources
 from tests.engines import DISAGG_ARGS, Engine, EngineGroup, EngineSpec, migrate_mid_stream, wait_until
 from tests.test_vllm_worker import MAKE_ADAPTER
 
@@ -230,15 +230,8 @@ async def test_prefill_handler_computes_an_adapter_request_with_the_adapter_or_n
 
 
 # -- real vLLM ------------------------------------------------------------------------------------------
-SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
-
-
 def _prompt_sources(url: str) -> dict[str, float]:
-    return {s: metric(url, "vllm:prompt_tokens_by_source_total", source=s) for s in SOURCES}
-
-
-def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
-    return {k: after[k] - before[k] for k in after}
+    return prompt_sources(httpx.get(url, timeout=30).text)
 
 
 @pytest.mark.slow
@@ -255,8 +248,8 @@ def test_outputs_match_aggregated_and_decode_pulls_the_kv(disagg: Disagg) -> Non
 
     disaggregated, tokens = _run_all(d, pinned=None)
 
-    decode = _delta(_prompt_sources(d.decode_metrics_url), decode_before)
-    prefill = _delta(_prompt_sources(d.prefill_metrics_url), prefill_before)
+    decode = deltas(_prompt_sources(d.decode_metrics_url), decode_before)
+    prefill = deltas(_prompt_sources(d.prefill_metrics_url), prefill_before)
     # The prefill worker computed every prompt; the decode worker computed none of it: it got the KV.
     assert prefill["local_compute"] == tokens, prefill
     assert decode["local_compute"] == 0, decode
@@ -273,7 +266,7 @@ def test_outputs_match_aggregated_and_decode_pulls_the_kv(disagg: Disagg) -> Non
     d.clear_caches()
     decode_before = _prompt_sources(d.decode_metrics_url)
     aggregated, agg_tokens = _run_all(d, pinned=d.decode_id)
-    decode = _delta(_prompt_sources(d.decode_metrics_url), decode_before)
+    decode = deltas(_prompt_sources(d.decode_metrics_url), decode_before)
     assert agg_tokens == tokens
     assert decode["external_kv_transfer"] == 0 and decode["local_compute"] + decode["local_cache_hit"] == tokens
     assert disaggregated == aggregated
@@ -388,8 +381,8 @@ def test_a_lora_adapter_is_prefilled_with_its_weights_by_a_prefill_worker_that_h
         decode_before, prefill_before = _prompt_sources(d.decode_metrics_url), _prompt_sources(d.prefill_metrics_url)
         adapted = _complete(client, prompt, model=ADAPTER)
         assert adapted.usage is not None
-        decode = _delta(_prompt_sources(d.decode_metrics_url), decode_before)
-        prefill = _delta(_prompt_sources(d.prefill_metrics_url), prefill_before)
+        decode = deltas(_prompt_sources(d.decode_metrics_url), decode_before)
+        prefill = deltas(_prompt_sources(d.prefill_metrics_url), prefill_before)
         assert metric(fe, "dynamo_frontend_remote_prefills_total", model=ADAPTER, outcome="ok") - ok_before == 1
         assert prefill["local_compute"] == adapted.usage.prompt_tokens, prefill
         assert decode["local_compute"] == 0 and decode["external_kv_transfer"] > 0, decode
@@ -398,7 +391,7 @@ def test_a_lora_adapter_is_prefilled_with_its_weights_by_a_prefill_worker_that_h
         d.clear_caches()
         decode_before = _prompt_sources(d.decode_metrics_url)
         aggregated = _complete(client, prompt, pinned=d.decode_id, model=ADAPTER).choices[0].text
-        assert _delta(_prompt_sources(d.decode_metrics_url), decode_before)["external_kv_transfer"] == 0
+        assert deltas(_prompt_sources(d.decode_metrics_url), decode_before)["external_kv_transfer"] == 0
         assert adapted.choices[0].text == aggregated == local
         assert aggregated != base
     finally:
@@ -465,5 +458,5 @@ def test_killing_the_prefill_worker_falls_back_to_local_prefill(disagg: Disagg) 
     # Later requests fall back too until the dead worker's registration expires; then none is tried.
     assert metric(fe, "dynamo_frontend_remote_prefills_total", outcome="fallback") - fallback_before >= 1
     assert metric(d.decode_metrics_url, "dynamo_component_remote_prefill_requests_total") == remote_before
-    decode = _delta(_prompt_sources(d.decode_metrics_url), decode_before)
+    decode = deltas(_prompt_sources(d.decode_metrics_url), decode_before)
     assert decode["external_kv_transfer"] == 0 and decode["local_compute"] > 0

@@ -1,8 +1,9 @@
 """The Helm chart in deploy/helm/tandem: every variant (aggregated or disaggregated; etcd and NATS bundled,
 external or absent; vLLM or mocker engines; the production extras; the planner) renders with Helm's own engine into
 objects the Kubernetes schemas accept and whose references hold (tests/k8s.py); contradicting values stop
-the render with the reason; and two releases run here, pod by pod, each pod in its own network namespace
-(tests/kubelet.py): their probes pass and clients are served through their Services."""
+the render with the reason; and three releases run here, pod by pod, each pod in its own network namespace
+(tests/kubelet.py): their probes pass, clients are served through their Services, the decode pod pulls the
+prefill pod's KV cache, and the planner pod scales a worker Deployment whose new pod serves."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ import httpx
 import openai
 import pytest
 
-from tests.deployment import MODEL, VLLM_TEST_ARGS, metric_sum
-from tests.engines import engine_memory_args, on_cpu
+from tests.deployment import MODEL, VLLM_TEST_ARGS, deltas, metric_sum, prompt_sources
+from tests.engines import engine_memory_args, on_cpu, wait_until
 from tests.k8s import (
     CHART,
     RenderError,
@@ -29,6 +30,7 @@ from tests.k8s import (
     workloads,
 )
 from tests.kubelet import Image, LocalCluster, venv_program
+from tests.load import Load
 
 MODES = ("agg.yaml", "disagg.yaml")
 SERVICES = ((), ("nats.yaml",), ("external.yaml",), ("nats.yaml", "production.yaml"), ("external.yaml", "production.yaml"),
@@ -256,6 +258,15 @@ def local_values(smollm2: str, **more: object) -> dict:
             **more}
 
 
+def advertised_hosts(cluster: LocalCluster) -> set[str]:
+    """The hosts of the addresses the release's workers registered in its etcd."""
+    etcd = cluster.service_url("llm-tandem-etcd", "client")
+    records = httpx.post(f"{etcd}/v3/kv/range", json={"key": base64.b64encode(b"v1/instances/").decode(),
+                                                       "range_end": base64.b64encode(b"v1/instances0").decode()}).json()
+    return {json.loads(base64.b64decode(kv["value"]))["transport"]["tcp"].rsplit(":", 1)[0]
+            for kv in records.get("kvs", [])}
+
+
 @needs_root
 def test_an_aggregated_release_runs_pod_by_pod_and_serves_through_its_service(smollm2: str, tmp_path: Path) -> None:
     docs = render("agg.yaml", values=local_values(smollm2, serviceMonitor={"enabled": True},
@@ -270,12 +281,7 @@ def test_an_aggregated_release_runs_pod_by_pod_and_serves_through_its_service(sm
                                                max_tokens=4)
         assert reply.choices[0].message.content and reply.usage.completion_tokens == 4
         # Each worker registered the address of its own pod (DYN_ADVERTISE_HOST from status.podIP).
-        etcd = cluster.service_url("llm-tandem-etcd", "client")
-        records = httpx.post(f"{etcd}/v3/kv/range", json={"key": base64.b64encode(b"v1/instances/").decode(),
-                                                           "range_end": base64.b64encode(b"v1/instances0").decode()}).json()
-        advertised = {json.loads(base64.b64decode(kv["value"]))["transport"]["tcp"].rsplit(":", 1)[0]
-                      for kv in records["kvs"]}
-        assert advertised == {pod.ip for pod in cluster.pods_of("llm-tandem-worker")}
+        assert advertised_hosts(cluster) == {pod.ip for pod in cluster.pods_of("llm-tandem-worker")}
         # The ServiceMonitor's targets answer with tandem's metrics.
         assert "dynamo_frontend_requests_total" in httpx.get(f"{url}/metrics").text
         for pod in cluster.pods_of("llm-tandem-worker"):
@@ -306,13 +312,112 @@ def test_a_disaggregated_vllm_release_on_nats_with_credentials_runs_pod_by_pod(s
         assert len(health["instances"]) == 1 and len(health["prefill_instances"]) == 1
         refused = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": []})
         assert refused.status_code == 401
+        prefill_url, decode_url = (f"http://{cluster.pods_of(f'llm-tandem-{pool}')[0].ip}:9090/metrics"
+                                   for pool in ("prefill", "decode"))
+        prefill_before, decode_before = (prompt_sources(httpx.get(u).text) for u in (prefill_url, decode_url))
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="k-123", max_retries=0, timeout=120)
         reply = client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, messages=[
             {"role": "user", "content": "What is the capital of France?"}])
         assert "Paris" in reply.choices[0].message.content
-        # The prompt was prefilled in the prefill pod, and the decode pod pulled its KV cache from there.
-        prefill = httpx.get(f"http://{cluster.pods_of('llm-tandem-prefill')[0].ip}:9090/metrics").text
-        assert metric_sum(prefill, "dynamo_component_requests_total", dynamo_component="prefill") == 1
+        # The prompt was prefilled in the prefill pod, and the decode pod pulled its KV cache from there through
+        # NIXL, at the prefill pod's address: it computed none of the prompt itself.
+        prefill_page, decode_page = httpx.get(prefill_url).text, httpx.get(decode_url).text
+        assert metric_sum(prefill_page, "dynamo_component_requests_total", dynamo_component="prefill",
+                          dynamo_endpoint="generate") == 1
+        prompt_tokens = reply.usage.prompt_tokens
+        prefill = deltas(prompt_sources(prefill_page), prefill_before)
+        decode = deltas(prompt_sources(decode_page), decode_before)
+        assert prefill["local_compute"] == prompt_tokens, prefill
+        assert decode["local_compute"] == 0 and decode["external_kv_transfer"] > 0, decode
+        assert decode["external_kv_transfer"] + decode["local_cache_hit"] == prompt_tokens, decode
+        assert metric_sum(decode_page, "vllm:nixl_xfer_time_seconds_count") >= 1
+        assert metric_sum(decode_page, "dynamo_component_remote_prefill_requests_total") == 1
         assert cluster.stop() == []
     finally:
+        cluster.stop()
+
+
+@needs_root
+def test_the_planner_pod_scales_the_worker_deployment_and_the_new_pod_registers_and_serves(
+        smollm2: str, tmp_path: Path) -> None:
+    """The chart's planner pod, logged in with its ServiceAccount, decides every second on the traffic it reads
+    from the frontend (found in discovery) that one mocker worker is enough. Raising its `min_endpoint` through
+    its control API makes it PATCH the worker Deployment's scale to 2 through the API server, which the Role the
+    chart grants it allows; the pod runner starts a second worker pod, which registers its own address, and the
+    frontend routes requests to it, as its own metrics count. Back to a floor of 1, it scales the Deployment down
+    and the pod runner deletes that pod, no request failing."""
+    from tests.test_planner_run import write_profiles
+
+    profiles = tmp_path / "profiles"
+    write_profiles(profiles)
+    # Round-robin: the new worker gets every other request once the frontend sees it (the KV router would keep
+    # the chat template's prefix on the worker that has it cached).
+    values = local_values(smollm2, frontend={"routerMode": "round-robin"},
+                          workers={"agg": {"replicas": 1, "extraArgs": MOCKER}}, planner={
+        "enabled": True, "rbac": {"create": True}, "adjustmentInterval": 1,
+        "profile": {"volume": {"hostPath": {"path": str(profiles), "type": "Directory"}}},
+        "extraArgs": ["--load-predictor", "constant", "--no-correction", "--control-api-host", "0.0.0.0"],
+        "extraEnv": [{"name": "PLANNER_CONTROL_API_KEY", "value": "control-key"}]})
+    cluster = LocalCluster(render("agg.yaml", values=values), tmp_path / "pods", IMAGES, namespace="serving")
+    load: Load | None = None
+    try:
+        cluster.wait_ready(timeout=90)
+        url = cluster.service_url("llm-tandem-frontend", "http")
+        [first] = cluster.pods_of("llm-tandem-worker")
+        [planner] = cluster.pods_of("llm-tandem-planner")
+        load = Load(url, clients=1, pause=0.2, words=20)
+
+        def decided(action: str) -> bool:
+            assert planner.containers[0].starts == 1, planner.containers[0].tail()  # it never exited
+            try:
+                page = httpx.get(f"http://{planner.ip}:9090/metrics").text
+            except httpx.TransportError:  # not listening yet
+                return False
+            return metric_sum(page, "tandem_planner_decisions_total", action=action) >= 1
+
+        wait_until(lambda: decided("unchanged"), "the planner decided that one worker is enough", timeout=60)
+        assert cluster.replicas["llm-tandem-worker"] == 1 and [r for r in cluster.api.requests if
+                                                              r.verb == "patch" and not r.dry_run] == []
+        changed = httpx.patch(f"http://{planner.ip}:9086/v1/min-endpoints", json={"min_endpoint": 2},
+                              headers={"Authorization": "Bearer control-key"})
+        assert changed.status_code == 200, changed.text
+        wait_until(lambda: len(cluster.pods_of("llm-tandem-worker")) == 2, "a second worker pod", timeout=60)
+        # The planner's ServiceAccount scaled the Deployment: a dry run at its start, then the real PATCH.
+        account = "system:serviceaccount:serving:llm-tandem-planner"
+        scale = "/apis/apps/v1/namespaces/serving/deployments/llm-tandem-worker/scale"
+        assert [(r.user, r.path, r.dry_run, r.body, r.status) for r in cluster.api.requests if r.verb == "patch"] == [
+            (account, scale, True, {"spec": {"replicas": 1}}, 200), (account, scale, False, {"spec": {"replicas": 2}}, 200)]
+        [new] = [pod for pod in cluster.pods_of("llm-tandem-worker") if pod is not first]
+        cluster.wait_ready(timeout=60)
+        # The new pod registered its own address; the frontend found it there and routes to it: two requests
+        # once the frontend lists it (nothing else sent meanwhile), one of them served by the new pod, as its own
+        # metrics count.
+        wait_until(lambda: advertised_hosts(cluster) == {first.ip, new.ip}, "the new worker registered", timeout=30)
+        wait_until(lambda: len(httpx.get(f"{url}/health").json()["instances"]) == 2, "the frontend saw it", timeout=30)
+        load.stop()
+        assert load.served > 0 and load.failures == []
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        served = [client.chat.completions.create(model=MODEL, max_tokens=2, messages=[
+            {"role": "user", "content": f"request {i}"}]) for i in range(2)]
+        assert all(reply.usage.completion_tokens == 2 for reply in served)
+        page = httpx.get(f"http://{new.ip}:9090/metrics").text
+        assert metric_sum(page, "dynamo_component_requests_total", dynamo_endpoint="generate") >= 1
+
+        # Back to a floor of 1: on the same traffic the planner scales the Deployment down, and the pod runner
+        # deletes the newest pod (SIGTERM: it leaves discovery and drains), with no request failing.
+        load = Load(url, clients=1, pause=0.2, words=20)
+        changed = httpx.patch(f"http://{planner.ip}:9086/v1/min-endpoints", json={"min_endpoint": 1},
+                              headers={"Authorization": "Bearer control-key"})
+        assert changed.status_code == 200, changed.text
+        wait_until(lambda: cluster.pods_of("llm-tandem-worker") == [first], "the new pod deleted", timeout=60)
+        wait_until(lambda: len(httpx.get(f"{url}/health").json()["instances"]) == 1, "the frontend let it go",
+                   timeout=30)
+        assert [(r.dry_run, r.body) for r in cluster.api.requests if r.verb == "patch"][-1] == (
+            False, {"spec": {"replicas": 1}})
+        load.stop()
+        assert load.failures == []
+        assert cluster.stop() == []  # the deleted pod's worker exited on SIGTERM too
+    finally:
+        if load is not None:
+            load.stop()
         cluster.stop()
