@@ -187,9 +187,12 @@ class EngineGroup:
 
 
 # qwen3's parser only sees thinking where the output (or the prompt) opens a <think> block, which SmolLM2 never
-# does on its own: it gives the engines vLLM's thinking budget without changing the other tests' answers.
+# does on its own: it gives the engines vLLM's thinking budget without changing the other tests' answers. hermes
+# reads SmolLM2's tool calls (`<tool_call>[{"name": ..., "arguments": ...}]</tool_call>`); it only parses requests
+# that send tools with tool_choice auto, so other answers are unchanged too.
 _AGGREGATED = ("--max-model-len", "1024", "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",
-               "--enable-prompt-embeds", "--connector", "none", "--dyn-reasoning-parser", "qwen3")
+               "--enable-prompt-embeds", "--connector", "none", "--dyn-reasoning-parser", "qwen3",
+               "--dyn-tool-call-parser", "hermes")
 # LoRA on both roles: an adapter request is prefilled on a prefill worker that loaded the adapter.
 DISAGG_ARGS = ("--max-model-len", "2048", "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2")
 
@@ -198,7 +201,7 @@ DISAGG_ARGS = ("--max-model-len", "2048", "--enable-lora", "--max-lora-rank", "8
 EMBEDDING_ARGS = ("--embedding-worker", "--max-model-len", "1024", "--hf-overrides", '{"is_matryoshka": true}')
 
 # Keyed by name: the configurations real-vLLM tests share. "aggregated": two plain workers (one per core)
-# with LoRA, prompt embeddings, prefix caching, KV events and a reasoning parser; "disaggregated": a prefill
+# with LoRA, prompt embeddings, prefix caching, KV events and two parsers; "disaggregated": a prefill
 # and a decode worker with NIXL and LoRA; "embedding": one embedding worker.
 GROUPS: dict[str, tuple[EngineSpec, ...]] = {
     "aggregated": (EngineSpec((), 0, _AGGREGATED), EngineSpec((), 1, _AGGREGATED)),
