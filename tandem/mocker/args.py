@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="[on]")
     engine.add_argument("--watermark", type=float, default=None, help="fraction of blocks kept free at admission [0.01]")
     engine.add_argument("--preemption-mode", choices=["lifo", "fifo"], default=None, help="[lifo]")
+    engine.add_argument("--scheduler-reserve-full-isl", action=argparse.BooleanOptionalAction, default=None,
+                        help="admit a request only when its whole prompt fits the free KV blocks, not just its "
+                        "first chunk (vLLM's option) [on]")
     engine.add_argument("--seed", type=int, default=None,
                         help="seed of the synthetic output tokens (a request's own seed wins) [0]")
     timing = parser.add_argument_group("Timing")
@@ -153,12 +156,13 @@ def build_parser() -> argparse.ArgumentParser:
 ENGINE_DEFAULTS: dict[str, object] = {
     "num_gpu_blocks": 16384, "block_size": 64, "max_num_seqs": 256, "max_num_batched_tokens": 8192,
     "enable_prefix_caching": True, "enable_chunked_prefill": True, "watermark": 0.01, "preemption_mode": "lifo",
+    "scheduler_reserve_full_isl": True,
     "seed": 0, "speedup_ratio": 1.0, "decode_speedup_ratio": 1.0, "startup_time": 0.0,
     "planner_profile_data": None, "disaggregation_mode": "agg", "kv_transfer_bandwidth": 64.0,
     "kv_bytes_per_token": None, "data_parallel_size": 1,
 }
 SCHEDULER_OPTIONS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
-                     "enable_chunked_prefill", "watermark", "preemption_mode")
+                     "enable_chunked_prefill", "watermark", "preemption_mode", "scheduler_reserve_full_isl")
 _ALIASES = {"num_gpu_blocks_override": "num_gpu_blocks", "dp_size": "data_parallel_size"}
 
 

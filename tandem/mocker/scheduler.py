@@ -13,8 +13,9 @@ have their KV computed. Every `step()` is one engine iteration:
    fewer than `max_num_seqs` run: prefix-cache lookup (at most `len(tokens) - 1` tokens, whole
    blocks, so at least one token is computed), blocks for the tokens of this step, keeping
    `int(watermark * num_blocks)` blocks free (unless nothing runs: then the watermark protects
-   nobody, and waiting for it could block the queue forever). The first request that does not fit
-   stops admission.
+   nobody, and waiting for it could block the queue forever); with `scheduler_reserve_full_isl` (the
+   default, as vLLM's) its whole sequence, not only this step's chunk, must fit the free blocks
+   beyond the watermark. The first request that does not fit stops admission.
    Without chunked prefill a request is admitted only if all its remaining tokens fit the budget.
 3. Every request whose tokens are now all computed samples one token (the first one in the step
    that completes its prefill); a request that reached `max_tokens` finishes and releases its blocks.
@@ -58,6 +59,9 @@ class SchedulerConfig:
     """Keep this fraction of blocks free when admitting new requests."""
     preemption_mode: str = "lifo"
     """lifo: preempt the most recently admitted running request; fifo: the oldest."""
+    scheduler_reserve_full_isl: bool = True
+    """Admit a waiting request only if its whole sequence fits the free blocks (and the watermark),
+    not just the tokens of its first chunk (vLLM's option of the same name, on by default)."""
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in ("lifo", "fifo"):
@@ -107,6 +111,11 @@ class StepResult:
     preempted: list[str]
     num_prefill_requests: int = 0
     """Requests that computed prefill tokens in this step."""
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    """Request id -> tokens computed in this step, in scheduling order (vLLM's `SchedulerOutput` field)."""
+    admitted: dict[str, int] = field(default_factory=dict)
+    """Requests admitted from the waiting queue in this step (new or resumed after a preemption) -> the
+    tokens they did not compute: their prefix-cache hit (a disaggregated decode: its whole prompt)."""
 
 
 @dataclass
@@ -166,6 +175,7 @@ class _Batch:
     budget: int
     tokens: dict[str, int] = field(default_factory=dict)  # request id -> tokens computed
     prefill: set[str] = field(default_factory=set)  # ids of requests computing prefill tokens
+    admitted: dict[str, int] = field(default_factory=dict)  # request id -> prefix-cache hit, in tokens
 
     def add(self, seq: _Seq, n: int, prefill: bool) -> None:
         self.tokens[seq.id] = n
@@ -276,6 +286,8 @@ class Scheduler:
             num_decode_requests=len(decoding),
             preempted=preempted,
             num_prefill_requests=len(batch.prefill),
+            num_scheduled_tokens=batch.tokens,
+            admitted=batch.admitted,
         )
 
     def load(self) -> SchedulerLoad:
@@ -341,7 +353,10 @@ class Scheduler:
                     break
             # The watermark keeps room for running requests to grow; alone, a request may use it all.
             reserve = self._watermark_blocks if self._running else 0
-            if not self.kv.allocate(seq.id, cached + n, seq.seq_hashes[:cached_blocks], reserve=reserve):
+            prefix = seq.seq_hashes[:cached_blocks]
+            if cfg.scheduler_reserve_full_isl and not self.kv.fits(seq.id, len(seq.tokens), prefix, reserve=reserve):
+                break
+            if not self.kv.allocate(seq.id, cached + n, prefix, reserve=reserve):
                 break
             self._waiting.popleft()
             self._running.append(seq)
@@ -350,6 +365,7 @@ class Scheduler:
                 self._queried_tokens += len(seq.tokens)
             if seq.num_output == 0:
                 seq.cached_tokens = cached_blocks * bs
+            batch.admitted[seq.id] = cached
             seq.kv_transferred = False
             seq.num_computed = cached
             prefill = n > 0 and seq.in_prefill
