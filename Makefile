@@ -16,7 +16,7 @@ run: install
 	$(TANDEM) run --model $(MODEL) $(RUN_ARGS)
 
 test: install
-	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 bench: install
 	$(VENV)/bin/python bench/runtime_bench.py
