@@ -137,7 +137,7 @@ class Workers:
 
 
 async def _pipeline(runtimes: Any, namespace: str, smollm2: str, workers: Workers, *, prefill: bool = True,
-                    enforce_disagg: bool = False,
+                    enforce_disagg: bool = False, migration_limit: int = 0,
                     router_mode: RouterMode = RouterMode.KV) -> tuple[ModelPipeline, FrontendMetrics]:
     async def serve(component: str, handler: Any, worker_type: str, model_type: ModelType) -> None:
         runtime = await runtimes()
@@ -156,7 +156,7 @@ async def _pipeline(runtimes: Any, namespace: str, smollm2: str, workers: Worker
 
     def build(model: ServedModel) -> ModelPipeline:
         return ModelPipeline(
-            model, manager, router_mode=router_mode, migration_limit=0, migration_max_seq_len=None,
+            model, manager, router_mode=router_mode, migration_limit=migration_limit, migration_max_seq_len=None,
             load=LoadMonitor(LoadThresholds()), metrics=metrics, enforce_disagg=enforce_disagg,
             kv_router=KvRouter(frontend, "m", block_size=BLOCK, config=config) if kv else None,
             prefill_router=KvRouter(frontend, "m", block_size=BLOCK, config=KvRouterConfig(

@@ -179,8 +179,7 @@ class CutOff(EmbedsWorkers):
 
 async def test_a_cut_off_stream_is_not_migrated(runtimes: Any, namespace: str, smollm2: str) -> None:
     workers = CutOff()
-    pipeline, _ = await _pipeline(runtimes, namespace, smollm2, workers, prefill=False)
-    pipeline.migration_limit = 3
+    pipeline, _ = await _pipeline(runtimes, namespace, smollm2, workers, prefill=False, migration_limit=3)
     outputs = []
     with pytest.raises(StreamLost) as lost:
         async for output in pipeline.generate(_embeds_request(), Context(), Attempt()):
