@@ -15,8 +15,12 @@ $(STAMP): pyproject.toml scripts/install.sh
 run: install
 	$(TANDEM) run --model $(MODEL) $(RUN_ARGS)
 
+# Two pytest-xdist workers, each taking whole units (tests/plugins.py WorkUnits): the real-vLLM tests on the
+# session's shared engines in one, every other module in its own. TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= 2
 test: install
-	$(VENV)/bin/python -m pytest -q --durations=25 $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder \
+		$(PYTEST_ARGS)
 
 bench: install
 	$(VENV)/bin/python bench/runtime_bench.py

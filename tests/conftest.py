@@ -41,18 +41,24 @@ def free_port() -> int:
     return free_port_range(1)
 
 
+_handed_out: set[int] = set()  # ports given to a process of this session, which may not have bound them yet
+
+
 def free_port_range(count: int, low: int = NAMED_PORTS[0], high: int = NAMED_PORTS[1]) -> int:
-    """The first of `count` consecutive free TCP ports within [low, high)."""
+    """The first of `count` consecutive free TCP ports within [low, high), none handed out before."""
     import random
 
     for _ in range(100):
         base = random.randrange(low, high - count + 1)
+        if _handed_out.intersection(range(base, base + count)):
+            continue
         with contextlib.ExitStack() as stack:
             try:
                 for port in range(base, base + count):
                     stack.enter_context(socket.socket()).bind(("127.0.0.1", port))
             except OSError:
                 continue
+            _handed_out.update(range(base, base + count))
             return base
     raise RuntimeError(f"no {count} free ports")
 
@@ -222,9 +228,10 @@ def launch(smollm2: str) -> Iterator:
 
 # -- real vLLM engines shared by the session (tests/engines.py), the suite's own plugins (tests/plugins.py)
 def pytest_configure(config: pytest.Config) -> None:
-    from tests.plugins import EngineOrder, SkipGuard
+    from tests.plugins import EngineOrder, SkipGuard, WorkUnits
 
     config.pluginmanager.register(EngineOrder(), EngineOrder.NAME)
+    config.pluginmanager.register(WorkUnits(), WorkUnits.NAME)
     config.pluginmanager.register(SkipGuard(), SkipGuard.NAME)
 
 

@@ -33,7 +33,9 @@ from tests.launcher import children
 
 KV_CACHE_BYTES = 512 << 20  # ~11k tokens of SmolLM2 in float32: plenty, and a fixed share of a shared host
 GPU_MEMORY_BUDGET = 0.85  # of one device, split between the engines that may share it
-MAX_ENGINES_AT_ONCE = 3  # the most the suite keeps alive at once: the disaggregated group grown to three
+# The most one test process keeps alive at once (the disaggregated group grown to three), times the processes
+# pytest-xdist runs side by side.
+MAX_ENGINES_AT_ONCE = 3 * int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
 ENGINE_TIMEOUT = 600.0  # seconds for one engine to start (bounded here, not by a test's own timeout)
 
 
@@ -48,7 +50,8 @@ def engine_memory_args(on_cpu: bool, engines_per_device: int = MAX_ENGINES_AT_ON
         raise ValueError("engines_per_device must be at least 1")
     if on_cpu:
         return ("--kv-cache-memory-bytes", str(KV_CACHE_BYTES))
-    return ("--gpu-memory-utilization", f"{GPU_MEMORY_BUDGET / engines_per_device:.3f}")
+    share = int(GPU_MEMORY_BUDGET / engines_per_device * 1000) / 1000  # rounded down: the shares fit together
+    return ("--gpu-memory-utilization", f"{share:.3f}")
 
 
 def on_cpu() -> bool:

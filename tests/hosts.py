@@ -20,7 +20,9 @@ class Hosts:
         if os.geteuid() != 0:
             raise RuntimeError("the multi-host tests create network namespaces: they need root")
         tag = self.tag = os.getpid() % 10_000
-        self.subnet = f"10.{200 + tag % 50}.{tag % 250}"
+        # A subnet of its own per pytest-xdist worker (gw0, gw1, ...), whatever the pids.
+        worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+        self.subnet = f"10.{200 + worker % 50}.{tag % 250}"
         self.bridge = f"tb{tag}"
         self.gateway = f"{self.subnet}.254"  # the bridge's own address: this machine, as the hosts reach it
         self.netns: dict[str, str] = {}

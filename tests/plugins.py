@@ -29,8 +29,52 @@ def _groups(item: pytest.Item) -> set[str]:
     return {name for marker in item.iter_markers("engines") for name in marker.args}
 
 
+POOL_UNIT = "engine-pool"
+
+
+def work_units(tests: list[tuple[str, bool, bool]]) -> tuple[list[str], list[int]]:
+    """Given each test's module, whether it uses the session's engine pool and whether it is slow: the unit of
+    work a pytest-xdist worker takes whole, and the order to hand the tests out in.
+
+    Every module with a test on the engine pool is one unit, so that the pool's engines start once, on one
+    worker; every other module is a unit of its own, so that its module fixtures start once. The pool's
+    unit comes first, then the modules with slow tests, then the rest: the longest units start first and the
+    short ones fill the gaps at the end. Within a rank the tests keep their order."""
+    pooled = {module for module, pool, _ in tests if pool}
+    slow = {module for module, _, is_slow in tests if is_slow}
+    units = [POOL_UNIT if module in pooled else module for module, _, _ in tests]
+
+    def rank(index: int) -> tuple[int, int]:
+        module = tests[index][0]
+        return (0 if module in pooled else 1 if module in slow else 2), index
+
+    return units, sorted(range(len(tests)), key=rank)
+
+
+def _module(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
+def _uses_pool(item: pytest.Item) -> bool:
+    return bool(_groups(item)) or "engine_pool" in getattr(item, "fixturenames", ())
+
+
+class WorkUnits:
+    """Marks each test with its pytest-xdist group (`work_units`); `--dist loadgroup` hands out whole groups.
+    Before xdist's own hook, which names the group in the test's node id."""
+
+    NAME = "tandem-work-units"
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        units, _ = work_units([(_module(item), _uses_pool(item), False) for item in items])
+        for item, unit in zip(items, units, strict=True):
+            item.add_marker(pytest.mark.xdist_group(unit))
+
+
 class EngineOrder:
-    """Orders the tests by `engine_order` and stops each engine group right after its last user."""
+    """Orders the tests by `engine_order`, then by `work_units`, and stops each engine group right after its
+    last user."""
 
     NAME = "tandem-engine-order"
 
@@ -42,6 +86,9 @@ class EngineOrder:
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
         order = engine_order([(_groups(item), item.get_closest_marker("kills_engine") is not None)
                               for item in items])
+        items[:] = [items[index] for index in order]
+        _, order = work_units([(_module(item), _uses_pool(item), item.get_closest_marker("slow") is not None)
+                               for item in items])
         items[:] = [items[index] for index in order]
         last = {name: item for item in items for name in _groups(item)}
         self.last_users = {item.nodeid: name for name, item in last.items()}

@@ -36,6 +36,8 @@ from tests.deployment import MODEL, Deployment, deltas, metric_sum, prompt_sourc
 from tests.engines import DISAGG_ARGS, Engine, EngineGroup, EngineSpec, migrate_mid_stream, wait_until
 from tests.test_vllm_worker import MAKE_ADAPTER
 
+pytestmark = pytest.mark.engines("disaggregated")  # the group stops after the last test here
+
 MAX_TOKENS = 16
 MIGRATED_TOKENS = 48
 SHORT = [{"role": "user", "content": "What is the capital of France?"}]

@@ -136,11 +136,16 @@ def test_template_found_after_expansion(monkeypatch: pytest.MonkeyPatch, tmp_pat
     assert config.custom_jinja_template == str(tmp_path / "t.jinja")
 
 
-def test_parse_args_reports_errors_like_argparse(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--is-prefill-worker", "--is-decode-worker"], "Cannot set both --is-prefill-worker and --is-decode-worker"),
+    (["--custom-jinja-template", "/nonexistent/t.jinja"], "/nonexistent/t.jinja"),  # a missing file
+])
+def test_parse_args_reports_errors_like_argparse(argv: list[str], message: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
-        parse_args(["--is-prefill-worker", "--is-decode-worker"])
+        parse_args(argv)
     assert info.value.code == 2
-    assert "Cannot set both --is-prefill-worker and --is-decode-worker" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
 
 
 def test_unknown_flag_exits_2(capsys: pytest.CaptureFixture[str]) -> None:

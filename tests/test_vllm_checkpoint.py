@@ -27,9 +27,9 @@ from tests.launcher import children
 pytestmark = pytest.mark.slow
 
 
-def _worker() -> tuple[int, dict[str, str]] | None:
+def _worker(namespace: str) -> tuple[int, dict[str, str]] | None:
     """The `tandem vllm` process this test started (a child of the test process: TandemProcess's Popen) and
-    its environment."""
+    its environment. By its namespace: the session's shared engine groups are children of this process too."""
     for pid in children(os.getpid()):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -39,7 +39,9 @@ def _worker() -> tuple[int, dict[str, str]] | None:
                 variables = f.read().decode(errors="replace").split("\0")
         except OSError:
             continue
-        return pid, dict(v.split("=", 1) for v in variables if "=" in v)
+        environment = dict(v.split("=", 1) for v in variables if "=" in v)
+        if environment.get("DYN_NAMESPACE") == namespace:
+            return pid, environment
     return None
 
 
@@ -63,8 +65,9 @@ def test_a_checkpoint_job_registers_only_when_restored(tmp_path: Path, smollm2: 
     deployment = None
     worker = None
     try:
-        wait_until(lambda: _worker() is not None or started.done(), "the worker process runs", timeout=30)
-        worker = _worker()
+        wait_until(lambda: _worker(group.namespace) is not None or started.done(), "the worker process runs",
+                   timeout=30)
+        worker = _worker(group.namespace)
         assert worker is not None, started.exception()
         pid, environment = worker
         wait_until(ready_file.exists, "the worker writes its ready file", timeout=ENGINE_TIMEOUT)
