@@ -19,8 +19,7 @@ run: install
 # session's shared engines in one, every other module in its own. TEST_WORKERS=0 runs the suite in one process.
 TEST_WORKERS ?= 2
 test: install
-	$(VENV)/bin/python -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder \
-		$(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q --durations=25 -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 bench: install
 	$(VENV)/bin/python bench/runtime_bench.py

@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -228,11 +229,31 @@ def launch(smollm2: str) -> Iterator:
 
 # -- real vLLM engines shared by the session (tests/engines.py), the suite's own plugins (tests/plugins.py)
 def pytest_configure(config: pytest.Config) -> None:
-    from tests.plugins import EngineOrder, SkipGuard, WorkUnits
+    from tests.plugins import UNITS_ENV, EngineOrder, SkipGuard, WorkUnits
 
     config.pluginmanager.register(EngineOrder(), EngineOrder.NAME)
-    config.pluginmanager.register(WorkUnits(), WorkUnits.NAME)
     config.pluginmanager.register(SkipGuard(), SkipGuard.NAME)
+    config.pluginmanager.register(WorkUnits(), WorkUnits.NAME)
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):  # xdist's controller
+        import tempfile
+
+        os.environ[UNITS_ENV] = os.path.join(tempfile.mkdtemp(prefix="tandem-test-units-"), "units.json")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    from tests.plugins import UNITS_ENV
+
+    if not hasattr(config, "workerinput") and UNITS_ENV in os.environ:
+        import shutil
+
+        shutil.rmtree(os.path.dirname(os.environ.pop(UNITS_ENV)), ignore_errors=True)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    from tests.plugins import unit_scheduler
+
+    return unit_scheduler(config, log)
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -59,17 +60,42 @@ def _uses_pool(item: pytest.Item) -> bool:
     return bool(_groups(item)) or "engine_pool" in getattr(item, "fixturenames", ())
 
 
+UNITS_ENV = "TANDEM_TEST_UNITS"  # the file where xdist workers leave each test's unit for the controller
+
+
 class WorkUnits:
-    """Marks each test with its pytest-xdist group (`work_units`); `--dist loadgroup` hands out whole groups.
-    Before xdist's own hook, which names the group in the test's node id."""
+    """Under pytest-xdist: each worker writes every test's unit (`work_units`) to the file the controller named
+    (in UNITS_ENV, set before the workers start), and the controller's scheduler (`unit_scheduler`) hands out
+    whole units, in the order the workers collected the tests."""
 
     NAME = "tandem-work-units"
 
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        path = os.environ.get(UNITS_ENV)
+        if not path or not hasattr(config, "workerinput"):  # not an xdist worker (a pytester run inside one)
+            return
         units, _ = work_units([(_module(item), _uses_pool(item), False) for item in items])
-        for item, unit in zip(items, units, strict=True):
-            item.add_marker(pytest.mark.xdist_group(unit))
+        temporary = f"{path}.{os.getpid()}"
+        with open(temporary, "w") as f:
+            json.dump(dict(zip((item.nodeid for item in items), units, strict=True)), f)
+        os.replace(temporary, path)  # every worker collects the same tests: any whole file will do
+
+
+def unit_scheduler(config: pytest.Config, log: Any) -> Any:
+    """xdist's scope scheduling (a scope goes whole to one worker, the next scope to the first idle worker)
+    with the units the workers wrote as scopes."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class UnitScheduling(LoadScopeScheduling):
+        units: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.units is None:  # read once every worker finished collecting
+                with open(os.environ[UNITS_ENV]) as f:
+                    self.units = json.load(f)
+            return self.units[nodeid]
+
+    return UnitScheduling(config, log)
 
 
 class EngineOrder:
