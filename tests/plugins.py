@@ -95,6 +95,7 @@ def unit_scheduler(config: pytest.Config, log: Any) -> Any:
                     self.units = json.load(f)
             return self.units[nodeid]
 
+    config.option.loadscopereorder = False  # the units go out in collection order (EngineOrder's), not by size
     return UnitScheduling(config, log)
 
 
