@@ -31,7 +31,6 @@ def _groups(item: pytest.Item) -> set[str]:
 
 
 POOL_UNIT = "engine-pool"
-OWN_ENGINES_UNIT = "own-engines"
 
 
 def work_units(tests: list[tuple[str, bool, bool]]) -> tuple[list[str], list[int]]:
@@ -39,23 +38,18 @@ def work_units(tests: list[tuple[str, bool, bool]]) -> tuple[list[str], list[int
     work a pytest-xdist worker takes whole, and the order to hand the tests out in.
 
     Every module with a test on the engine pool is one unit, so that the pool's engines start once, on one
-    worker. Every other module with slow tests (they start engines of their own, or convert the model) is in a
-    second unit: with the pool's, at most two workers run engines at once, whatever the number of workers, so
-    the engines' memory and cores stay bounded while the other workers run the light tests. Every other module
-    is a unit of its own, so that its module fixtures start once. The pool's unit comes first, then the slow
-    one, then the rest: the longest units start first and the short ones fill the gaps at the end. Within a
-    unit the tests keep their order."""
+    worker; every other module is a unit of its own, so that its module fixtures start once. The pool's
+    unit comes first, then the modules with slow tests, then the rest: the longest units start first and the
+    short ones fill the gaps at the end. Within a rank the tests keep their order."""
     pooled = {module for module, pool, _ in tests if pool}
-    slow = {module for module, _, is_slow in tests if is_slow} - pooled
-
-    def unit(module: str) -> str:
-        return POOL_UNIT if module in pooled else OWN_ENGINES_UNIT if module in slow else module
+    slow = {module for module, _, is_slow in tests if is_slow}
+    units = [POOL_UNIT if module in pooled else module for module, _, _ in tests]
 
     def rank(index: int) -> tuple[int, int]:
         module = tests[index][0]
         return (0 if module in pooled else 1 if module in slow else 2), index
 
-    return [unit(module) for module, _, _ in tests], sorted(range(len(tests)), key=rank)
+    return units, sorted(range(len(tests)), key=rank)
 
 
 def _module(item: pytest.Item) -> str:
@@ -80,8 +74,7 @@ class WorkUnits:
         path = os.environ.get(UNITS_ENV)
         if not path or not hasattr(config, "workerinput"):  # not an xdist worker (a pytester run inside one)
             return
-        units, _ = work_units([(_module(item), _uses_pool(item), item.get_closest_marker("slow") is not None)
-                               for item in items])
+        units, _ = work_units([(_module(item), _uses_pool(item), False) for item in items])
         temporary = f"{path}.{os.getpid()}"
         with open(temporary, "w") as f:
             json.dump(dict(zip((item.nodeid for item in items), units, strict=True)), f)

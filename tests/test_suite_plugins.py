@@ -6,7 +6,7 @@ import pytest
 
 from tests.conftest import REPO
 from tests.engines import GPU_MEMORY_BUDGET, KV_CACHE_BYTES, MAX_ENGINES_AT_ONCE, engine_memory_args
-from tests.plugins import OWN_ENGINES_UNIT, POOL_UNIT, engine_order, work_units
+from tests.plugins import POOL_UNIT, engine_order, work_units
 
 pytest_plugins = ["pytester"]
 
@@ -18,15 +18,13 @@ def test_users_of_a_group_run_together_and_killers_last() -> None:
     assert engine_order(tests) == [0, 4, 7, 1, 2, 6, 5, 3]
 
 
-def test_pool_modules_are_one_unit_first_then_the_other_slow_modules_one_unit() -> None:
+def test_pool_modules_are_one_unit_first_then_slow_modules() -> None:
     tests = [("a.py", False, False), ("b.py", True, False), ("b.py", False, False), ("c.py", False, True),
-             ("a.py", False, False), ("d.py", True, True), ("c.py", False, False), ("e.py", False, True)]
+             ("a.py", False, False), ("d.py", True, True), ("c.py", False, False)]
     units, order = work_units(tests)
-    # b's test without the pool stays with its module's: b's module fixtures start once, on the pool's worker;
-    # so do c's light test with its slow one.
-    assert units == ["a.py", POOL_UNIT, POOL_UNIT, OWN_ENGINES_UNIT, "a.py", POOL_UNIT, OWN_ENGINES_UNIT,
-                     OWN_ENGINES_UNIT]
-    assert order == [1, 2, 5, 3, 6, 7, 0, 4]
+    # b's test without the pool stays with its module's: b's module fixtures start once, on the pool's worker.
+    assert units == ["a.py", POOL_UNIT, POOL_UNIT, "c.py", "a.py", POOL_UNIT, "c.py"]
+    assert order == [1, 2, 5, 3, 6, 0, 4]
 
 
 def test_order_keeps_tests_without_engines_in_place() -> None:
