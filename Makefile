@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml scripts/install.sh
 run: install
 	$(TANDEM) run --model $(MODEL) $(RUN_ARGS)
 
-# Two pytest-xdist workers, each taking whole units (tests/plugins.py WorkUnits): the real-vLLM tests on the
+# Two pytest-xdist workers, each taking whole units (tests/plugins.py work_units): the real-vLLM tests on the
 # session's shared engines in one, every other module in its own. TEST_WORKERS=0 runs the suite in one process.
 TEST_WORKERS ?= 2
 test: install

@@ -229,11 +229,10 @@ def launch(smollm2: str) -> Iterator:
 
 # -- real vLLM engines shared by the session (tests/engines.py), the suite's own plugins (tests/plugins.py)
 def pytest_configure(config: pytest.Config) -> None:
-    from tests.plugins import UNITS_ENV, EngineOrder, SkipGuard, WorkUnits
+    from tests.plugins import UNITS_ENV, EngineOrder, SkipGuard
 
     config.pluginmanager.register(EngineOrder(), EngineOrder.NAME)
     config.pluginmanager.register(SkipGuard(), SkipGuard.NAME)
-    config.pluginmanager.register(WorkUnits(), WorkUnits.NAME)
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):  # xdist's controller
         import tempfile
 

@@ -63,22 +63,13 @@ def _uses_pool(item: pytest.Item) -> bool:
 UNITS_ENV = "TANDEM_TEST_UNITS"  # the file where xdist workers leave each test's unit for the controller
 
 
-class WorkUnits:
-    """Under pytest-xdist: each worker writes every test's unit (`work_units`) to the file the controller named
-    (in UNITS_ENV, set before the workers start), and the controller's scheduler (`unit_scheduler`) hands out
-    whole units, in the order the workers collected the tests."""
-
-    NAME = "tandem-work-units"
-
-    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
-        path = os.environ.get(UNITS_ENV)
-        if not path or not hasattr(config, "workerinput"):  # not an xdist worker (a pytester run inside one)
-            return
-        units, _ = work_units([(_module(item), _uses_pool(item), False) for item in items])
-        temporary = f"{path}.{os.getpid()}"
-        with open(temporary, "w") as f:
-            json.dump(dict(zip((item.nodeid for item in items), units, strict=True)), f)
-        os.replace(temporary, path)  # every worker collects the same tests: any whole file will do
+def _write_units(path: str, items: list[pytest.Item], units: list[str]) -> None:
+    """Each test's unit, for the controller's scheduler (`unit_scheduler`); every worker collects the same
+    tests, so any whole file will do."""
+    temporary = f"{path}.{os.getpid()}"
+    with open(temporary, "w") as f:
+        json.dump(dict(zip((item.nodeid for item in items), units, strict=True)), f)
+    os.replace(temporary, path)
 
 
 def unit_scheduler(config: pytest.Config, log: Any) -> Any:
@@ -100,8 +91,8 @@ def unit_scheduler(config: pytest.Config, log: Any) -> Any:
 
 
 class EngineOrder:
-    """Orders the tests by `engine_order`, then by `work_units`, and stops each engine group right after its
-    last user."""
+    """Orders the tests by `engine_order`, then by `work_units` (whose units an xdist worker writes for the
+    controller, in UNITS_ENV), and stops each engine group right after its last user."""
 
     NAME = "tandem-engine-order"
 
@@ -110,12 +101,15 @@ class EngineOrder:
         self.last_users: dict[str, str] = {}  # node id -> the group it is the last user of
 
     @pytest.hookimpl(trylast=True)  # after pytest's own reordering by fixture parameters and after -k/-m
-    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
         order = engine_order([(_groups(item), item.get_closest_marker("kills_engine") is not None)
                               for item in items])
         items[:] = [items[index] for index in order]
-        _, order = work_units([(_module(item), _uses_pool(item), item.get_closest_marker("slow") is not None)
-                               for item in items])
+        units, order = work_units([(_module(item), _uses_pool(item), item.get_closest_marker("slow") is not None)
+                                   for item in items])
+        # An xdist worker tells the controller each test's unit (not a pytester run inside one).
+        if os.environ.get(UNITS_ENV) and hasattr(config, "workerinput"):
+            _write_units(os.environ[UNITS_ENV], items, units)
         items[:] = [items[index] for index in order]
         last = {name: item for item in items for name in _groups(item)}
         self.last_users = {item.nodeid: name for name, item in last.items()}
