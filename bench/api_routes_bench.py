@@ -19,6 +19,14 @@ every route (a user message; the Responses API's `input` string), max tokens 32:
   * POST /v1/embeddings        {"input": "..."} (embeddings) or 16 copies of it (embeddings16), unary only:
     served by a second test engine, `--endpoint-types embedding --model-name SmolLM2-135M-embed`, on the same
     namespace and core as the first (it answers with a pseudo-random unit vector of 576 values per input).
+  * claude-code, codex: a turn of each agent CLI as it sent it (tests/agents: Claude Code's second request,
+    25 tools, a mid-conversation system message, a tool call and its result, with its session and beta
+    headers; Codex's second request, developer messages, namespace and hosted tools, a function call and
+    its output, with its session header), their max tokens set to 32; each is compared with a plain chat
+    request of the same conversation (chat-as-claude, chat-as-codex: the chat messages the frontend maps the
+    turn onto, without tools, which SmolLM2's template leaves out: the same prompt, 3,069 and 4,657 tokens),
+    not with chat:
+      python bench/api_routes_bench.py --routes chat-as-claude,claude-code,chat-as-codex,codex --modes stream
 For each route, streamed and unary, at concurrency 1 and 16, for --duration s each (closed loop):
 requests/s, p50 latency, and the frontend's CPU time per request (user + system from /proc/<pid>/stat
 over the measured time, divided by the requests served). Within a level (mode, concurrency) the routes
@@ -258,6 +266,53 @@ class Route:
     headers: bytes = b""
     modes: tuple[str, ...] = MODES  # the modes the route serves
     engine: str = "chat"  # the engine that answers it: "chat", or "embedding" (a second test engine)
+    baseline: str = "chat"  # the route its CPU per request is compared with
+
+
+# -- agent turns: what Claude Code and Codex sent (tests/agents), against chat requests of their prompt's size --
+AGENTS = os.path.join(REPO, "tests", "agents")
+
+
+@functools.cache
+def _captured(name: str, turn: int) -> tuple[dict[str, Any], dict[str, str]]:
+    """A captured agent request (body, headers), its `[[say:...]]` scripts (for tandem's test engine) defused:
+    the engine answers it with its default sentence, to max tokens, as it does the other routes."""
+    with open(os.path.join(AGENTS, name)) as f:
+        captured = json.load(f)[turn]
+    body = json.loads(json.dumps(captured["body"]).replace("[[say:", "[say:"))
+    return body, captured["headers"]
+
+
+def _agent_body(name: str, turn: int, limit: str) -> Callable[[int, bool], dict[str, Any]]:
+    def body(n: int, stream: bool) -> dict[str, Any]:
+        return {**_captured(name, turn)[0], "model": MODEL_NAME, limit: n, "stream": stream}
+    return body
+
+
+def _agent_headers(name: str, turn: int, keep: tuple[str, ...]) -> bytes:
+    headers = _captured(name, turn)[1]
+    return "".join(f"{k}: {v}\r\n" for k, v in headers.items() if k in keep).encode()
+
+
+@functools.cache
+def _agent_conversation(name: str) -> tuple[dict[str, Any], ...]:
+    """An agent route's conversation as the frontend maps it onto chat messages (its system and developer
+    messages, tool calls and tool results): the same prompt text, without the agent's API around it."""
+    from tandem.frontend import anthropic, responses
+
+    route = ROUTES[name]
+    raw = json.dumps(route.body(1, False)).encode()
+    if route.path == "/v1/messages":
+        return tuple(anthropic.parse_messages_request(raw).messages)
+    return tuple(responses.parse_request(raw).chat([]).messages)
+
+
+def _plain_chat(agent: str) -> Callable[[int, bool], dict[str, Any]]:
+    """The agent's conversation as a plain chat request: no tools (SmolLM2's template leaves them out of the
+    prompt anyway, so the prompt is the same, token for token), none of the agent's other fields."""
+    def body(n: int, stream: bool) -> dict[str, Any]:
+        return {"model": MODEL_NAME, "messages": list(_agent_conversation(agent)), "max_tokens": n, "stream": stream}
+    return body
 
 
 ROUTES = {
@@ -279,7 +334,25 @@ ROUTES = {
     "embeddings16": Route("embeddings, 16 inputs", "/v1/embeddings",
                           lambda n, s: {"model": EMBED_MODEL, "input": [PROMPT] * 16},
                           _unary_only, _embeddings_unary(16), modes=("unary",), engine="embedding"),
+    # A Claude Code turn (25 tools, a mid-conversation system message, a tool call and its result) and a Codex
+    # turn (developer messages, namespace and hosted tools, a function call and its output), each against a
+    # plain chat request with a prompt of the same token count.
+    "chat-as-claude": Route("chat, Claude Code's conversation", "/v1/chat/completions", _plain_chat("claude-code"),
+                            _chat_stream, _chat_unary),
+    "claude-code": Route("Claude Code turn (messages)", "/v1/messages",
+                         _agent_body("claude-code-2.1.197.json", 2, "max_tokens"), _messages_stream, _messages_unary,
+                         headers=_agent_headers("claude-code-2.1.197.json", 2, (
+                             "anthropic-version", "anthropic-beta", "x-claude-code-session-id")),
+                         baseline="chat-as-claude"),
+    "chat-as-codex": Route("chat, Codex's conversation", "/v1/chat/completions", _plain_chat("codex"),
+                           _chat_stream, _chat_unary),
+    "codex": Route("Codex turn (responses)", "/v1/responses",
+                   _agent_body("codex-0.171.0.json", 1, "max_output_tokens"), _responses_stream, _responses_unary,
+                   headers=_agent_headers("codex-0.171.0.json", 1, ("session-id",)), baseline="chat-as-codex"),
 }
+
+
+BASELINES = frozenset(route.baseline for route in ROUTES.values())
 
 
 def _serves(name: str, mode: str) -> bool:
@@ -522,8 +595,8 @@ def summarize(runs: list[dict[str, dict[str, Any]]], names: list[str], modes: li
                                     ("rps", "p50_ms", "frontend_cpu_ms_per_req", "frontend_core_busy_pct",
                                      "engine_cpu_ms_per_req", "others_cpu_pct")}
                     medians[key]["runs"] = len(clean)
-                base = _key("chat", mode, c)
-                if name == "chat" or "chat" not in names:
+                base = _key(ROUTES[name].baseline, mode, c)
+                if name == ROUTES[name].baseline or ROUTES[name].baseline not in names or name in BASELINES:
                     continue
                 per_run = [run[key]["frontend_cpu_ms_per_req"] / run[base]["frontend_cpu_ms_per_req"]
                            for run in runs if not run[key]["errors"] and not run[base]["errors"]
@@ -538,7 +611,7 @@ def report(summary: dict[str, Any], names: list[str], modes: list[str], args: ar
     medians, ratios, errors = summary["medians"], summary["cpu_ratio_vs_chat"], summary["errors"]
     head = "| route | mode |"
     for c in CONCURRENCIES:
-        head += f" req/s c={c} | frontend CPU ms/req c={c} | vs chat c={c} |"
+        head += f" req/s c={c} | frontend CPU ms/req c={c} | vs baseline c={c} |"
     lines = [f"api_routes_bench: frontend CPU per request by route, max tokens {args.max_tokens}, "
              f"{args.duration:g} s per route and level in {args.rounds} rounds, median of {args.repeat} runs; frontend on core {FRONTEND_CORE}, "
              f"engine + load generator on core {ENGINE_CORE}", "", head + " errors |",
@@ -553,7 +626,7 @@ def report(summary: dict[str, Any], names: list[str], modes: list[str], args: ar
                 if m is None:
                     row += " n/a | n/a | n/a |"
                 else:
-                    vs = "1 (baseline)" if name == "chat" else f"{r['cpu_vs_chat']:.2f}x" if r else "n/a"
+                    vs = "1 (baseline)" if name in BASELINES else f"{r['cpu_vs_chat']:.2f}x" if r else "n/a"
                     row += f" {fmt(m['rps'])} | {m['frontend_cpu_ms_per_req']:.3f} | {vs} |"
                 if key in errors:
                     e = errors[key]
@@ -562,12 +635,13 @@ def report(summary: dict[str, Any], names: list[str], modes: list[str], args: ar
     lines.append("")
     for mode in modes:
         for name in filter(lambda n: _serves(n, mode), names):
-            if name == "chat":
+            if name in BASELINES:
                 continue
             r = {c: ratios.get(_key(name, mode, c)) for c in CONCURRENCIES}
             parts = [f"{r[c]['cpu_vs_chat']:.2f}x at c={c} (runs {r[c]['min']:.2f}-{r[c]['max']:.2f})"
                      for c in reversed(CONCURRENCIES) if r[c]]
-            lines.append(f"- {ROUTES[name].label} {mode}: " + (", ".join(parts) + " chat's CPU per request"
+            base = ROUTES[ROUTES[name].baseline].label
+            lines.append(f"- {ROUTES[name].label} {mode}: " + (", ".join(parts) + f" the CPU per request of {base}"
                                                                 if parts else "no error-free run to compare"))
     if errors:
         lines += ["", "Errors (levels with errors are left out of the medians and ratios):"]
@@ -601,8 +675,9 @@ def main() -> None:
     if not names or set(names) - set(ROUTES) or not args.modes or set(args.modes) - set(MODES):
         parser.error(f"--routes takes {', '.join(ROUTES)}; --modes takes {', '.join(MODES)}")
     names.sort(key=list(ROUTES).index)
-    if "chat" not in names:
-        print("(no chat in --routes: no ratios)", file=sys.stderr)
+    for name in names:
+        if name not in BASELINES and ROUTES[name].baseline not in names:
+            print(f"(no {ROUTES[name].baseline} in --routes: no ratio for {name})", file=sys.stderr)
     args.runs = []
     for index in range(args.repeat):
         args.runs.append(run_once(index, names, args))

@@ -87,5 +87,15 @@ debian_binary etcd-server etcd "the etcd tests"
 # Prometheus, for the planner's Prometheus traffic source (tests/test_planner_prometheus.py); the server alone,
 # its web UI's JavaScript packages are not needed for the HTTP API.
 debian_binary prometheus prometheus "the planner's Prometheus tests"
+# The agent command-line clients the tests drive against tandem (tests/test_agent_clis.py), pinned, from npm.
+# Claude Code's install script puts its platform's native binary in place.
+AGENT_CLIS=("@anthropic-ai/claude-code@2.1.197" "@openai/codex@0.171.0")
+if command -v npm >/dev/null 2>&1; then
+  mkdir -p "$VENV/agents"
+  npm install --prefix "$VENV/agents" --no-audit --no-fund --no-save --loglevel=error \
+    "${AGENT_CLIS[@]}" >/dev/null || echo "warning: the agent CLIs (${AGENT_CLIS[*]}) did not install from npm" >&2
+else
+  echo "warning: no npm here: the agent CLI tests (Claude Code, Codex) need Node.js and npm" >&2
+fi
 echo "$engine" > "$VENV/.tandem-installed"
 echo "tandem installed ($engine) in $VENV"

@@ -302,7 +302,8 @@ def test_api_key(deployment, client):
     ({"temperature": 3}, "temperature"),
     ({"max_tokens": None}, "max_tokens"),
     ({"tools": [WEATHER, {"name": "f", "input_schema": "none"}]}, "tools[1].input_schema"),
-    ({"tools": [{"type": "web_search_20250305", "name": "web_search", "max_uses": 5}]}, "tools[0].type"),
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search", "max_uses": 5}],
+      "tool_choice": {"type": "tool", "name": "web_search"}}, "tool_choice.name"),
 ])
 def test_bad_input_is_a_400_naming_the_field(deployment, client, fields, param):
     body = {"model": "plain", "max_tokens": 16, "messages": say("x"), **fields}
@@ -313,6 +314,14 @@ def test_bad_input_is_a_400_naming_the_field(deployment, client, fields, param):
     assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
     assert param in error["error"]["message"]
     still_serving(client)
+
+
+def test_server_tools_are_left_out_with_a_warning(deployment):
+    for stream in (False, True):
+        r = post(deployment, "/v1/messages", {"model": "plain", "max_tokens": 16, "messages": say("ok"), "stream": stream,
+                                              "tools": [{"type": "web_search_20250305", "name": "web_search"}, WEATHER]})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-tandem-warning"] == "tools left out (tandem does not run them): web_search"
 
 
 def test_sdk_raises_on_bad_input(client):

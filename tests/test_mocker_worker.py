@@ -244,6 +244,12 @@ def test_invalid_flags_exit_2(smollm2: str) -> None:
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "--block-size must be positive" in proc.stderr
+    from tandem.mocker.args import parse_args
+
+    with pytest.raises(SystemExit) as refused:
+        parse_args(["--model-path", smollm2, "--answer-tokens", "0"])
+    assert refused.value.code == 2
+    assert parse_args(["--model-path", smollm2, "--answer-tokens", "5"]).answer_tokens == 5
 
 
 def _check_logprobs(tokens: list[str], values: list[float], tops: list[int], text: str, top: int,

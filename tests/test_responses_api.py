@@ -589,7 +589,7 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"temperature": 3}, "temperature"),
     ({"top_p": 0}, "top_p"),
-    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"tools": [{"type": "web_search"}], "tool_choice": {"type": "function", "name": "web_search"}}, "tool_choice.name"),
     ({"tools": [{"type": "function", "name": "has space"}]}, "tools[0].name"),
     ({"tools": [{"type": "function"}]}, "tools[0].name"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name"),
@@ -623,6 +623,16 @@ def test_bad_input_is_a_400_naming_the_field(deployment, client, fields, param):
         assert error.keys() == {"message", "type", "param", "code"}
         assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
     serves(client)
+
+
+def test_hosted_tools_are_left_out_with_a_warning(deployment, client):
+    for stream in (False, True):
+        r = httpx.post(f"{deployment.url}/v1/responses", timeout=60, json={
+            "model": "plain", "input": "[[say:ok]]", "stream": stream, "tools": [{"type": "web_search"}, WEATHER]})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-tandem-warning"] == "tools left out (tandem does not run them): web_search"
+    plain = httpx.post(f"{deployment.url}/v1/responses", json={"model": "plain", "input": "[[say:ok]]"}, timeout=60)
+    assert "x-tandem-warning" not in plain.headers
 
 
 def test_prompt_longer_than_the_context_is_a_400(deployment, client):

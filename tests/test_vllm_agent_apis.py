@@ -3,11 +3,12 @@ on the session's shared "aggregated" engines (tests/engines.py: their cards name
 the qwen3 reasoning parser): a function tool round trip (the call forced by tool_choice, which guided decoding
 makes valid on a 135M model; the tool's result sent back; a text answer), structured output generated under a
 JSON schema, and greedy streamed answers equal to unary ones. Every answer the SDKs get is also checked against
-their own models (tests/shapes.py)."""
+their own models (tests/shapes.py). Last, requests as the Claude Code and Codex CLIs sent them (tests/agents)."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any, Literal
 
 import anthropic
@@ -33,6 +34,9 @@ PLACE_QUESTION = "Give the capital of France as JSON."
 GREEDY = {"model": MODEL, "temperature": 0}
 # (the anthropic SDK no longer takes temperature as an argument; the API, and tandem, still do)
 GREEDY_MESSAGES = {"model": MODEL, "extra_body": {"temperature": 0}}
+AGENTS = Path(__file__).parent / "agents"
+CLAUDE_CODE = json.loads((AGENTS / "claude-code-2.1.197.json").read_text())
+CODEX = json.loads((AGENTS / "codex-0.171.0.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -164,3 +168,35 @@ def test_messages_structured_output_under_a_json_schema(claude):
         assert "".join(stream.text_stream) == shaped.content[0].text
     free = claude.messages.create(**{k: v for k, v in ask.items() if k != "output_config"})
     assert free.content[0].text != shaped.content[0].text
+
+
+# -- real agent requests ---------------------------------------------------------------------------------------
+
+
+def agent_request(frontend: Any, captured: dict[str, Any], **changes: Any) -> tuple[int, list[dict[str, Any]]]:
+    """A request an agent CLI sent (tests/agents), for this deployment's model: its status and its events
+    (streamed) or its body (a 400)."""
+    body = {**captured["body"], "model": MODEL, **changes}
+    headers = {k: v for k, v in captured["headers"].items() if k.startswith(("anthropic-", "x-claude", "session"))}
+    path = captured["path"].split("?")[0]
+    with httpx2.stream("POST", f"{frontend.url}{path}", json=body, headers=headers, timeout=600) as response:
+        if response.status_code != 200:
+            return response.status_code, [json.loads(response.read())]
+        return 200, [json.loads(line.removeprefix("data: ")) for line in response.iter_lines()
+                     if line.startswith("data: ")]
+
+
+def test_agent_requests_on_a_real_engine(frontend):
+    """Claude Code's and Codex's turns, as the CLIs sent them, do not fit these engines' context (1,024 tokens):
+    each route refuses them in its own error shape, naming the context length. Claude Code's side request
+    (a session title under a JSON schema) fits, and vLLM answers it under guided decoding."""
+    status, [error] = agent_request(frontend, CLAUDE_CODE[2])
+    assert status == 400 and error["type"] == "error", error
+    assert "maximum context length is 1024 tokens, but the prompt has at least 3069" in error["error"]["message"]
+    status, [error] = agent_request(frontend, CODEX[1])
+    assert status == 400 and "maximum context length is 1024 tokens" in error["error"]["message"], error
+    status, events = agent_request(frontend, CLAUDE_CODE[0], max_tokens=48)
+    assert status == 200 and events[-1]["type"] == "message_stop"
+    stop = next(e for e in events if e["type"] == "message_delta")["delta"]["stop_reason"]
+    text = "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta")
+    assert stop in ("end_turn", "max_tokens") and text.lstrip().startswith("{"), (stop, text)

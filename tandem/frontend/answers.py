@@ -73,7 +73,9 @@ def openai_error(error: openai.RequestError) -> dict[str, Any]:
 class Answer(ABC):
     """One request's answer in its route's format. Streaming: `opening()`, `delta()` per processed
     delta, then `closing()` or, when the request fails midway, `failure()`. Unary: `collect()` per
-    processed delta, then `body()`."""
+    processed delta, then `body()`. `headers`: the route's own response headers (a warning, say)."""
+
+    headers: dict[str, str] = {}
 
     def opening(self) -> list[bytes]:
         return []

@@ -1,15 +1,18 @@
 """Anthropic's Messages API (`POST /v1/messages`, `POST /v1/messages/count_tokens`): request bodies
 checked in Anthropic's terms and mapped onto a chat request, answers and errors in Anthropic's shapes.
 
-Requests: `system` becomes a leading system message; content blocks become chat messages (`tool_use`
-blocks the assistant's `tool_calls`, each `tool_result` a `tool` message, `thinking` blocks the
-assistant's `reasoning_content`; `redacted_thinking` is dropped, its text being opaque); `tools` become
-function tools and `tool_choice` tandem's none / auto / required / forced function; `thinking` switches
+Requests: `system` becomes a leading system message, and a system message among `messages` stays where it
+was given; content blocks become chat messages (`tool_use` blocks the assistant's `tool_calls`, each
+`tool_result` a `tool` message, `thinking` blocks the assistant's `reasoning_content`; `redacted_thinking`
+is dropped, its text being opaque); client `tools` become function tools (Anthropic's versioned server
+tools are left out, with a warning header) and `tool_choice` tandem's none / auto / required / forced
+function; `context_management` clears old thinking as asked; `thinking` switches
 the chat template's `enable_thinking` and, on a model served with a reasoning parser, bounds the thinking
 with its `budget_tokens`; `output_config.format` is guided decoding. `cache_control` is accepted anywhere
 and ignored: tandem caches prompt prefixes by itself (and its router sends a request to the worker that
 holds most of it), so there are no cache breakpoints to set. Images and documents are refused by name:
-multimodal input is not served yet. Unknown top-level fields are ignored, as on the OpenAI routes.
+multimodal input is not served yet. Unknown top-level fields and beta names are accepted and logged once
+(`tolerant.py`).
 
 Answers: content blocks in the order the model writes them (`thinking`, `text`, `tool_use`), streamed
 as Anthropic's events. Usage follows Anthropic's split: `input_tokens` are the prompt tokens the engine
@@ -18,12 +21,14 @@ computed, `cache_read_input_tokens` those it found in its prefix cache (their su
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import msgspec
 
 from tandem.frontend import openai
 from tandem.frontend.answers import Answer, Ending, Outcome, Usage
+from tandem.frontend.tolerant import TolerantDecoder, left_out_header, notice
 from tandem.llm.parsers import ParsedDelta
 from tandem.llm.postprocess import ProcessedDelta
 
@@ -81,7 +86,7 @@ _Block = _Text | _Image | _Document | _ToolUse | _ToolResult | _Thinking | _Reda
 
 
 class _Message(msgspec.Struct):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # system: an instruction given mid-conversation
     content: str | list[_Block]
 
 
@@ -134,6 +139,22 @@ class _Metadata(msgspec.Struct):
     user_id: str | None = None
 
 
+class _Keep(msgspec.Struct):
+    type: str
+    value: int
+
+
+class _ContextEdit(msgspec.Struct):
+    """One of `context_management.edits`; only `clear_thinking_*` changes the prompt here (`_manage_context`)."""
+
+    type: str
+    keep: _Keep | Literal["all"] | None = None
+
+
+class _ContextManagement(msgspec.Struct):
+    edits: list[_ContextEdit] = []
+
+
 class _CountBody(msgspec.Struct, kw_only=True):
     """A /v1/messages/count_tokens body as it comes over the wire: what makes the prompt."""
 
@@ -143,6 +164,7 @@ class _CountBody(msgspec.Struct, kw_only=True):
     tools: list[_Tool] | None = None
     tool_choice: _Auto | _AnyTool | _NamedTool | _NoTool | None = None
     thinking: _Enabled | _Disabled | _Adaptive | None = None
+    context_management: _ContextManagement | None = None
 
 
 class _MessagesBody(_CountBody, kw_only=True):
@@ -158,8 +180,8 @@ class _MessagesBody(_CountBody, kw_only=True):
     output_config: _OutputConfig | None = None
 
 
-_messages_decoder = msgspec.json.Decoder(_MessagesBody)
-_count_decoder = msgspec.json.Decoder(_CountBody)
+_messages_reader = TolerantDecoder(_MessagesBody, "/v1/messages")
+_count_reader = TolerantDecoder(_CountBody, "/v1/messages/count_tokens")
 _RANGES: list[openai.Range] = [
     ("max_tokens", lambda v: 1 <= v < 2**32, "max_tokens must be between 1 and 4294967295 (got {})"),
     ("temperature", lambda v: 0.0 <= v <= 1.0, "temperature must be between 0 and 1 (got {})"),
@@ -172,6 +194,23 @@ MIN_THINKING_BUDGET = 1024  # Anthropic's least budget_tokens
 _BILLING_HEADER = "x-anthropic-billing-header:"
 # Anthropic's efforts above "high" have no counterpart in chat templates' reasoning_effort.
 _EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
+
+
+# Beta features whose meaning tandem serves (what each does here is in docs/frontend.md); other names in
+# `anthropic-beta` are logged once and the request is served as without them.
+SERVED_BETAS = frozenset(("claude-code-20250219", "interleaved-thinking-2025-05-14", "effort-2025-11-24",
+                          "mid-conversation-system-2026-04-07", "structured-outputs-2025-11-13",
+                          "structured-outputs-2025-12-15", "context-management-2025-06-27",
+                          "thinking-token-count-2026-05-13", "prompt-caching-scope-2026-01-05",
+                          "token-counting-2024-11-01"))  # fmt: skip
+
+
+def note_betas(header: str | None) -> None:
+    """Log, once each, the beta features a request names that tandem does not serve."""
+    for name in (header or "").split(","):
+        name = name.strip()
+        if name and name not in SERVED_BETAS:
+            notice.once(f"anthropic-beta {name!r}", "not served: the request is answered as without it")
 
 
 class MessagesRequest(msgspec.Struct, kw_only=True):
@@ -194,6 +233,7 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     top_k: int | None = None
     reasoning_effort: str | None = None
     user: str | None = None
+    left_out_tools: list[str] = []  # tools of the request not offered to the model (see `_tools`)
 
     def chat(self, *, reasoning: bool) -> openai.ChatRequest:
         """The chat request; `reasoning`: the model is served with a reasoning parser, which is what
@@ -210,7 +250,7 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
 
 def parse_messages_request(body: bytes) -> MessagesRequest:
     """Decode and check a /v1/messages body; raises RequestError naming the field at fault."""
-    raw: _MessagesBody = openai.decode_body(_messages_decoder, body)
+    raw = _messages_reader.decode(body) or openai.decode_body(_messages_reader.lenient, body)
     openai.check_ranges(raw, _RANGES)
     if raw.stop_sequences is not None and len(raw.stop_sequences) > openai.MAX_STOP:
         raise openai.fail("stop_sequences", f"at most {openai.MAX_STOP} stop sequences are allowed "
@@ -233,7 +273,7 @@ def parse_messages_request(body: bytes) -> MessagesRequest:
 
 def parse_count_tokens_request(body: bytes) -> MessagesRequest:
     """Decode and check a /v1/messages/count_tokens body (no max_tokens, no stream); raises RequestError."""
-    return _prompt(openai.decode_body(_count_decoder, body), None)
+    return _prompt(_count_reader.decode(body) or openai.decode_body(_count_reader.lenient, body), None)
 
 
 def _prompt(raw: _CountBody, guided: openai.GuidedDecoding | None) -> MessagesRequest:
@@ -246,14 +286,41 @@ def _prompt(raw: _CountBody, guided: openai.GuidedDecoding | None) -> MessagesRe
     if budget is not None and not MIN_THINKING_BUDGET <= budget < 2**32:  # engines count tokens in 32 bits
         raise openai.fail("thinking.budget_tokens", f"budget_tokens must be between {MIN_THINKING_BUDGET} and "
                                                     f"4294967295 (got {budget}).")
-    tools = _tools(raw.tools or [])
-    tool_fields, parallel = _tool_choice(raw.tool_choice, tools, guided)
-    return MessagesRequest(model=raw.model, stream=False, max_tokens=None,
-                           messages=_system(raw.system) + _messages(raw.messages),
+    tools, left_out = _tools(raw.tools or [])
+    tool_fields, parallel = _tool_choice(raw.tool_choice, tools, left_out, guided)
+    messages = _system(raw.system) + _messages(raw.messages)
+    if raw.context_management is not None:
+        messages = _manage_context(messages, raw.context_management)
+    return MessagesRequest(model=raw.model, stream=False, max_tokens=None, messages=messages,
                            tools=[{"type": "function", "function": f} for f in tools.values()],
                            tool_fields=tool_fields, parallel_tool_calls=parallel,
                            thinking=None if raw.thinking is None else not isinstance(raw.thinking, _Disabled),
-                           thinking_budget=budget)
+                           thinking_budget=budget, left_out_tools=left_out)
+
+
+def _manage_context(messages: list[dict[str, Any]], config: _ContextManagement) -> list[dict[str, Any]]:
+    """The context edits tandem applies: `clear_thinking_*` drops the thinking of all but the last `keep`
+    assistant turns that have some (one by default, none dropped with "all"). Other edits (clearing old
+    tool results past a token threshold) are left undone and logged: the prompt is then longer, never
+    different in meaning, and a prompt that no longer fits is refused with the context length."""
+    for i, edit in enumerate(config.edits):
+        if not edit.type.startswith("clear_thinking_"):
+            notice.once(f"context_management edit {edit.type!r}", "not applied: the conversation is sent whole")
+            continue
+        keep = edit.keep
+        if isinstance(keep, str):  # "all"
+            continue
+        if keep is not None and (keep.type != "thinking_turns" or keep.value < 0):
+            raise openai.fail(f"context_management.edits[{i}].keep",
+                              "keep must be 'all' or {'type': 'thinking_turns', 'value': N >= 0}.")
+        turns = 1 if keep is None else keep.value
+        thinking = [j for j, m in enumerate(messages) if "reasoning_content" in m]
+        dropped = thinking[: max(len(thinking) - turns, 0)]
+        if dropped:
+            messages = list(messages)
+            for j in dropped:
+                messages[j] = {k: v for k, v in messages[j].items() if k != "reasoning_content"}
+    return messages
 
 
 def _system(system: str | list[_Text] | None) -> list[dict[str, Any]]:
@@ -263,6 +330,8 @@ def _system(system: str | list[_Text] | None) -> list[dict[str, Any]]:
 
 
 def _messages(messages: list[_Message]) -> list[dict[str, Any]]:
+    """The conversation as chat messages; a system message in it stays where it was given (the chat
+    template places it, see `ChatTemplate`)."""
     out: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
         p = f"messages[{i}]"
@@ -271,9 +340,18 @@ def _messages(messages: list[_Message]) -> list[dict[str, Any]]:
             out.append({"role": message.role, "content": content})
         elif message.role == "assistant":
             out.append(_assistant(content, p))
+        elif message.role == "system":
+            out.append({"role": "system", "content": _texts(content, p, "system messages")})
         else:
             out.extend(_user(content, p))
     return out
+
+
+def _texts(blocks: Sequence[_Block], p: str, where: str) -> str:
+    for j, block in enumerate(blocks):
+        if not isinstance(block, _Text):
+            raise _misplaced(block, f"{p}.content[{j}]", where)
+    return "\n".join(b.text for b in blocks if isinstance(b, _Text))
 
 
 def _assistant(blocks: list[_Block], p: str) -> dict[str, Any]:
@@ -317,13 +395,7 @@ def _user(blocks: list[_Block], p: str) -> list[dict[str, Any]]:
 
 
 def _result_text(result: _ToolResult, p: str) -> str:
-    if isinstance(result.content, str):
-        text = result.content
-    else:
-        for k, block in enumerate(result.content):
-            if not isinstance(block, _Text):
-                raise _misplaced(block, f"{p}.content[{k}]", "a tool_result")
-        text = "\n".join(b.text for b in result.content if isinstance(b, _Text))
+    text = result.content if isinstance(result.content, str) else _texts(result.content, p, "a tool_result")
     # The chat message has no error flag: the text says it, or the model would read a failure as a result.
     return f"Error: {text}" if result.is_error else text
 
@@ -336,14 +408,18 @@ def _misplaced(block: _Block, param: str, where: str) -> openai.RequestError:
     return openai.fail(param, f"{kind} blocks are not allowed in {where}.")
 
 
-def _tools(tools: list[_Tool]) -> dict[str, dict[str, Any]]:
-    """The client tools as chat functions, by name."""
+def _tools(tools: list[_Tool]) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """The client tools as chat functions, by name, and the names of the tools left out: Anthropic's
+    versioned tools (`web_search_20250305`, `bash_20250124`, ...) run on Anthropic's servers or follow a
+    schema only Anthropic's models are trained on, so the model here is not offered them."""
     functions: dict[str, dict[str, Any]] = {}
+    left_out: list[str] = []
     for i, tool in enumerate(tools):
         p = f"tools[{i}]"
         if tool.type not in (None, "custom"):
-            raise openai.fail(f"{p}.type", f"tool type {tool.type!r} is an Anthropic server tool, which tandem does "
-                                           "not run: only client tools (name, description, input_schema) are served.")
+            notice.once(f"tool type {tool.type!r}", "left out of the model's tools: tandem does not run it")
+            left_out.append(tool.name)
+            continue
         if not tool.name:
             raise openai.fail(f"{p}.name", "a tool name must be a non-empty string.")
         if tool.name in functions:
@@ -357,12 +433,14 @@ def _tools(tools: list[_Tool]) -> dict[str, dict[str, Any]]:
         if tool.description is not None:
             function["description"] = tool.description
         functions[tool.name] = function
-    return functions
+    return functions, left_out
 
 
 def _tool_choice(choice: _Auto | _AnyTool | _NamedTool | _NoTool | None, tools: dict[str, dict[str, Any]],
-                 guided: openai.GuidedDecoding | None) -> tuple[dict[str, Any], bool | None]:
+                 left_out: list[str], guided: openai.GuidedDecoding | None) -> tuple[dict[str, Any], bool | None]:
     """The chat request's tool fields and parallel_tool_calls for Anthropic's tool_choice."""
+    if isinstance(choice, _NamedTool) and choice.name in left_out:
+        raise openai.fail("tool_choice.name", f"tool_choice names tool {choice.name!r}, which tandem does not run.")
     if isinstance(choice, _NoTool) or not tools:
         if isinstance(choice, _AnyTool | _NamedTool):
             raise openai.fail("tool_choice", f"tool_choice {type(choice).__struct_config__.tag!r} needs at least "
@@ -432,7 +510,9 @@ class MessagesAnswer(Answer):
 
     error_body = staticmethod(error_body)
 
-    def __init__(self, model: str, message_id: str, input_tokens: int) -> None:
+    def __init__(self, model: str, message_id: str, input_tokens: int, left_out_tools: Sequence[str] = ()) -> None:
+        if left_out_tools:
+            self.headers = left_out_header(left_out_tools)
         self.model = model
         self.message_id = message_id
         self.input_tokens = input_tokens

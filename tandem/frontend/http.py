@@ -454,27 +454,29 @@ class FrontendServer:
         return names[0]
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
-        body, model, chat = await self._anthropic(request, anthropic.parse_messages_request, "/v1/messages")
+        anthropic.note_betas(request.headers.get("anthropic-beta"))
+        body, model, parsed, chat = await self._anthropic(request, anthropic.parse_messages_request, "/v1/messages")
 
         def answer(request_id: str, prepared: Prepared) -> Answer:
-            return anthropic.MessagesAnswer(model.name, f"msg_{request_id}", len(prepared.prompt_ids))
+            return anthropic.MessagesAnswer(model.name, f"msg_{request_id}", len(prepared.prompt_ids),
+                                            parsed.left_out_tools)
 
         return await self._serve(request, chat, len(body), model.pipeline, "messages", answer)
 
     async def count_message_tokens(self, request: web.Request) -> web.Response:
         route = "/v1/messages/count_tokens"
-        body, model, chat = await self._anthropic(request, anthropic.parse_count_tokens_request, route)
+        body, model, _, chat = await self._anthropic(request, anthropic.parse_count_tokens_request, route)
         count = await _token_input(model, route).count_prompt_tokens(chat, len(body))
         return web.json_response({"input_tokens": count})
 
     async def _anthropic(self, request: web.Request, parse: Callable[[bytes], anthropic.MessagesRequest],
-                         route: str) -> tuple[bytes, ServedModel, openai.ChatRequest]:
-        """A Messages API body, its model, and the chat request it means for that model."""
+                         route: str) -> tuple[bytes, ServedModel, anthropic.MessagesRequest, openai.ChatRequest]:
+        """A Messages API body, its model, the request, and the chat request it means for that model."""
         body = await self._body(request)
         parsed = parse(body)
         model = self._model(parsed.model, ModelType.Chat, route)
         reasoning = _token_input(model, route).parsers.reasoning is not None
-        return body, model, parsed.chat(reasoning=reasoning)
+        return body, model, parsed, parsed.chat(reasoning=reasoning)
 
     async def _serve(self, request: web.Request, req: openai.AnyRequest, body_size: int, pipeline: ModelPipeline,
                      endpoint: str, answer_for: AnswerFactory) -> web.StreamResponse:
@@ -508,7 +510,8 @@ class FrontendServer:
             exchange = Exchange(model_name, request_id, context, attempt, outcome, processor, prepared.parser,
                                 answer, prompt_tokens, first, outputs)
             if req.stream:
-                response = web.StreamResponse(headers=SSE_HEADERS)
+                headers = {**SSE_HEADERS, **answer.headers} if answer.headers else SSE_HEADERS
+                response = web.StreamResponse(headers=headers)
                 await response.prepare(request)
                 if req.ext.annotations:
                     await response.write(_annotation_events(req, prepared))
@@ -597,7 +600,8 @@ class FrontendServer:
         except (StreamIncompleteError, RemoteError, NoWorkerError) as e:
             return self._failure(e, exchange.model, endpoint, answer.error_body), False
         body = answer.body(exchange.outcome, self._ending(exchange))
-        return web.Response(body=msgspec.json.encode(body), content_type="application/json"), True
+        return web.Response(body=msgspec.json.encode(body), content_type="application/json",
+                            headers=answer.headers or None), True
 
     @staticmethod
     def _ending(exchange: Exchange) -> Ending:

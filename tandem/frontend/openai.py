@@ -151,6 +151,15 @@ class StructuredOutputs(msgspec.Struct):
 _InstanceId = Annotated[int, msgspec.Meta(ge=0)]
 
 
+class AgentContext(msgspec.Struct, omit_defaults=True):
+    """Dynamo's `nvext.agent_context`: the agent session a request belongs to (routing keeps a session on
+    one worker, see `frontend.routing`)."""
+
+    session_id: str | None = None
+    session_type_id: str | None = None
+    trajectory_id: str | None = None
+
+
 class Nvext(msgspec.Struct, omit_defaults=True):
     """Dynamo's request extensions (`nvext`); fields not listed here are kept in `extra`."""
 
@@ -162,6 +171,7 @@ class Nvext(msgspec.Struct, omit_defaults=True):
     greed_sampling: bool | None = None
     cache_salt: str | None = None
     max_thinking_tokens: Annotated[int, msgspec.Meta(ge=0, lt=_U32)] | None = None
+    agent_context: AgentContext | None = None
     extra: dict[str, Any] = {}
 
 
@@ -644,17 +654,19 @@ def chat_request(*, model: str, messages: list[dict[str, Any]], stream: bool, ma
                  tools: list[dict[str, Any]] | None = None, tool_fields: dict[str, Any] | None = None,
                  parallel_tool_calls: bool | None = None, guided: GuidedDecoding | None = None,
                  max_thinking_tokens: int | None = None, fit_max_tokens: bool = False,
-                 names: FieldNames = CHAT_NAMES, **sampling: Any) -> ChatRequest:
+                 names: FieldNames = CHAT_NAMES, session_id: str | None = None, **sampling: Any) -> ChatRequest:
     """The ChatRequest another route's request means, its fields already checked in that route's terms:
     `messages` and `tools` in chat's shape, `tool_fields` from `tool_choice_fields`, `sampling` among
     temperature, top_p, top_k, stop, reasoning_effort, chat_template_kwargs and user; `fit_max_tokens`:
     a max_tokens beyond what the context leaves is lowered to fit; `names`: the route's names of the
-    fields the pipeline's errors name."""
+    fields the pipeline's errors name; `session_id`: the agent session the request belongs to."""
     fields = tool_fields or {"tool_choice": "auto" if tools else "none"}
     if guided is not None and "guided" not in fields:
         fields = {**fields, "guided": guided}
+    agent = AgentContext(session_id=session_id) if session_id else None
     return ChatRequest(model=model, messages=messages, stream=stream, max_tokens=max_tokens, tools=tools or None,
-                       parallel_tool_calls=parallel_tool_calls, ext=Nvext(max_thinking_tokens=max_thinking_tokens),
+                       parallel_tool_calls=parallel_tool_calls,
+                       ext=Nvext(max_thinking_tokens=max_thinking_tokens, agent_context=agent),
                        fit_max_tokens=fit_max_tokens, names=names, **fields, **sampling)
 
 
@@ -762,9 +774,18 @@ _ROUTING_HEADERS: dict[str, tuple[str, ...]] = {
     "priority": (PRIORITY_HEADER,),
 }
 _NVEXT_HINTS = ("backend_instance_id", "prefill_worker_id", "decode_worker_id", "cache_salt")
+# An agent's session: Dynamo's header, then the ones Claude Code and Codex send with every turn.
+SESSION_HEADERS = ("x-dynamo-session-id", "x-claude-code-session-id", "session-id")
+MAX_SESSION_ID = 256
 # vLLM's priority is any integer (lower first); Dynamo carries it as an i32. The rest are ids and ranks.
 _HEADER_RANGES = {"priority": (-(2**31), 2**31)}
 _ID_RANGE = (0, 2**64)
+
+
+def _session_id(value: str | None, param: str) -> str | None:
+    if value is not None and len(value) > MAX_SESSION_ID:  # a key, not a payload: the routers hash it
+        raise fail(param, f"'{param}' must be at most {MAX_SESSION_ID} characters (got {len(value)}).")
+    return value
 
 
 def hint_param(name: str, headers: Mapping[str, str]) -> str:
@@ -777,8 +798,13 @@ def routing_hints(req: AnyRequest | None, headers: Mapping[str, str] | None = No
     None when nothing was asked for. The whole request pinned to one worker (`backend_instance_id`) has no
     legs of its own to pin: given with `prefill_worker_id` or `decode_worker_id`, a 400 names the other."""
     hints: dict[str, Any] = {name: getattr(req.ext, name) for name in _NVEXT_HINTS} if req is not None else {}
+    if req is not None and req.ext.agent_context is not None:
+        hints["session_id"] = _session_id(req.ext.agent_context.session_id, "nvext.agent_context.session_id")
     lower = {k.lower(): v for k, v in headers.items()} if headers else {}
     if lower:
+        key = next((k for k in SESSION_HEADERS if k in lower), None)
+        if key is not None and lower[key]:
+            hints["session_id"] = _session_id(lower[key], key)
         for name, keys in _ROUTING_HEADERS.items():
             for key in (k for k in keys if k in lower):
                 try:

@@ -219,6 +219,9 @@ _TEXT_PART = {"type": "object", "required": ["type", "text"],
               "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
 _CONTENT = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]}
 _FUNCTION_NAME = {"type": "string", "pattern": "^[A-Za-z0-9_.\\-]{1,64}$"}
+_RESPONSES_FUNCTION = {"type": "object", "required": ["type", "name"],
+                       "properties": {"type": {"const": "function"}, "name": _FUNCTION_NAME, "description": _STRING,
+                                      "parameters": _OBJECT, "strict": _BOOL}}  # fmt: skip
 _TOOL = {"type": "object", "required": ["type", "function"],
          "properties": {"type": {"const": "function"},
                         "function": {"type": "object", "required": ["name"],
@@ -289,10 +292,14 @@ def _responses_request(model: dict[str, Any]) -> dict[str, Any]:
             "max_output_tokens": _int(1, 2**63 - 1),
             "temperature": _number(minimum=0, maximum=2),
             "top_p": _number(exclusiveMinimum=0, maximum=1),
-            "tools": _nullable({"type": "array", "items": {
-                "type": "object", "required": ["type", "name"],
-                "properties": {"type": {"const": "function"}, "name": _FUNCTION_NAME, "description": _STRING,
-                               "parameters": _OBJECT, "strict": _BOOL}}}),
+            # Function tools; a namespace tool's functions; hosted tools (left out, with a warning header).
+            "tools": _nullable({"type": "array", "items": {"anyOf": [
+                _RESPONSES_FUNCTION,
+                {"type": "object", "required": ["type", "name", "tools"],
+                 "properties": {"type": {"const": "namespace"}, "name": {"type": "string"}, "description": _STRING,
+                                "tools": {"type": "array", "items": {"type": "object", "required": ["type"]}}}},
+                {"type": "object", "required": ["type"],
+                 "properties": {"type": {"type": "string", "not": {"enum": ["function", "namespace"]}}}}]}}),
             "tool_choice": _nullable({"anyOf": [{"enum": ["none", "auto", "required"]}, {
                 "type": "object", "required": ["type", "name"],
                 "properties": {"type": {"const": "function"}, "name": {"type": "string"}}}]}),
@@ -380,16 +387,19 @@ def _messages_prompt(model: dict[str, Any]) -> dict[str, Any]:
         "model": model,
         "messages": {"type": "array", "minItems": 1, "items": {
             "type": "object", "required": ["role", "content"],
-            "properties": {"role": {"enum": ["user", "assistant"]},
+            "properties": {"role": {"enum": ["user", "assistant", "system"]},
                            "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _A_BLOCK}]}}}},
         # A list of blocks that can only be text: the type may be left out.
         "system": _nullable({"anyOf": [{"type": "string"}, {"type": "array", "items": _A_TEXT | {"required": ["text"]}}]}),
-        "tools": _nullable({"type": "array", "items": {
-            "type": "object", "required": ["name", "input_schema"],
-            "properties": {"name": {"type": "string", "minLength": 1}, "description": _STRING,
-                           "type": _nullable({"const": "custom"}),
-                           "input_schema": {"type": "object", "required": ["type"],
-                                            "properties": {"type": {"const": "object"}}}}}}),
+        # Client tools; Anthropic's versioned tools (a `type` other than custom: left out, with a warning header).
+        "tools": _nullable({"type": "array", "items": {"anyOf": [
+            {"type": "object", "required": ["name", "input_schema"],
+             "properties": {"name": {"type": "string", "minLength": 1}, "description": _STRING,
+                            "type": _nullable({"const": "custom"}),
+                            "input_schema": {"type": "object", "required": ["type"],
+                                             "properties": {"type": {"const": "object"}}}}},
+            {"type": "object", "required": ["type", "name"],
+             "properties": {"type": {"type": "string", "not": {"const": "custom"}}, "name": {"type": "string"}}}]}}),
         "tool_choice": _nullable(_A_TOOL_CHOICE),
         "thinking": _nullable(_A_THINKING),
     }

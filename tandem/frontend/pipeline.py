@@ -28,7 +28,14 @@ from tandem.frontend.disagg import (
 from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.models import ModelManager, ServedModel
 from tandem.frontend.preprocess import ParserNames, Preprocessor
-from tandem.frontend.routing import LoadMonitor, NoWorkerError, Selector, make_selector
+from tandem.frontend.routing import (
+    LoadMonitor,
+    NoWorkerError,
+    Selector,
+    by_session,
+    make_selector,
+    session_of,
+)
 from tandem.llm.model_card import ModelInput
 from tandem.llm.protocols import (
     EmbeddingRequest,
@@ -206,9 +213,12 @@ class ModelPipeline:
             if decode_stage:
                 override = decode_stage_override(override, self.kv_router.config.conditional_disagg)
             routed = self.kv_router.select(request_id, request.token_ids, candidates, override=override,
-                                           dp_rank=request.dp_rank, hashes=hashes, **self._cache_keys(request))
+                                           dp_rank=request.dp_rank, hashes=hashes, session=session_of(request),
+                                           **self._cache_keys(request))
             return routed.decision.worker_id, routed.decision.dp_rank, routed
-        return self.selector.select(candidates, request), None, None
+        session = session_of(request)
+        instance = by_session(candidates, session) if session else self.selector.select(candidates, request)
+        return instance, None, None
 
     # -- generation with migration -------------------------------------------------------------
     async def generate(self, request: PreprocessedRequest | EmbeddingRequest | dict[str, Any], context: Context,
@@ -386,11 +396,13 @@ class ModelPipeline:
         routed: RoutedRequest | None = None
         if self.prefill_router is not None:
             routed = self.prefill_router.select(
-                context.id(), request.token_ids, candidates, hashes=hashes,
+                context.id(), request.token_ids, candidates, hashes=hashes, session=session_of(request),
                 dp_rank=request.routing.prefill_dp_rank if request.routing else None, **self._cache_keys(request))
             instance, dp_rank = routed.decision.worker_id, routed.decision.dp_rank
         else:
-            instance, dp_rank = self.prefill_selector.select(candidates, request), None
+            session = session_of(request)
+            selected = by_session(candidates, session) if session else self.prefill_selector.select(candidates, request)
+            instance, dp_rank = selected, None
         client = self._client_of(instance)
         stop = msgspec.structs.replace(request.stop_conditions, max_tokens=1, min_tokens=None)
         child = Context(context.id())

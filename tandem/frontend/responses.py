@@ -10,20 +10,23 @@ are OpenAI's shape, as on the other OpenAI routes.
 
 from __future__ import annotations
 
+import base64
 import time
 import uuid
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
 from tandem.frontend import openai
 from tandem.frontend.answers import Answer, Ending, Outcome, Usage
 from tandem.frontend.response_store import ResponseStore, StoredResponse
+from tandem.frontend.tolerant import TolerantDecoder, left_out_header, notice
 from tandem.llm.parsers import ParsedDelta
 from tandem.llm.postprocess import ProcessedDelta
 
 # -- requests --------------------------------------------------------------------------------------
 
+T = TypeVar("T", bound=msgspec.Struct)
 EFFORTS = ("none", *openai.REASONING_EFFORTS, "xhigh")
 # `include` values served: reasoning items always carry their text in `content`, so a client asking for
 # the encrypted form (to pass reasoning back without a stored response) needs nothing more.
@@ -55,11 +58,21 @@ class _FunctionTool(msgspec.Struct):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+    namespace: str | None = None  # the namespace tool it belongs to (set here, not read from the wire)
+
+
+class _Namespace(msgspec.Struct):
+    """A `namespace` tool: a group of function tools, called back as (namespace, name)."""
+
+    name: str
+    tools: list[dict[str, Any]]
+    description: str | None = None
 
 
 class _NamedFunction(msgspec.Struct):
     type: str
     name: str | None = None
+    namespace: str | None = None
 
 
 class _Body(msgspec.Struct, kw_only=True):
@@ -88,9 +101,16 @@ class _Body(msgspec.Struct, kw_only=True):
     prompt: Any = None
     max_tool_calls: int | None = None
     top_logprobs: int | None = None
+    # Accepted, not used: hints to OpenAI's own service. prompt_cache_key names the session (routing).
+    prompt_cache_key: str | None = None
+    client_metadata: dict[str, str] | None = None
+    safety_identifier: str | None = None
+    service_tier: str | None = None
+    prompt_cache_retention: str | None = None
+    stream_options: dict[str, Any] | None = None
 
 
-_decoder = msgspec.json.Decoder(_Body)
+_reader = TolerantDecoder(_Body, "/v1/responses")
 _NAMES = openai.FieldNames(prompt="input", max_tokens="max_output_tokens")
 _RANGES: list[openai.Range] = [
     ("max_output_tokens", lambda v: 1 <= v, "max_output_tokens must be at least 1 (got {})"),
@@ -128,6 +148,10 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     guided: openai.GuidedDecoding | None
     metadata: dict[str, str] | None
     user: str | None
+    session_id: str | None = None  # prompt_cache_key: the session this turn belongs to
+    encrypted_reasoning: bool = False  # include has reasoning.encrypted_content
+    left_out_tools: list[str] = []  # tools of the request not offered to the model (see `_tools`)
+    namespaces: list[_Namespace] = []  # as given, for the echo
 
     def chat(self, history: list[dict[str, Any]]) -> openai.ChatRequest:
         """The chat request: instructions, the earlier conversation (`previous_response_id`), the input."""
@@ -141,12 +165,22 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
         return openai.chat_request(model=self.model, messages=[*system, *history, *self.input], stream=self.stream,
                                    max_tokens=self.max_output_tokens, tools=tools, tool_fields=self.tool_fields,
                                    parallel_tool_calls=self.parallel_tool_calls, guided=self.guided, names=_NAMES,
-                                   **sampling)
+                                   session_id=self.session_id, **sampling)
+
+    def called(self, flat: str) -> tuple[str | None, str]:
+        """(namespace, name) of the function the model called by its flat name."""
+        for tool in self.tools:
+            if tool.namespace is not None and flat_name(tool.namespace, tool.name) == flat:
+                return tool.namespace, tool.name
+        return None, flat
 
     def echo(self) -> dict[str, Any]:
         """The request's settings as a Response object repeats them."""
-        tools = [{"type": "function", "name": t.name, "description": t.description, "parameters": t.parameters,
-                  "strict": t.strict} for t in self.tools]  # fmt: skip
+        tools: list[dict[str, Any]] = [
+            {"type": "function", "name": t.name, "description": t.description, "parameters": t.parameters,
+             "strict": t.strict} for t in self.tools if t.namespace is None]  # fmt: skip
+        tools += [{"type": "namespace", "name": n.name, "description": n.description, "tools": n.tools}
+                  for n in self.namespaces]
         return {"instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
                 "parallel_tool_calls": self.parallel_tool_calls, "previous_response_id": self.previous_response_id,
                 "reasoning": {"effort": self.effort, "summary": self.summary}, "store": self.store,
@@ -155,9 +189,15 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
                 "metadata": self.metadata or {}}  # fmt: skip
 
 
+def flat_name(namespace: str | None, name: str) -> str:
+    """The one name the model sees for a function of a namespace: `namespace__name`, the name agent clients
+    use for it where a namespace cannot be carried."""
+    return name if namespace is None else f"{namespace.rstrip('_')}__{name.lstrip('_')}"
+
+
 def _chat_function(tool: _FunctionTool) -> dict[str, Any]:
     """A function tool in chat's shape, as chat templates read it."""
-    function: dict[str, Any] = {"name": tool.name}
+    function: dict[str, Any] = {"name": flat_name(tool.namespace, tool.name)}
     if tool.description is not None:
         function["description"] = tool.description
     if tool.parameters is not None:
@@ -167,7 +207,7 @@ def _chat_function(tool: _FunctionTool) -> dict[str, Any]:
 
 def parse_request(body: bytes) -> ResponsesRequest:
     """Decode and check a /v1/responses (or /v1/responses/input_tokens) body; raises RequestError."""
-    raw: _Body = openai.decode_body(_decoder, body)
+    raw = _reader.decode(body) or openai.decode_body(_reader.lenient, body)
     if not raw.model:
         raise openai.fail("model", "'model' must be a non-empty string.")
     openai.check_ranges(raw, _RANGES)
@@ -189,8 +229,8 @@ def parse_request(body: bytes) -> ResponsesRequest:
     if effort is not None and effort not in EFFORTS:
         raise openai.fail("reasoning.effort", f"reasoning.effort must be one of {', '.join(EFFORTS)} (got {effort!r}).")
     text_format, guided = _text_format(raw.text.format if raw.text else None)
-    tools = _tools(raw.tools or [])
-    choice, tool_fields = _tool_choice(raw.tool_choice, tools, raw.parallel_tool_calls is not False, guided)
+    tools, namespaces, left_out = _tools(raw.tools or [])
+    choice, tool_fields = _tool_choice(raw.tool_choice, tools, left_out, raw.parallel_tool_calls is not False, guided)
     messages = [{"role": "user", "content": raw.input}] if isinstance(raw.input, str) else input_messages(raw.input)
     return ResponsesRequest(model=raw.model, stream=bool(raw.stream), store=raw.store is not False, input=messages,
                             instructions=raw.instructions, previous_response_id=raw.previous_response_id,
@@ -198,7 +238,9 @@ def parse_request(body: bytes) -> ResponsesRequest:
                             tools=tools, tool_fields=tool_fields, tool_choice=choice,
                             parallel_tool_calls=raw.parallel_tool_calls is not False, effort=effort,
                             summary=raw.reasoning.summary if raw.reasoning else None, text_format=text_format,
-                            guided=guided, metadata=raw.metadata, user=raw.user)
+                            guided=guided, metadata=raw.metadata, user=raw.user, session_id=raw.prompt_cache_key,
+                            encrypted_reasoning="reasoning.encrypted_content" in (raw.include or ()),
+                            left_out_tools=left_out, namespaces=namespaces)
 
 
 def _text_format(fmt: _TextFormat | None) -> tuple[dict[str, Any], openai.GuidedDecoding | None]:
@@ -219,24 +261,53 @@ def _text_format(fmt: _TextFormat | None) -> tuple[dict[str, Any], openai.Guided
     return echo, openai.GuidedDecoding(json=openai.check_wire(fmt.schema, "text.format.schema"))
 
 
-def _tools(raw: list[dict[str, Any]]) -> list[_FunctionTool]:
-    tools = []
+def _tools(raw: list[dict[str, Any]]) -> tuple[list[_FunctionTool], list[_Namespace], list[str]]:
+    """The function tools (a namespace's functions among them, each with its namespace), the namespaces as
+    given, and the names of the tools left out: OpenAI's hosted tools (`web_search`, `file_search`,
+    `code_interpreter`, ...) run on OpenAI's servers, so the model here is not offered them."""
+    tools: list[_FunctionTool] = []
+    namespaces: list[_Namespace] = []
+    left_out: list[str] = []
     for i, item in enumerate(raw):
         kind = item.get("type")
-        if kind != "function":
-            raise openai.fail(f"tools[{i}].type", f"only function tools are served (tools[{i}].type is {kind!r}).")
-        try:
-            tool = msgspec.convert(item, _FunctionTool)
-        except msgspec.ValidationError as e:
-            raise openai.from_validation(e, f"tools[{i}]") from None
-        if not openai.FUNCTION_NAME.match(tool.name):
-            raise openai.fail(f"tools[{i}].name", f"'tools[{i}].name' must be 1 to 64 letters, digits, '_', '.' or "
-                                                  f"'-' (got {tool.name!r}).")
-        tools.append(openai.check_wire(tool, f"tools[{i}].parameters"))
-    return tools
+        if kind == "namespace":
+            group = _convert(item, _Namespace, f"tools[{i}]")
+            namespaces.append(group)
+            for j, member in enumerate(group.tools):
+                if member.get("type") == "function":
+                    tools.append(_function(member, f"tools[{i}].tools[{j}]", group.name))
+                else:
+                    notice.once(f"namespace tool type {member.get('type')!r}", "left out of the model's tools")
+                    left_out.append(flat_name(group.name, str(member.get("name"))))
+        elif kind == "function":
+            tools.append(_function(item, f"tools[{i}]", None))
+        else:
+            notice.once(f"tool type {kind!r}", "left out of the model's tools: tandem does not run it")
+            left_out.append(str(item.get("name") or kind))
+    names = [flat_name(t.namespace, t.name) for t in tools]
+    if len(set(names)) < len(names):
+        twice = next(n for n in names if names.count(n) > 1)
+        raise openai.fail("tools", f"tool names must be unique ({twice!r} is given twice).")
+    return tools, namespaces, left_out
 
 
-def _tool_choice(raw: str | dict[str, Any] | None, tools: list[_FunctionTool], parallel: bool,
+def _function(item: dict[str, Any], param: str, namespace: str | None) -> _FunctionTool:
+    tool = _convert(item, _FunctionTool, param)
+    if not openai.FUNCTION_NAME.match(tool.name):
+        raise openai.fail(f"{param}.name", f"'{param}.name' must be 1 to 64 letters, digits, '_', '.' or "
+                                           f"'-' (got {tool.name!r}).")
+    tool.namespace = namespace
+    return openai.check_wire(tool, f"{param}.parameters")
+
+
+def _convert(item: dict[str, Any], shape: type[T], param: str) -> T:
+    try:
+        return msgspec.convert(item, shape)
+    except msgspec.ValidationError as e:
+        raise openai.from_validation(e, param) from None
+
+
+def _tool_choice(raw: str | dict[str, Any] | None, tools: list[_FunctionTool], left_out: list[str], parallel: bool,
                  guided: openai.GuidedDecoding | None) -> tuple[str | dict[str, Any], dict[str, Any]]:
     """The choice as echoed, and the chat request's tool fields."""
     forced = None
@@ -254,11 +325,14 @@ def _tool_choice(raw: str | dict[str, Any] | None, tools: list[_FunctionTool], p
             raise openai.from_validation(e, "tool_choice") from None
         if named.type != "function":
             raise openai.fail("tool_choice.type", f"only function tool choices are served (got {named.type!r}).")
-        if named.name not in {t.name for t in tools}:
-            raise openai.fail("tool_choice.name", f"tool_choice names function {named.name!r}, which is not in "
-                                                  "'tools'.")
-        choice, forced, echo = "required", named.name, {"type": "function", "name": named.name}
-    parameters = {t.name: t.parameters for t in tools}
+        name = flat_name(named.namespace, named.name or "")
+        if name in left_out:
+            raise openai.fail("tool_choice.name", f"tool_choice names tool {name!r}, which tandem does not run.")
+        if name not in {flat_name(t.namespace, t.name) for t in tools}:
+            raise openai.fail("tool_choice.name", f"tool_choice names function {name!r}, which is not in 'tools'.")
+        choice, forced = "required", name
+        echo = {"type": "function", "name": named.name} | ({"namespace": named.namespace} if named.namespace else {})
+    parameters = {flat_name(t.namespace, t.name): t.parameters for t in tools}
     return echo, openai.tool_choice_fields(parameters, choice, forced, parallel, guided)
 
 
@@ -279,6 +353,7 @@ class _FunctionCall(msgspec.Struct):
     name: str
     arguments: str
     type: str = "function_call"
+    namespace: str | None = None
 
 
 class _FunctionCallOutput(msgspec.Struct):
@@ -291,6 +366,32 @@ class _Reasoned(msgspec.Struct):
     type: str
     summary: list[_Part] = []
     content: list[_Part] | None = None
+    encrypted_content: str | None = None
+
+
+# `reasoning.encrypted_content` as tandem writes it: the thinking, base64 under a version prefix. OpenAI's
+# is encrypted because its reasoning is hidden from clients; tandem's is not (the same text is in the item's
+# `content`), so this only carries it back for clients that keep nothing else of a reasoning item.
+_OPAQUE_PREFIX = "tandem1:"
+
+
+def opaque_reasoning(thinking: str) -> str:
+    return _OPAQUE_PREFIX + base64.b64encode(thinking.encode()).decode()
+
+
+def _reasoning_text(item: _Reasoned, param: str) -> str | None:
+    """The thinking a reasoning item carries: its text, else tandem's opaque form of it, else its summary.
+    Another server's encrypted reasoning cannot be read here: that thinking is left out."""
+    if item.content:
+        return _text([*item.content, *item.summary], f"{param}.content")
+    if item.encrypted_content is not None:
+        if item.encrypted_content.startswith(_OPAQUE_PREFIX):
+            try:
+                return base64.b64decode(item.encrypted_content[len(_OPAQUE_PREFIX) :], validate=True).decode()
+            except ValueError:
+                raise openai.fail(f"{param}.encrypted_content", "encrypted_content is damaged.") from None
+        notice.once("encrypted reasoning of another server", "left out of the conversation: it cannot be read")
+    return _text(item.summary, f"{param}.summary") if item.summary else None
 
 
 _ROLES = ("user", "assistant", "system", "developer")
@@ -316,7 +417,7 @@ def input_messages(items: list[dict[str, Any]], param: str = "input") -> list[di
         except msgspec.ValidationError as e:
             raise openai.from_validation(e, at) from None
         if isinstance(item, _Reasoned):
-            thinking = _text([*(item.content or ()), *item.summary], f"{at}.content")
+            thinking = _reasoning_text(item, at)
             continue
         message: dict[str, Any]
         if isinstance(item, _Message):
@@ -327,7 +428,8 @@ def input_messages(items: list[dict[str, Any]], param: str = "input") -> list[di
             message = {"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output, f"{at}.output")}
         else:
             assert isinstance(item, _FunctionCall)
-            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": flat_name(item.namespace, item.name), "arguments": item.arguments}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and thinking is None:
                 last.setdefault("tool_calls", []).append(call)
@@ -364,9 +466,10 @@ def _text(content: str | list[_Part], param: str) -> str:
 class _Item:
     """One output item while it is written."""
 
-    __slots__ = ("kind", "index", "id", "parts", "call_id", "name")
+    __slots__ = ("kind", "index", "id", "parts", "call_id", "name", "namespace", "opaque")
 
-    def __init__(self, kind: str, index: int, call_id: str | None = None, name: str | None = None) -> None:
+    def __init__(self, kind: str, index: int, call_id: str | None = None, name: str | None = None,
+                 namespace: str | None = None, opaque: bool = False) -> None:  # fmt: skip
         self.kind = kind  # reasoning, message or function_call
         self.index = index
         prefix = {"reasoning": "rs", "message": "msg", "function_call": "fc"}[kind]
@@ -374,6 +477,8 @@ class _Item:
         self.parts: list[str] = []  # its text, thinking or arguments so far
         self.call_id = call_id
         self.name = name
+        self.namespace = namespace  # a namespace tool's function: called back as (namespace, name)
+        self.opaque = opaque  # a reasoning item that carries encrypted_content
 
     @property
     def text(self) -> str:
@@ -383,11 +488,13 @@ class _Item:
         """The item as the output lists it; `status` in_progress while it is added."""
         text = self.text if status != "in_progress" else ""
         if self.kind == "function_call":
-            return {"id": self.id, "type": "function_call", "status": status, "call_id": self.call_id,
+            call = {"id": self.id, "type": "function_call", "status": status, "call_id": self.call_id,
                     "name": self.name, "arguments": text}  # fmt: skip
+            return call if self.namespace is None else {**call, "namespace": self.namespace}
         if self.kind == "reasoning":
             content = [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []
-            return {"id": self.id, "type": "reasoning", "status": status, "summary": [], "content": content}
+            item = {"id": self.id, "type": "reasoning", "status": status, "summary": [], "content": content}
+            return {**item, "encrypted_content": opaque_reasoning(text)} if self.opaque else item
         content = [_output_text(text)] if status != "in_progress" else []
         return {"id": self.id, "type": "message", "status": status, "role": "assistant", "content": content}
 
@@ -414,6 +521,8 @@ class ResponseAnswer(Answer):
         self.items: list[_Item] = []
         self.open: _Item | None = None
         self.quiet = False  # a unary answer: items are kept, events not written
+        if request.left_out_tools:
+            self.headers = left_out_header(request.left_out_tools)
 
     def response(self, status: str, output: list[dict[str, Any]], usage: Usage | None = None,
                  incomplete: str | None = None, error: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
@@ -444,7 +553,8 @@ class ResponseAnswer(Answer):
         for call in parsed.tool_calls:
             if call.id is not None:
                 events += self._close()
-                item = self._add(_Item("function_call", len(self.items), call.id, call.name))
+                namespace, name = self.request.called(call.name or "")
+                item = self._add(_Item("function_call", len(self.items), call.id, name, namespace))
                 events.append(self._event("response.output_item.added", output_index=item.index,
                                           item=item.json("in_progress")))
             if call.arguments and self.open is not None:
@@ -464,7 +574,8 @@ class ResponseAnswer(Answer):
         item = self.open
         if item is None or item.kind != kind:
             events += self._close()
-            item = self._add(_Item(kind, len(self.items)))
+            opaque = kind == "reasoning" and self.request.encrypted_reasoning
+            item = self._add(_Item(kind, len(self.items), opaque=opaque))
             events.append(self._event("response.output_item.added", output_index=item.index,
                                       item=item.json("in_progress")))
             part = _output_text("") if kind == "message" else {"type": "reasoning_text", "text": ""}

@@ -5,6 +5,11 @@ one with fewer requests in flight from this frontend), least-loaded (fewest in f
 caller names the instance: header `x-worker-instance-id` or `nvext.backend_instance_id`).
 `kv` routes token requests with the KV-aware router (`tandem.router.kv_router`, used by the
 pipeline); the selectors here cover the other modes.
+
+A request of an agent session (`routing.session_id`: a session header, `nvext.agent_context`, or the
+Responses API's `prompt_cache_key`) goes to one worker in every mode but `kv` and `direct`: the one its
+session hashes to among the candidates (`by_session`), so its turns find their prefix cached there. The
+KV router finds that worker by the cached prefix itself; the session only breaks its ties.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Any, Protocol
 import msgspec
 
 from tandem.router.protocols import active_load_from_builtins
+from tandem.router.selector import session_weight
 from tandem.runtime.options import RouterMode
 
 log = logging.getLogger(__name__)
@@ -66,6 +72,17 @@ class PowerOfTwo:
             return candidates[0]
         a, b = random.sample(candidates, 2)
         return a if self._inflight.get(a, 0) <= self._inflight.get(b, 0) else b
+
+
+def session_of(request: Any) -> str | None:
+    """The agent session a request belongs to, if any."""
+    routing = getattr(request, "routing", None)
+    return routing.session_id if routing is not None else None
+
+
+def by_session(candidates: list[int], session: str) -> int:
+    """The session's worker among `candidates` (rendezvous hashing: the same one while it is a candidate)."""
+    return max(candidates, key=lambda c: session_weight(session, c))
 
 
 def make_selector(mode: RouterMode, inflight: dict[int, int]) -> Selector:

@@ -114,8 +114,52 @@ def _prepare_message(message: Any) -> Any:
     return message if out is None else out
 
 
+# A conversation with an instruction after its first message: what `ChatTemplate` probes a template with.
+_LATE_SYSTEM_PROBE = [{"role": "system", "content": "a"}, {"role": "user", "content": "b"},
+                      {"role": "assistant", "content": "c"}, {"role": "system", "content": "d"},
+                      {"role": "user", "content": "e"}]  # fmt: skip
+
+
+def _fold_late_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The leading system messages as one, each later one folded into a user message (see ChatTemplate)."""
+    lead = 0
+    while lead < len(messages) and messages[lead].get("role") == "system":
+        lead += 1
+    out: list[dict[str, Any]] = []
+    if lead:
+        out.append({"role": "system", "content": "\n\n".join(_text(m) for m in messages[:lead])})
+    pending: list[str] = []
+    for m in messages[lead:]:
+        if m.get("role") == "system":
+            pending.append(_text(m))
+        elif m.get("role") == "user" and pending:
+            out.append({**m, "content": "\n\n".join([*pending, _text(m)])})
+            pending = []
+        else:
+            out.append(m)
+    if pending:
+        last = next((i for i in range(len(out) - 1, -1, -1) if out[i].get("role") == "user"), None)
+        if last is None:
+            out.append({"role": "user", "content": "\n\n".join(pending)})
+        else:
+            out[last] = {**out[last], "content": "\n\n".join([_text(out[last]), *pending])}
+    return out
+
+
+def _text(message: Mapping[str, Any]) -> str:
+    content = _flatten_content(message.get("content"))
+    return content if isinstance(content, str) else ""
+
+
 class ChatTemplate:
-    """A compiled chat template. `render` is safe to call concurrently."""
+    """A compiled chat template. `render` is safe to call concurrently.
+
+    Instructions are placed where the template can take them. `developer` messages (OpenAI's name for
+    instructions) are system messages to a template that never mentions the role. A system message after
+    the first message (agents send them mid-conversation) stays in place when the template renders one
+    after a turn; otherwise the leading system messages become one, and each later one is folded into the
+    start of the next user message (the end of the last one when no user message follows), so the model
+    still reads it at the point of the conversation where it was given."""
 
     def __init__(
         self,
@@ -133,6 +177,38 @@ class ChatTemplate:
             self._base["bos_token"] = bos_token
         if eos_token is not None:
             self._base["eos_token"] = eos_token
+        self._knows_developer = "developer" in template
+        self._late_system: bool | None = None  # renders a system message after a turn; probed once
+
+    @property
+    def takes_late_system(self) -> bool:
+        """Whether a system message after the conversation's first turn renders in place."""
+        if self._late_system is None:
+            try:
+                self._compiled.render({**self._base, "messages": _LATE_SYSTEM_PROBE, "tools": None,
+                                       "documents": None, "add_generation_prompt": True})
+                self._late_system = True
+            except Exception:  # whatever the template raises (raise_exception, or arithmetic on roles)
+                self._late_system = False
+        return self._late_system
+
+    def place_instructions(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """`messages` with developer and later system messages placed as the class says (the same list when
+        nothing moves)."""
+        instruction = ("system", "developer") if not self._knows_developer else ("system",)
+        late = developer = False
+        for i, m in enumerate(messages):
+            role = m.get("role")
+            if role in instruction:
+                late = late or i > 0
+                developer = developer or role == "developer"
+        if not developer and not late:
+            return messages
+        if developer:
+            messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
+        if not late or self.takes_late_system:
+            return messages
+        return _fold_late_system(messages)
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Tokenizer, name: str | None = None) -> ChatTemplate:
@@ -158,7 +234,7 @@ class ChatTemplate:
             # Extra template variables (e.g. enable_thinking); like vLLM they may also override
             # add_generation_prompt / tools, but never the messages.
             context.update(chat_template_kwargs)
-        context["messages"] = [_prepare_message(m) for m in messages]
+        context["messages"] = [_prepare_message(m) for m in self.place_instructions(messages)]
         try:
             return self._compiled.render(context)
         except jinja2.TemplateError as e:

@@ -73,6 +73,7 @@ class RoutingHints(msgspec.Struct, omit_defaults=True):
     lora_name: str | None = None
     cache_salt: str | None = None
     priority: int | None = None
+    session_id: str | None = None  # an agent's session: its turns go to one worker (see frontend.routing)
 
 
 class PromptTokensDetails(msgspec.Struct, omit_defaults=True):

@@ -49,6 +49,7 @@ class MockerConfig:
     enable_conditional_disagg: bool = False
     context_length: int = 8192
     seed: int = 0
+    answer_tokens: int | None = None  # the simulated model ends each answer (EOS) after this many tokens
     migration_limit: int = 0
     # Test hook (env DYN_MOCKER_DROP_KV_EVENTS, 0 = off): every Nth KV event is not published, as if lost.
     drop_kv_events: int = 0
@@ -125,6 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "first chunk (vLLM's option) [on]")
     engine.add_argument("--seed", type=int, default=None,
                         help="seed of the synthetic output tokens (a request's own seed wins) [0]")
+    engine.add_argument("--answer-tokens", type=int, default=None, metavar="N",
+                        help="end each answer with EOS after N tokens, as a model that has said what it had to "
+                        "(agent clients go on after an answer cut by max_tokens); requests with ignore_eos "
+                        "still run to max_tokens [off: every answer runs to max_tokens]")
     timing = parser.add_argument_group("Timing")
     timing.add_argument("--speedup-ratio", type=float, default=None, help="run the timing model this many times "
                         "faster than real time [1.0]")
@@ -200,6 +205,8 @@ def _config(args: argparse.Namespace) -> MockerConfig:
         raise ValueError(f"--data-parallel-size must be at least 1, got {options['data_parallel_size']}")
     if args.num_workers < 1:
         raise ValueError(f"--num-workers must be at least 1, got {args.num_workers}")
+    if args.answer_tokens is not None and args.answer_tokens < 1:
+        raise ValueError(f"--answer-tokens must be at least 1, got {args.answer_tokens}")
     try:
         mode = options["disaggregation_mode"] = DisaggregationMode(options["disaggregation_mode"])
     except ValueError:
@@ -235,7 +242,7 @@ def _config(args: argparse.Namespace) -> MockerConfig:
         durable_kv_events=durable_kv_events,
         kv_bytes_per_token=int(kv_bytes), runtime=runtime.replace(namespace=namespace), engine=engine,
         dyn_tool_call_parser=tool_call_parser, dyn_reasoning_parser=reasoning_parser, model_type=model_type,
-        **options,  # type: ignore[arg-type]
+        answer_tokens=args.answer_tokens, **options,  # type: ignore[arg-type]
     )
 
 

@@ -46,6 +46,7 @@ class MockerHandler:
             yield LLMEngineOutput.failed(str(e))
             return
         prompt_len = len(sim.prompt)
+        ends_answer = not self.config.is_prefill and sim.max_tokens < self._limit(request)  # --answer-tokens
         prefill_details = request.prefill_result.prompt_tokens_details if request.prefill_result else None
         transfer_ms = await self._pull_kv(prompt_len) if sim.prefilled else None
         if context.is_stopped():  # while the KV was on its way
@@ -74,7 +75,7 @@ class MockerHandler:
                 if transfer_ms is not None and generated == 1:
                     item.kv_transfer_ms = transfer_ms
                 if output.finished:
-                    item.finish_reason = FinishReason.LENGTH
+                    item.finish_reason = FinishReason.EOS if ends_answer else FinishReason.LENGTH
                     item.completion_usage = CompletionUsage.of(prompt_len, generated, cached, prefill_details)
                     if self.config.is_prefill:
                         item.disaggregated_params = DisaggregatedParams(self._transfer_params(context.id(), prompt_len))
@@ -134,7 +135,9 @@ class MockerHandler:
         if room < 1:
             raise ValueError(f"the prompt ({prompt_len} tokens) does not fit the context length "
                              f"({self.config.context_length} tokens)")
-        max_tokens = room if request.max_tokens is None else min(request.max_tokens, room)
+        max_tokens = self._limit(request)
+        if self.config.answer_tokens is not None and not request.stop_conditions.ignore_eos:
+            max_tokens = min(max_tokens, self.config.answer_tokens)
         if self.config.is_prefill:
             max_tokens = 1
         if max_tokens < 1:
@@ -148,6 +151,11 @@ class MockerHandler:
             hash_seed=request_seed(None, salt),
             prefilled=self.config.disaggregation_mode is DisaggregationMode.DECODE and handed_over,
         )
+
+    def _limit(self, request: PreprocessedRequest) -> int:
+        """The tokens the request allows: its max_tokens, else what the context leaves."""
+        room = self.config.context_length - len(request.token_ids)
+        return room if request.max_tokens is None else min(request.max_tokens, room)
 
     def _logprobs(self, request: PreprocessedRequest) -> Callable[[int], SimLogprobs] | None:
         """The simulated logprobs when `output_options.logprobs` asks for them (the number of

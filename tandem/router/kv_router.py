@@ -419,9 +419,11 @@ class KvRouter:
 
     def best_worker(self, token_ids: Sequence[int], candidates: Sequence[int], *, lora_name: str | None = None,
                     cache_salt: str | None = None, override: Mapping[str, Any] | None = None,
-                    dp_rank: int | None = None, hashes: PromptHashes | None = None) -> RoutingDecision:
+                    dp_rank: int | None = None, hashes: PromptHashes | None = None,
+                    session: str | None = None) -> RoutingDecision:
         """The cheapest (instance, dp rank) of `candidates` (instance ids) for this prompt; nothing is
-        tracked. `hashes` (of these tokens, from `hashes()`) saves computing them again."""
+        tracked. `hashes` (of these tokens, from `hashes()`) saves computing them again; `session`: the
+        agent session the request belongs to, which breaks ties (`select_worker`)."""
         config = self.config.with_overrides(dict(override)) if override else self.config
         if hashes is None or hashes.tokens != len(token_ids):
             hashes = self.hashes(token_ids, lora_name=lora_name, cache_salt=cache_salt)
@@ -436,19 +438,19 @@ class KvRouter:
                                        self.sequences.active_prefill_tokens(worker), decode,
                                        self.sequences.active_requests(worker))
         costs = worker_costs(list(loads.values()), len(token_ids), self.block_size, config)
-        chosen = select_worker(costs, config.temperature, self.rng)
+        chosen = select_worker(costs, config.temperature, self.rng, session)
         return RoutingDecision(chosen[0], chosen[1], loads[chosen].overlap_blocks, loads[chosen], costs[chosen],
                                hashes, config, scores)
 
     def select(self, request_id: str, token_ids: Sequence[int], candidates: Sequence[int], *,
                lora_name: str | None = None, cache_salt: str | None = None,
                override: Mapping[str, Any] | None = None, dp_rank: int | None = None,
-               hashes: PromptHashes | None = None) -> RoutedRequest:
+               hashes: PromptHashes | None = None, session: str | None = None) -> RoutedRequest:
         """Choose among `candidates` (instance ids) and count the request as load there until the
         returned `RoutedRequest` is freed."""
         started = time.perf_counter()
         decision = self.best_worker(token_ids, candidates, lora_name=lora_name, cache_salt=cache_salt,
-                                    override=override, dp_rank=dp_rank, hashes=hashes)
+                                    override=override, dp_rank=dp_rank, hashes=hashes, session=session)
         chosen, overlap, config = decision.worker, decision.overlap_blocks, decision.config
         tracked_blocks = decision.hashes.sequence if config.track_active_blocks else None
         isl = len(token_ids) if config.track_prefill_tokens else 0

@@ -7,6 +7,7 @@ prefix block against prefill; the legacy 0.x formula (`overlap_score_weight` set
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 from collections.abc import Mapping, Sequence
@@ -74,13 +75,26 @@ def worker_costs(
     return costs
 
 
-def select_worker(costs: Mapping[WorkerKey, float], temperature: float, rng: random.Random) -> WorkerKey:
-    """Temperature 0: the cheapest worker, ties broken uniformly at random. Temperature T > 0: sample with
+def session_weight(session: str, worker: int) -> int:
+    """Rendezvous (highest random weight) hashing: among a set of workers, a session goes to the one of
+    highest weight, the same one every time while it is in the set; a worker leaving or joining moves only
+    the sessions it wins or loses."""
+    return int.from_bytes(hashlib.blake2b(f"{worker}:{session}".encode(), digest_size=8).digest(), "little")
+
+
+def select_worker(costs: Mapping[WorkerKey, float], temperature: float, rng: random.Random,
+                  session: str | None = None) -> WorkerKey:
+    """Temperature 0: the cheapest worker, ties broken uniformly at random, or by `session_weight` for a
+    request of an agent session (so its first turn, which no worker has cached, lands where its later turns
+    will go when nothing else tells the workers apart). Temperature T > 0: sample with
     `p_i ∝ exp((min - c_i) / ((max - min) * T))` (uniform when every cost is equal)."""
     if not costs:
         raise ValueError("no candidate workers")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if temperature == 0 and session is not None:
+        low = min(costs.values())
+        return max((w for w, c in costs.items() if c == low), key=lambda w: session_weight(session, w[0]))
     if temperature == 0:
         # Reservoir sampling over the minimum: the k-th tie replaces the pick with probability 1/k.
         items = iter(costs.items())

@@ -2,7 +2,8 @@
 real model folder (real tokenizer) and answers `generate` with scripted tokens.
 
 What it generates, decided from the prompt text:
-  `[[say:TEXT]]`  the tokens of TEXT, then EOS
+  `[[say:TEXT]]`  the tokens of TEXT, then EOS (the last such directive in the prompt: in a conversation,
+                  a tool result can carry the next one)
   `[[echo]]`      the request's options as JSON (to check what reached the engine), then EOS
   `[[prompt]]`    the prompt text it received, its EOS tokens left out (to check templating), then EOS
   `[[fail]]`      two tokens, then the handler raises (a worker error mid-stream)
@@ -71,6 +72,13 @@ DEFAULT_TEXT = " The quick brown fox jumps over the lazy dog."
 _SAY = re.compile(r"\[\[say:(.*?)\]\]", re.S)
 
 
+def _said(text: str) -> str | None:
+    """The TEXT of the prompt's last `[[say:TEXT]]`, if any."""
+    match = _SAY.match(text, text.rfind("[[say:")) if "[[say:" in text else None
+    return match.group(1) if match else None
+
+
+
 class TestEngine:
     def __init__(self, args: argparse.Namespace, model_path: str, worker_id: int) -> None:
         self.args = args
@@ -97,9 +105,9 @@ class TestEngine:
             options = {k: wire.get(k) for k in ("stop_conditions", "sampling_options", "output_options",
                                                 "eos_token_ids", "annotations", "routing", "mdc_sum")}
             return self.tokenizer.encode(json.dumps(options, sort_keys=True), add_special_tokens=False).ids, True
-        match = _SAY.search(prompt_text)
-        if match:
-            return self.tokenizer.encode(match.group(1), add_special_tokens=False).ids, True
+        said = _said(prompt_text)
+        if said is not None:
+            return self.tokenizer.encode(said, add_special_tokens=False).ids, True
         max_tokens = request.max_tokens or 16
         reps = max_tokens // max(len(self.default_tokens), 1) + 1
         return (self.default_tokens * reps)[:max_tokens], False
@@ -202,8 +210,8 @@ class TestEngine:
         """Text-input mode: an OpenAI chat request in, OpenAI chat chunks out (like --use-vllm-tokenizer)."""
         messages = request.messages or []
         text = str(messages[-1].get("content", "")) if messages else ""
-        match = _SAY.search(text)
-        words = (match.group(1) if match else DEFAULT_TEXT).split(" ")
+        said = _said(text)
+        words = (DEFAULT_TEXT if said is None else said).split(" ")
         for n, word in enumerate(words):
             if context.is_stopped():
                 break
