@@ -651,6 +651,29 @@ def report(summary: dict[str, Any], names: list[str], modes: list[str], args: ar
     return lines
 
 
+def plot(summary: dict[str, Any], names: list[str], modes: list[str], path: str) -> None:
+    """Bars of the frontend's CPU per request, per route and concurrency (one panel per mode)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4), squeeze=False)
+    width = 0.8 / len(CONCURRENCIES)
+    for ax, mode in zip(axes[0], modes, strict=True):
+        shown = [n for n in names if _serves(n, mode)]
+        for i, c in enumerate(CONCURRENCIES):
+            values = [summary["medians"].get(_key(n, mode, c), {}).get("frontend_cpu_ms_per_req", 0) for n in shown]
+            ax.bar([x + i * width for x in range(len(shown))], values, width, label=f"concurrency {c}")
+        ax.set_xticks([x + width * (len(CONCURRENCIES) - 1) / 2 for x in range(len(shown))])
+        ax.set_xticklabels([ROUTES[n].label for n in shown], rotation=20, ha="right", fontsize=8)
+        ax.set_ylabel("frontend CPU per request (ms)")
+        ax.set_title(f"{mode}ed" if mode == "stream" else mode)
+        ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--routes", default=",".join(ROUTES),
@@ -666,6 +689,7 @@ def main() -> None:
                         help="measure a level again if other processes used more than this %% of a core meanwhile")
     parser.add_argument("--attempts", type=int, default=3, help="measurements tried per level")
     parser.add_argument("--profile", default=None, help="write a cProfile of the frontend to this file (last run)")
+    parser.add_argument("--plot", default=None, metavar="PNG", help="also draw the CPU per request of each route")
     parser.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                         help="also write the results (every run, medians, ratios, errors) as JSON (stdout without PATH)")
     args = parser.parse_args()
@@ -683,6 +707,8 @@ def main() -> None:
         args.runs.append(run_once(index, names, args))
     summary = summarize(args.runs, names, args.modes)
     print("\n" + "\n".join(report(summary, names, args.modes, args)))
+    if args.plot:
+        plot(summary, names, args.modes, args.plot)
     write_json(args.json, {"routes": names, "modes": args.modes, "concurrencies": list(CONCURRENCIES),
                            "max_tokens": args.max_tokens, "duration_s": args.duration, "runs": args.runs, **summary})
     if summary["errors"]:
