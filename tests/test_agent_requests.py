@@ -18,7 +18,7 @@ from tandem.frontend import anthropic, openai, responses
 from tandem.frontend.answers import Ending, Outcome, Usage
 from tandem.frontend.response_store import ResponseStore
 from tandem.frontend.routing import by_session
-from tandem.frontend.tolerant import WARNING_HEADER, Notice, TolerantDecoder
+from tandem.frontend.tolerant import WARNING_HEADER, Notice, TolerantDecoder, left_out_header
 from tandem.llm.chat_template import ChatTemplate
 from tandem.llm.parsers.base import ParsedDelta, ToolCallDelta
 from tandem.llm.postprocess import ProcessedDelta
@@ -214,9 +214,16 @@ def test_the_tolerant_decoder_leaves_errors_to_the_route():
     # An unknown field in a body the lenient decode will refuse anyway: nothing raised here.
     assert reader.decode(b'{"model": "m", "x": 1, "messages": [{"role": "user", "content": "\xff"}]}') is None
     assert reader.decode(b'{"model": "m", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}") is None
-    notice = Notice()
-    notice.once("k", "x")
-    assert notice._seen == {"k"}
+    notice = Notice(limit=2)
+    for key in ("a", "b", "a", "c", "d"):
+        notice.once(key, "x")
+    assert notice._seen == {"a", "b", "c"}  # the third marks the limit: nothing more is kept
+
+
+def test_the_warning_header_holds_only_what_a_header_can():
+    header = left_out_header(["web\r\nSet-Cookie: x", "\x1f", "é", "n" * 600])[WARNING_HEADER]
+    assert header.startswith("tools left out (tandem does not run them): web??Set-Cookie: x, ?, ?, nnn")
+    assert header.endswith("...") and all(" " <= c <= "~" for c in header) and len(header) < 600
 
 
 # -- sessions ------------------------------------------------------------------------------------------

@@ -633,6 +633,10 @@ def test_hosted_tools_are_left_out_with_a_warning(deployment, client):
         assert r.headers["x-tandem-warning"] == "tools left out (tandem does not run them): web_search"
     plain = httpx.post(f"{deployment.url}/v1/responses", json={"model": "plain", "input": "[[say:ok]]"}, timeout=60)
     assert "x-tandem-warning" not in plain.headers
+    # A tool whose type and name no header can hold (found by the contract test: the answer never came).
+    odd = httpx.post(f"{deployment.url}/v1/responses", timeout=60, json={
+        "model": "plain", "input": "[[say:ok]]", "tools": [{"type": "\u001f\r\nx: y", "name": "", "tools": []}]})
+    assert odd.status_code == 200 and odd.headers["x-tandem-warning"].endswith(": ???x: y"), odd.headers
 
 
 def test_prompt_longer_than_the_context_is_a_400(deployment, client):

@@ -283,7 +283,7 @@ def _tools(raw: list[dict[str, Any]]) -> tuple[list[_FunctionTool], list[_Namesp
             tools.append(_function(item, f"tools[{i}]", None))
         else:
             notice.once(f"tool type {kind!r}", "left out of the model's tools: tandem does not run it")
-            left_out.append(str(item.get("name") or kind))
+            left_out.append(str(item.get("name") or kind or "?"))
     names = [flat_name(t.namespace, t.name) for t in tools]
     if len(set(names)) < len(names):
         twice = next(n for n in names if names.count(n) > 1)

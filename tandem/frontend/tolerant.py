@@ -20,19 +20,25 @@ S = TypeVar("S", bound=msgspec.Struct)
 
 
 class Notice:
-    """Log lines written once per key in a process: a client sends the same field with every request."""
+    """Log lines written once per key in a process: a client sends the same field with every request. The
+    keys come from clients, so at most `limit` are kept; past that, one line says the rest are not logged."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int = 1000) -> None:
         self._seen: set[str] = set()
         self._lock = threading.Lock()
+        self._limit = limit
 
     def once(self, key: str, what: str) -> None:
-        if key in self._seen:
+        if key in self._seen or len(self._seen) > self._limit:
             return
         with self._lock:
-            if key in self._seen:
+            if key in self._seen or len(self._seen) > self._limit:
                 return
             self._seen.add(key)
+            full = len(self._seen) > self._limit
+        if full:
+            log.warning("more than %d kinds of ignored input: no more are logged", self._limit)
+            return
         log.warning("%s: %s (logged once)", key, what)
 
 
@@ -40,9 +46,17 @@ notice = Notice()
 WARNING_HEADER = "x-tandem-warning"
 
 
+MAX_WARNING = 512
+
+
 def left_out_header(tools: Sequence[str]) -> dict[str, str]:
-    """The warning header of an answer whose request had tools the model was not offered."""
-    return {WARNING_HEADER: f"tools left out (tandem does not run them): {', '.join(tools)}"}
+    """The warning header of an answer whose request had tools the model was not offered. The names are the
+    client's: anything but printable ASCII becomes `?` (a header cannot hold it, and a line break would start
+    a header of the client's making), and a long list is cut."""
+    names = "".join(c if " " <= c <= "~" else "?" for c in ", ".join(tools))
+    if len(names) > MAX_WARNING:
+        names = names[:MAX_WARNING] + "..."
+    return {WARNING_HEADER: f"tools left out (tandem does not run them): {names}"}
 
 
 _keys = msgspec.json.Decoder(dict[str, msgspec.Raw])
