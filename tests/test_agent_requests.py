@@ -18,7 +18,7 @@ from tandem.frontend import anthropic, openai, responses
 from tandem.frontend.answers import Ending, Outcome, Usage
 from tandem.frontend.response_store import ResponseStore
 from tandem.frontend.routing import by_session
-from tandem.frontend.tolerant import WARNING_HEADER, Notice, TolerantDecoder, left_out_header
+from tandem.frontend.tolerant import WARNING_HEADER, Notice, TolerantDecoder, left_out_header, notice
 from tandem.llm.chat_template import ChatTemplate
 from tandem.llm.parsers.base import ParsedDelta, ToolCallDelta
 from tandem.llm.postprocess import ProcessedDelta
@@ -199,6 +199,8 @@ def test_unknown_fields_are_accepted_and_logged_once(caplog):
     logged = [r.getMessage() for r in caplog.records]
     assert sum("'future_field'" in line for line in logged) == 1
     assert sum("'other_field'" in line for line in logged) == 1
+    responses.parse_request(encoded(CODEX[0]["body"]))  # (notices are once per process: maybe logged earlier)
+    assert "/v1/responses field 'client_metadata'" in notice._seen
     anthropic.note_betas("claude-code-20250219, brand-new-beta-2027-01-01")
     anthropic.note_betas("brand-new-beta-2027-01-01")
     logged = [r.getMessage() for r in caplog.records]

@@ -111,6 +111,7 @@ class _Body(msgspec.Struct, kw_only=True):
 
 
 _reader = TolerantDecoder(_Body, "/v1/responses")
+_UNUSED = ("client_metadata", "safety_identifier", "service_tier", "prompt_cache_retention", "stream_options")
 _NAMES = openai.FieldNames(prompt="input", max_tokens="max_output_tokens")
 _RANGES: list[openai.Range] = [
     ("max_output_tokens", lambda v: 1 <= v, "max_output_tokens must be at least 1 (got {})"),
@@ -208,6 +209,9 @@ def _chat_function(tool: _FunctionTool) -> dict[str, Any]:
 def parse_request(body: bytes) -> ResponsesRequest:
     """Decode and check a /v1/responses (or /v1/responses/input_tokens) body; raises RequestError."""
     raw = _reader.decode(body) or openai.decode_body(_reader.lenient, body)
+    for name in _UNUSED:
+        if getattr(raw, name) is not None:
+            notice.once(f"/v1/responses field {name!r}", "accepted and not used (a hint to OpenAI's own service)")
     if not raw.model:
         raise openai.fail("model", "'model' must be a non-empty string.")
     openai.check_ranges(raw, _RANGES)
