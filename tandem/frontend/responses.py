@@ -525,6 +525,7 @@ class ResponseAnswer(Answer):
         self.items: list[_Item] = []
         self.open: _Item | None = None
         self.quiet = False  # a unary answer: items are kept, events not written
+        self._echo = request.echo()  # the request's settings, the same in each Response the answer writes
         if request.left_out_tools:
             self.headers = left_out_header(request.left_out_tools)
 
@@ -534,7 +535,7 @@ class ResponseAnswer(Answer):
                 "background": False, "error": error,
                 "incomplete_details": {"reason": incomplete} if incomplete else None, "model": self.model,
                 "output": output, "usage": _usage(usage) if usage is not None else None,
-                **self.request.echo()}  # fmt: skip
+                **self._echo}  # fmt: skip
 
     # -- streaming --
     def _event(self, kind: str, **fields: Any) -> bytes:
