@@ -268,16 +268,16 @@ class Threshold:
 
 async def run_policy(policy: str, trace_name: str, trace: Path, shape: list[float], settings: Settings,
                      static_min: int, work: Path, model_dir: str) -> RunResult:
+    from tandem.launch.local_planner import LocalConnector, run_planner
     from tandem.launch.main import wait_until_serving
     from tandem.launch.plan import Plan
-    from tandem.launch.planning import LocalConnector, run_planner
     from tandem.launch.spec import build_spec
-    from tandem.launch.supervisor import Deployment, LogMux
+    from tandem.launch.supervisor import LogMux, Supervisor
     from tandem.planner.config import PlannerConfig, PlannerMode, PredictorKind
     from tandem.planner.observe import FrontendObserver
     from tandem.planner.sla import IntervalMetrics, Replicas, SlaPlanner
 
-    class CountedDeployment(Deployment):
+    class CountedSupervisor(Supervisor):
         """Records each change of the worker count as it is made: `scale` changes the list of workers before
         its first await, and nothing else changes it."""
 
@@ -308,16 +308,16 @@ async def run_policy(policy: str, trace_name: str, trace: Path, shape: list[floa
         def say(source: str, text: str) -> None:  # seconds since the deployment started, to line up with the bench's
             mux.line(source, f"[{time.monotonic() - opened:6.1f} s] {text}")
 
-        deployment = CountedDeployment(Plan(spec, model_dir, discovery), mux)
-        deployment.changes = [(time.monotonic(), start_workers)]
-        connector = LocalConnector(deployment)
-        deployment.start()
+        supervisor = CountedSupervisor(Plan(spec, model_dir, discovery), mux)
+        supervisor.changes = [(time.monotonic(), start_workers)]
+        connector = LocalConnector(supervisor)
+        supervisor.start()
         stop = asyncio.Event()
         tasks: list[asyncio.Task[object]] = []
         try:
-            url = await wait_until_serving(deployment, deployment.plan.served_name, spec.ready_timeout)
+            url = await wait_until_serving(supervisor, supervisor.plan.served_name, spec.ready_timeout)
             assert url is not None
-            model = deployment.plan.served_name
+            model = supervisor.plan.served_name
             if policy in PLANNED:
                 throughput = policy in ("sla", "sla+load")
                 config = PlannerConfig(mode=PlannerMode.AGG, ttft=s.ttft_ms * s.margin, itl=s.itl_ms * s.margin,
@@ -328,7 +328,7 @@ async def run_policy(policy: str, trace_name: str, trace: Path, shape: list[floa
                                        enable_load_scaling=policy in ("load", "sla+load"),
                                        load_adjustment_interval=s.load_interval).validate()
                 sla = SlaPlanner.from_config(config) if throughput else None
-                tasks.append(asyncio.create_task(run_planner(config, sla, deployment, url, stop,
+                tasks.append(asyncio.create_task(run_planner(config, sla, supervisor, url, stop,
                                                              lambda text: say("planner", text))))
             observer = FrontendObserver([url], model)
             await observer.sample(0.0)
@@ -408,7 +408,7 @@ async def run_policy(policy: str, trace_name: str, trace: Path, shape: list[floa
             timeline = Timeline()
             worker_seconds = 0.0
             for index, metrics in enumerate(measured):
-                spent = deployment.worker_seconds(began + index * s.interval, began + (index + 1) * s.interval)
+                spent = supervisor.worker_seconds(began + index * s.interval, began + (index + 1) * s.interval)
                 worker_seconds += spent
                 timeline.t.append((index + 1) * s.interval)
                 timeline.offered.append(shape[index])
@@ -416,7 +416,7 @@ async def run_policy(policy: str, trace_name: str, trace: Path, shape: list[floa
                 timeline.ttft_ms.append(metrics.ttft_ms)
                 timeline.itl_ms.append(metrics.itl_ms)
             scale_downs = [(when - began, when - began + spec.stop_timeout)
-                           for (when, count), (_, before) in zip(deployment.changes[1:], deployment.changes, strict=False)
+                           for (when, count), (_, before) in zip(supervisor.changes[1:], supervisor.changes, strict=False)
                            if count < before]
             # The trace is over: let what is in flight finish (or give up on it after --drain s).
             with contextlib.suppress(TimeoutError):
@@ -434,7 +434,7 @@ async def run_policy(policy: str, trace_name: str, trace: Path, shape: list[floa
                 actions = log_path.read_text().count("(scaled)")
         finally:
             stop.set()
-            await deployment.stop(spec.stop_timeout)
+            await supervisor.stop(spec.stop_timeout)
             shutil.rmtree(discovery, ignore_errors=True)
     records = json.loads(results.read_text()) if results.exists() else []
     failed = [r for r in records if r["error"] is not None]

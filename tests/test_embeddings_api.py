@@ -15,7 +15,7 @@ import numpy as np
 import openai
 import pytest
 
-from tandem.mocker.engine import synthetic_embedding
+from tandem.worker.synthetic import synthetic_embedding
 from tests.deployment import MODEL, Deployment, metric_sum
 
 EMBEDDER = "embedder"

@@ -22,8 +22,8 @@ import pytest
 from tandem.launch.cores import format_cores, parse_cores, round_robin
 from tandem.launch.main import curl_example, frontend_url, main, wait_until_serving
 from tandem.launch.plan import Plan, served_name
-from tandem.launch.spec import DeploymentSpec, SpecError, build_spec, load_file
-from tandem.launch.supervisor import Deployment, LogMux
+from tandem.launch.spec import RunSpec, SpecError, build_spec, load_file
+from tandem.launch.supervisor import LogMux, Supervisor
 from tests.conftest import REPO
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -31,7 +31,7 @@ CORES = [0, 1, 2, 3]
 
 
 def spec_of(flags: dict | None = None, document: dict | None = None, worker_args: tuple[str, ...] = (),
-            cores: list[int] = CORES) -> DeploymentSpec:
+            cores: list[int] = CORES) -> RunSpec:
     return build_spec(flags or {}, document, source="deploy.yaml", worker_args=worker_args, available_cores=cores)
 
 
@@ -141,7 +141,7 @@ def test_core_lists() -> None:
     assert round_robin(0, 3, [0, 1]) == ((0, 1), True)
 
 
-def plan_of(spec: DeploymentSpec, environ: dict[str, str] | None = None, warnings: list[str] | None = None) -> Plan:
+def plan_of(spec: RunSpec, environ: dict[str, str] | None = None, warnings: list[str] | None = None) -> Plan:
     return Plan(spec, "/models/SmolLM2-135M-Instruct", "/tmp/kv", environ=environ or {}, cores=[0, 1],
                 warn=(warnings if warnings is not None else []).append)
 
@@ -405,28 +405,28 @@ async def test_scale_adds_and_removes_workers(smollm2: str, tmp_path: Path) -> N
                "DYN_TCP_RPC_HOST": "127.0.0.1", "DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS": "0"}
     spec = spec_of({"http_port": 0, "model": smollm2, "engine": "mocker"}, cores=[0, 1])
     out = io.StringIO()
-    deployment = Deployment(Plan(spec, smollm2, str(tmp_path), environ=environ), LogMux(out))
+    supervisor = Supervisor(Plan(spec, smollm2, str(tmp_path), environ=environ), LogMux(out))
     try:
-        deployment.start()
-        url = await wait_until_serving(deployment, MODEL, 30)
-        await deployment.scale("agg", 3)
-        await wait_until_serving(deployment, MODEL, 30)
-        assert [child.label for child in deployment.workers["agg"]] == ["worker-0", "worker-1", "worker-2"]
-        assert len(deployment.expected_instances()) == 3
-        assert [child.spec.cores for child in deployment.workers["agg"]] == [(0,), (1,), (0,)]
-        await deployment.scale("agg", 1)
-        assert len(deployment.children) == 2 and "worker-2 | exited with code 0" in out.getvalue()
+        supervisor.start()
+        url = await wait_until_serving(supervisor, MODEL, 30)
+        await supervisor.scale("agg", 3)
+        await wait_until_serving(supervisor, MODEL, 30)
+        assert [child.label for child in supervisor.workers["agg"]] == ["worker-0", "worker-1", "worker-2"]
+        assert len(supervisor.expected_instances()) == 3
+        assert [child.spec.cores for child in supervisor.workers["agg"]] == [(0,), (1,), (0,)]
+        await supervisor.scale("agg", 1)
+        assert len(supervisor.children) == 2 and "worker-2 | exited with code 0" in out.getvalue()
         async with httpx.AsyncClient() as http:
             for _ in range(100):
                 if len((await http.get(f"{url}/health")).json()["instances"]) == 1:
                     break
                 await asyncio.sleep(0.1)
-            assert (await http.get(f"{url}/health")).json()["instances"] == sorted(deployment.expected_instances())
+            assert (await http.get(f"{url}/health")).json()["instances"] == sorted(supervisor.expected_instances())
         with pytest.raises(ValueError):
-            await deployment.scale("decode", 1)
+            await supervisor.scale("decode", 1)
     finally:
-        await deployment.stop(5)
-    assert all(child.done.is_set() for child in deployment.children)
+        await supervisor.stop(5)
+    assert all(child.done.is_set() for child in supervisor.children)
 
 
 def _stream(url: str, n: int, max_tokens: int, started: threading.Barrier) -> str:

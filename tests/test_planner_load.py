@@ -10,16 +10,16 @@ import time
 import msgspec
 import pytest
 
-from tandem.planner.config import PlannerConfig, PlannerMode
-from tandem.planner.limits import Replicas
-from tandem.planner.load import LoadPlanner, StepTimeFit, Verdict
-from tandem.worker.forward_pass import (
+from tandem.llm.forward_pass import (
     EngineState,
     ForwardPass,
     ForwardPassMetrics,
-    ForwardPassRecorder,
     forward_pass_metrics_from_builtins,
 )
+from tandem.planner.config import PlannerConfig, PlannerMode
+from tandem.planner.limits import Replicas
+from tandem.planner.load import LoadPlanner, StepTimeFit, Verdict
+from tandem.worker.forward_pass import ForwardPassRecorder
 from tests.load import Load
 
 # -- the fit ---------------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 
 from tandem.router.config import KvRouterConfig, add_router_args, config_from_args
-from tandem.router.selector import WorkerLoad, legacy_cost, select_worker, worker_costs
+from tandem.router.selector import CostTerms, legacy_cost, select_worker, worker_costs
 from tandem.router.sequences import ActiveSequences
 
 B = 16
@@ -29,9 +29,9 @@ def test_documented_legacy_example() -> None:
 def test_documented_example_through_worker_costs() -> None:
     # A 10-block prompt; overlaps 2/5/8 leave 8/5/2 blocks to prefill on an idle prefill queue.
     loads = [
-        WorkerLoad(W1, overlap_blocks=2, active_prefill_tokens=0, decode_blocks=10),
-        WorkerLoad(W2, overlap_blocks=5, active_prefill_tokens=0, decode_blocks=5),
-        WorkerLoad(W3, overlap_blocks=8, active_prefill_tokens=0, decode_blocks=9),
+        CostTerms(W1, overlap_blocks=2, active_prefill_tokens=0, decode_blocks=10),
+        CostTerms(W2, overlap_blocks=5, active_prefill_tokens=0, decode_blocks=5),
+        CostTerms(W3, overlap_blocks=8, active_prefill_tokens=0, decode_blocks=9),
     ]
     costs = worker_costs(loads, 10 * B, B, KvRouterConfig(overlap_score_weight=1.0))
     assert costs == {W1: 18, W2: 10, W3: 11}
@@ -39,33 +39,33 @@ def test_documented_example_through_worker_costs() -> None:
 
 
 def test_legacy_formula_weight_and_queued_prefill() -> None:
-    load = WorkerLoad(W1, overlap_blocks=1, active_prefill_tokens=2 * B, decode_blocks=3)
+    load = CostTerms(W1, overlap_blocks=1, active_prefill_tokens=2 * B, decode_blocks=3)
     # prefill = (2 queued + 4 - 1 cached) = 5 blocks
     assert worker_costs([load], 4 * B, B, KvRouterConfig(overlap_score_weight=2.0)) == {W1: 2 * 5 + 3}
     # weight 0: overlap and prefill are ignored, only decode load counts
     assert worker_costs([load], 4 * B, B, KvRouterConfig(overlap_score_weight=0.0)) == {W1: 3}
     # overlap longer than the prompt never makes prefill negative
-    big = WorkerLoad(W1, overlap_blocks=9, active_prefill_tokens=0, decode_blocks=3)
+    big = CostTerms(W1, overlap_blocks=9, active_prefill_tokens=0, decode_blocks=3)
     assert worker_costs([big], 4 * B, B, KvRouterConfig(overlap_score_weight=1.0)) == {W1: 3}
 
 
 def test_credit_formula_hand_computed() -> None:
     # 4-block prompt, 2 blocks queued, 2 cached: raw prefill (32 + 64) / 16 = 6, minus 2 credit = 4.
-    load = WorkerLoad(W1, overlap_blocks=2, active_prefill_tokens=32, decode_blocks=5, active_requests=3)
+    load = CostTerms(W1, overlap_blocks=2, active_prefill_tokens=32, decode_blocks=5, active_requests=3)
     assert worker_costs([load], 64, B, KvRouterConfig()) == {W1: 4 + 5}
     assert worker_costs([load], 64, B, KvRouterConfig(prefill_load_scale=2.0)) == {W1: 2 * 4 + 5}
     assert worker_costs([load], 64, B, KvRouterConfig(decode_active_request_weight=0.5)) == {W1: 4 + 5 + 1.5}
     assert worker_costs([load], 64, B, KvRouterConfig(overlap_score_credit=0.5)) == {W1: 5 + 5}
     # Credit beyond the raw prefill clamps at zero.
-    cached = WorkerLoad(W1, overlap_blocks=10, active_prefill_tokens=0, decode_blocks=5)
+    cached = CostTerms(W1, overlap_blocks=10, active_prefill_tokens=0, decode_blocks=5)
     assert worker_costs([cached], 64, B, KvRouterConfig()) == {W1: 5}
     # Queued prefill is ignored when prefill tracking is off.
     assert worker_costs([load], 64, B, KvRouterConfig(track_prefill_tokens=False)) == {W1: 2 + 5}
 
 
 def test_credit_decay_relative_to_least_loaded_worker() -> None:
-    busy = WorkerLoad(W1, overlap_blocks=2, active_prefill_tokens=32, decode_blocks=5)
-    idle = WorkerLoad(W2, overlap_blocks=2, active_prefill_tokens=0, decode_blocks=5)
+    busy = CostTerms(W1, overlap_blocks=2, active_prefill_tokens=32, decode_blocks=5)
+    idle = CostTerms(W2, overlap_blocks=2, active_prefill_tokens=0, decode_blocks=5)
     costs = worker_costs([busy, idle], 64, B, KvRouterConfig(overlap_score_credit_decay=1.0))
     # busy: 2 excess blocks over a 4-block request -> credit 1 / (1 + 1 * 2/4) = 2/3
     assert costs[W1] == pytest.approx(6 - 2 * (2 / 3) + 5)

@@ -16,9 +16,9 @@ import pytest
 
 from tandem.runtime import Context, EngineShutdown
 from tandem.vllm.abort import abort_monitor
+from tandem.vllm.bos_token import bos_token_id_of
 from tandem.vllm.checkpoint_restore import CheckpointConfig, get_checkpoint_config
 from tandem.vllm.engine_monitor import VllmEngineMonitor
-from tandem.vllm.health_check import bos_token_id_of
 from tandem.worker.health import health_check_payload
 
 STOP = {"max_tokens": 1, "stop": None, "stop_token_ids": None, "include_stop_str_in_output": False,

@@ -345,8 +345,8 @@ def test_a_validation_error_exits_2(smollm2):
 async def test_the_worker_publishes_each_engine_step_for_the_load_based_planner(vllm):
     """vLLM's per-step details reach `forward_pass_metrics`: the prompt's tokens in a step with its wall time,
     decode steps over the KV tokens held, and the queue back to empty once the request is answered."""
+    from tandem.llm.forward_pass import FORWARD_PASS_TOPIC, forward_pass_metrics_from_builtins
     from tandem.runtime import DistributedRuntime, RuntimeConfig
-    from tandem.worker.forward_pass import FORWARD_PASS_TOPIC, forward_pass_metrics_from_builtins
 
     group = vllm.group
     runtime = await DistributedRuntime.create(RuntimeConfig(

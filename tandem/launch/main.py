@@ -24,10 +24,10 @@ from urllib.parse import urlsplit, urlunsplit
 import aiohttp
 
 from tandem.launch.cores import format_cores
+from tandem.launch.local_planner import run_planner
 from tandem.launch.plan import Plan
-from tandem.launch.planning import run_planner
-from tandem.launch.spec import ENGINES, DeploymentSpec, SpecError, build_spec, load_file
-from tandem.launch.supervisor import Child, Deployment, LogMux, describe_exit
+from tandem.launch.spec import ENGINES, RunSpec, SpecError, build_spec, load_file
+from tandem.launch.supervisor import Child, LogMux, Supervisor, describe_exit
 from tandem.models.prepare import PrepareError
 from tandem.models.resolve import ModelNotFoundError, resolve_model
 from tandem.planner.config import add_load_scaling_args
@@ -145,27 +145,27 @@ async def _probe(http: aiohttp.ClientSession, url: str, model: str, instances: s
     return None
 
 
-async def wait_until_serving(deployment: Deployment, model: str, timeout: float) -> str | None:
+async def wait_until_serving(supervisor: Supervisor, model: str, timeout: float) -> str | None:
     """The frontend's URL, once every process printed READY and the frontend serves `model` through every
     worker (None without a frontend: once every worker is ready). Raises LaunchError when a process ends for
     good first, or after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
         while True:
-            for child in deployment.children:
+            for child in supervisor.children:
                 if child.done.is_set():
                     raise LaunchError(f"{child.label} {describe_exit(child.returncode or 0)} before the deployment "
                                       "was ready", child)
-            pending = next((child for child in deployment.children if child.ready is None), None)
-            if pending is None and deployment.frontend is None:
+            pending = next((child for child in supervisor.children if child.ready is None), None)
+            if pending is None and supervisor.frontend is None:
                 return None
             if pending is None:
-                assert deployment.frontend is not None and deployment.frontend.ready
-                url = frontend_url(deployment.frontend.ready[0])
-                waiting = await _probe(http, url, model, deployment.expected_instances())
+                assert supervisor.frontend is not None and supervisor.frontend.ready
+                url = frontend_url(supervisor.frontend.ready[0])
+                waiting = await _probe(http, url, model, supervisor.expected_instances())
                 if waiting is None:
                     return url
-                culprit = deployment.frontend
+                culprit = supervisor.frontend
             else:
                 waiting, culprit = f"{pending.label} to print READY", pending
             if time.monotonic() >= deadline:
@@ -173,19 +173,19 @@ async def wait_until_serving(deployment: Deployment, model: str, timeout: float)
             await asyncio.sleep(_POLL_INTERVAL)
 
 
-def _discovery_of(spec: DeploymentSpec) -> str:
+def _discovery_of(spec: RunSpec) -> str:
     if spec.discovery_backend == "etcd":
         return f"etcd at {env_str('ETCD_ENDPOINTS') or 'localhost:2379'} (ETCD_ENDPOINTS)"
     return f"the directory {env_str('DYN_FILE_KV')} (DYN_FILE_KV)"
 
 
-def _describe(spec: DeploymentSpec) -> str:
+def _describe(spec: RunSpec) -> str:
     groups = ", ".join(f"{group.count} {'' if group.role == 'agg' else group.role + ' '}"
                        f"worker{'s' if group.count > 1 else ''}" for group in spec.workers)
     return f"{groups} ({spec.engine})"
 
 
-async def run_deployment(spec: DeploymentSpec, model_path: str, mux: LogMux | None = None) -> int:
+async def run_deployment(spec: RunSpec, model_path: str, mux: LogMux | None = None) -> int:
     """Start the deployment, serve until a signal or the frontend dies, stop everything. Returns the exit code."""
     mux = mux or LogMux()
     mux.add_label(LABEL)
@@ -198,7 +198,7 @@ async def run_deployment(spec: DeploymentSpec, model_path: str, mux: LogMux | No
     if discovery_dir is None:
         discovery_dir = tempfile.mkdtemp(prefix="tandem-run-")
     plan = Plan(spec, model_path, discovery_dir, warn=say)
-    deployment = Deployment(plan, mux)
+    supervisor = Supervisor(plan, mux)
     stop = asyncio.Event()
     sla: SlaPlanner | None = None
     if spec.planner is not None and spec.planner.enable_throughput_scaling:
@@ -211,7 +211,7 @@ async def run_deployment(spec: DeploymentSpec, model_path: str, mux: LogMux | No
     def on_signal(signum: int) -> None:
         if stop.is_set():
             say(f"{signal.Signals(signum).name} again: killing everything now")
-            deployment.kill()
+            supervisor.kill()
         else:
             say(f"{signal.Signals(signum).name}: stopping (again to kill at once)")
             stop.set()
@@ -226,13 +226,13 @@ async def run_deployment(spec: DeploymentSpec, model_path: str, mux: LogMux | No
         say(f"request plane {spec.request_plane}, event plane {spec.event_plane}: NATS at "
             f"{env_str('NATS_SERVER') or 'nats://localhost:4222'} (NATS_SERVER)")
     try:
-        deployment.start()
-        return await _serve(deployment, plan, stop, mux, sla)
+        supervisor.start()
+        return await _serve(supervisor, plan, stop, mux, sla)
     except BaseException:
-        deployment.kill()  # whatever went wrong in the launcher, leave no process behind
+        supervisor.kill()  # whatever went wrong in the launcher, leave no process behind
         raise
     finally:
-        await deployment.stop(spec.stop_timeout)
+        await supervisor.stop(spec.stop_timeout)
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
         if own_dir:
@@ -240,11 +240,11 @@ async def run_deployment(spec: DeploymentSpec, model_path: str, mux: LogMux | No
         say("stopped")
 
 
-async def _serve(deployment: Deployment, plan: Plan, stop: asyncio.Event, mux: LogMux,
+async def _serve(supervisor: Supervisor, plan: Plan, stop: asyncio.Event, mux: LogMux,
                  sla: SlaPlanner | None = None) -> int:
     stopped = asyncio.create_task(stop.wait())
-    ready = asyncio.create_task(wait_until_serving(deployment, plan.served_name, plan.spec.ready_timeout))
-    frontend = deployment.frontend
+    ready = asyncio.create_task(wait_until_serving(supervisor, plan.served_name, plan.spec.ready_timeout))
+    frontend = supervisor.frontend
     frontend_gone = asyncio.create_task(frontend.done.wait() if frontend is not None else asyncio.Event().wait())
     planning: asyncio.Task[None] | None = None
     try:
@@ -257,7 +257,7 @@ async def _serve(deployment: Deployment, plan: Plan, stop: asyncio.Event, mux: L
             _report_failure(str(e), e.child)
             return 1
         if url is None:
-            mux.plain(f"\n==> {len(deployment.children)} worker(s) of {plan.served_name} ready and registered in "
+            mux.plain(f"\n==> {len(supervisor.children)} worker(s) of {plan.served_name} ready and registered in "
                       f"{_discovery_of(plan.spec)} (namespace {plan.spec.namespace}), for a frontend elsewhere; "
                       "Ctrl-C stops them\n")
         else:
@@ -267,7 +267,7 @@ async def _serve(deployment: Deployment, plan: Plan, stop: asyncio.Event, mux: L
                 mux.add_label("planner")
                 port = env_str("PLANNER_PROMETHEUS_PORT")
                 metrics_port = plan.spec.planner_metrics_port or (int(port) if port else None)
-                planning = asyncio.create_task(run_planner(plan.spec.planner, sla, deployment, url, stop,
+                planning = asyncio.create_task(run_planner(plan.spec.planner, sla, supervisor, url, stop,
                                                            lambda text: mux.line("planner", text), metrics_port))
         await asyncio.wait({stopped, frontend_gone}, return_when=asyncio.FIRST_COMPLETED)
         if stop.is_set():

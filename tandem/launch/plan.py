@@ -1,4 +1,4 @@
-"""From a `DeploymentSpec` to concrete processes: the command line, environment, cores and ports of each."""
+"""From a `RunSpec` to concrete processes: the command line, environment, cores and ports of each."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from tandem.launch.cores import available_cores, format_cores, round_robin
-from tandem.launch.spec import DeploymentSpec, WorkerGroup
+from tandem.launch.spec import RunSpec, WorkerGroup
 from tandem.models.prepare import MODEL_NAME, is_default_model
 
 DEFAULT_KV_EVENT_PORT = 20080
@@ -84,7 +84,7 @@ class Plan:
     """Builds the process specs of a deployment. Workers are numbered by `slot` (0, 1, ... over all groups),
     which picks their round-robin cores and their ports; a slot keeps its ports for the whole run."""
 
-    def __init__(self, spec: DeploymentSpec, model_path: str, discovery_dir: str, *,
+    def __init__(self, spec: RunSpec, model_path: str, discovery_dir: str, *,
                  environ: Mapping[str, str] = os.environ, cores: list[int] | None = None,
                  warn: Callable[[str], None] = lambda message: None) -> None:
         self.spec = spec

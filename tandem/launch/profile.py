@@ -36,7 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tandem.launch.main import LaunchError, wait_until_serving
 from tandem.launch.plan import Plan
 from tandem.launch.spec import ENGINES, SpecError, build_spec
-from tandem.launch.supervisor import Deployment, LogMux
+from tandem.launch.supervisor import LogMux, Supervisor
 from tandem.models.resolve import ModelNotFoundError, resolve_model
 from tandem.planner.perf import DECODE_NPZ, PREFILL_NPZ
 
@@ -222,17 +222,17 @@ async def profile_worker(spec_flags: dict[str, object], worker_args: list[str], 
     model_path = resolve_model(spec.model)
     discovery = tempfile.mkdtemp(prefix="tandem-profile-")
     with open(log_path, "w") as log:
-        deployment = Deployment(Plan(spec, model_path, discovery), LogMux(log, color=False))
-        deployment.start()
+        supervisor = Supervisor(Plan(spec, model_path, discovery), LogMux(log, color=False))
+        supervisor.start()
         try:
-            url = await wait_until_serving(deployment, deployment.plan.served_name, spec.ready_timeout)
+            url = await wait_until_serving(supervisor, supervisor.plan.served_name, spec.ready_timeout)
             assert url is not None
-            profile = await measure(url, deployment.plan.served_name, sweep)
+            profile = await measure(url, supervisor.plan.served_name, sweep)
         except BaseException:
-            deployment.kill()
+            supervisor.kill()
             raise
         finally:
-            await deployment.stop(spec.stop_timeout)
+            await supervisor.stop(spec.stop_timeout)
             shutil.rmtree(discovery, ignore_errors=True)
     return write_profile(output, profile)
 

@@ -1,4 +1,4 @@
-"""What `tandem run` deploys: a `DeploymentSpec` built from defaults, then a YAML file, then command-line
+"""What `tandem run` deploys: a `RunSpec` built from defaults, then a YAML file, then command-line
 flags (each later source wins). Every value is checked on the way in and a bad one raises `SpecError`
 naming the key or flag, which the CLI turns into exit code 2.
 
@@ -51,7 +51,7 @@ class WorkerGroup:
 
 
 @dataclass
-class DeploymentSpec:
+class RunSpec:
     model: str = DEFAULT_MODEL
     model_name: str | None = None  # served name; None = derived from the model (see plan.served_name)
     engine: str = "vllm"
@@ -256,7 +256,7 @@ def load_file(path: str) -> dict[str, Any]:
     return document
 
 
-def _apply_document(spec: DeploymentSpec, document: Mapping[str, Any], source: str) -> None:
+def _apply_document(spec: RunSpec, document: Mapping[str, Any], source: str) -> None:
     _unknown(document, _FILE_KEYS, source)
     for key, check in _SETTINGS.items():
         if document.get(key) is not None:  # `key: null` means "not set"
@@ -295,7 +295,7 @@ def _group(item: Any, where: str) -> WorkerGroup:
     )
 
 
-def _apply_counts(spec: DeploymentSpec, counts: Mapping[str, int]) -> None:
+def _apply_counts(spec: RunSpec, counts: Mapping[str, int]) -> None:
     """Worker counts from flags. They choose the shape (aggregated or disaggregated); a group the file
     describes for a kept role keeps its args, env and cores."""
     roles = ("agg",) if "agg" in counts else ("prefill", "decode")
@@ -309,7 +309,7 @@ def _apply_counts(spec: DeploymentSpec, counts: Mapping[str, int]) -> None:
     spec.workers = groups
 
 
-def _split_cores(spec: DeploymentSpec, text: str) -> None:
+def _split_cores(spec: RunSpec, text: str) -> None:
     """`--worker-cores "0;1;2-3"`: one entry per worker, in group order."""
     lists = _core_lists(text, "--worker-cores")
     total = sum(group.count for group in spec.workers)
@@ -319,7 +319,7 @@ def _split_cores(spec: DeploymentSpec, text: str) -> None:
         group.cores, lists = lists[: group.count], lists[group.count :]
 
 
-def _apply_planner(spec: DeploymentSpec, flags: Mapping[str, Any], document: Mapping[str, Any] | None,
+def _apply_planner(spec: RunSpec, flags: Mapping[str, Any], document: Mapping[str, Any] | None,
                    source: str) -> None:
     """The planner's settings: the file's `planner:` mapping, then --planner-config, then the flags; its mode
     follows the workers (aggregated or disaggregated)."""
@@ -360,12 +360,12 @@ def _apply_planner(spec: DeploymentSpec, flags: Mapping[str, Any], document: Map
 
 def build_spec(flags: Mapping[str, Any], document: Mapping[str, Any] | None = None, *,
                source: str = "deployment file", worker_args: Sequence[str] = (),
-               available_cores: Sequence[int] | None = None) -> DeploymentSpec:
+               available_cores: Sequence[int] | None = None) -> RunSpec:
     """Defaults, then the file's `document`, then the flags that were given (argparse dests; absent = not given).
 
     `worker_args` (what followed `--`) go to every worker after the file's own args. Explicit cores must be
     among `available_cores` (default: this process's affinity)."""
-    spec = DeploymentSpec()
+    spec = RunSpec()
     if document is not None:
         _apply_document(spec, document, source)
     for key, check in _SETTINGS.items():
@@ -391,5 +391,5 @@ def build_spec(flags: Mapping[str, Any], document: Mapping[str, Any] | None = No
     return spec
 
 
-__all__ = ["DEFAULT_MODEL", "ENGINES", "ROLES", "DeploymentSpec", "FrontendSpec", "SpecError",
+__all__ = ["DEFAULT_MODEL", "ENGINES", "ROLES", "RunSpec", "FrontendSpec", "SpecError",
            "WorkerGroup", "build_spec", "load_file"]

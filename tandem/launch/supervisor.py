@@ -236,7 +236,7 @@ class Child:
         self.send(signal.SIGKILL)
 
 
-class Deployment:
+class Supervisor:
     """The frontend and the worker groups of one run. Worker groups can grow and shrink while it runs (`scale`),
     which is how a planner adds and removes workers."""
 

@@ -35,15 +35,6 @@ _CATALOG_TEXT = (
 )
 
 
-def synthetic_embedding(token_ids: Sequence[int], size: int, dimensions: int | None = None) -> list[float]:
-    """A deterministic unit vector for an input: pseudo-random, seeded by its token ids (the same input
-    gets the same vector anywhere), cut to `dimensions` and normalized again when asked (matryoshka)."""
-    rng = random.Random(hash(tuple(token_ids)))  # a tuple of ints hashes the same in every process
-    vector = [rng.gauss(0.0, 1.0) for _ in range(dimensions or size)]
-    norm = math.sqrt(sum(x * x for x in vector)) or 1.0
-    return [x / norm for x in vector]
-
-
 class SyntheticTokens:
     """Deterministic output tokens: words of the model's vocabulary, each picked by a hash of everything
     before it (the prompt and the tokens generated so far), seeded by the engine seed (or the request's

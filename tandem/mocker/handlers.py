@@ -17,12 +17,13 @@ from tandem.llm.protocols import (
     PreprocessedRequest,
 )
 from tandem.mocker.args import MockerConfig
-from tandem.mocker.engine import MockEngine, SimLogprobs, SyntheticTokens, synthetic_embedding
+from tandem.mocker.engine import MockEngine, SimLogprobs, SyntheticTokens
 from tandem.mocker.scheduler import SimRequest, StepOutput
 from tandem.router.hashing import request_seed
 from tandem.runtime import Context
 from tandem.runtime.errors import InvalidRequestError
 from tandem.worker.config import DisaggregationMode
+from tandem.worker.synthetic import synthetic_embedding
 
 
 class MockerHandler:

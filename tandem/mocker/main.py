@@ -18,6 +18,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from tandem.llm.forward_pass import FORWARD_PASS_TOPIC, EngineState
 from tandem.llm.model_card import ModelRuntimeConfig, ModelType, hidden_size_of
 from tandem.llm.tokenizer import Tokenizer
 from tandem.mocker.args import MockerConfig, parse_args
@@ -29,7 +30,7 @@ from tandem.router.protocols import KV_EVENT_TOPIC, KV_METRICS_TOPIC
 from tandem.router.publisher import KvEventPublisher, SupportsPublish
 from tandem.runtime import DistributedRuntime, configure_logging, run
 from tandem.runtime.runtime import install_signal_handlers
-from tandem.worker.forward_pass import FORWARD_PASS_TOPIC, EngineState, ForwardPassRecorder
+from tandem.worker.forward_pass import ForwardPassRecorder
 from tandem.worker.harness import WorkerSpec, serve_worker
 from tandem.worker.load import KvMetricsStatLogger
 

@@ -13,10 +13,10 @@ import logging
 
 import msgspec
 
+from tandem.llm.forward_pass import FORWARD_PASS_TOPIC, forward_pass_metrics_from_builtins
 from tandem.planner.load import LoadPlanner
 from tandem.runtime import DistributedRuntime
 from tandem.runtime.client import Client
-from tandem.worker.forward_pass import FORWARD_PASS_TOPIC, forward_pass_metrics_from_builtins
 
 log = logging.getLogger(__name__)
 

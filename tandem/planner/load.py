@@ -43,9 +43,9 @@ from enum import StrEnum
 
 import numpy as np
 
+from tandem.llm.forward_pass import EngineState, ForwardPassMetrics
 from tandem.planner.config import PlannerConfig, PlannerMode
 from tandem.planner.limits import Replicas
-from tandem.worker.forward_pass import EngineState, ForwardPassMetrics
 
 REPORT_TIMEOUT = 6.0  # s without a report before an engine no longer counts (engines report every 2 s when idle)
 MAX_STATES = 256  # queue reports kept per engine between two decisions

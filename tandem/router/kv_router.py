@@ -37,7 +37,7 @@ from tandem.router.protocols import (
     RouterEvent,
     router_event_from_builtins,
 )
-from tandem.router.selector import WorkerLoad, select_worker, worker_costs
+from tandem.router.selector import CostTerms, select_worker, worker_costs
 from tandem.router.sequences import ActiveSequences
 from tandem.runtime.keys import parse_endpoint_path
 
@@ -123,7 +123,7 @@ class RoutingDecision:
     worker_id: int
     dp_rank: int
     overlap_blocks: int  # prompt blocks the worker has cached
-    load: WorkerLoad  # the worker's load terms as the cost saw them
+    load: CostTerms  # the worker's terms as the cost saw them
     cost: float
     hashes: PromptHashes
     config: KvRouterConfig  # with the request's overrides
@@ -434,9 +434,9 @@ class KvRouter:
             decode = self.sequences.active_blocks(worker)
             if config.track_active_blocks:
                 decode += self.sequences.new_blocks(worker, hashes.sequence)
-            loads[worker] = WorkerLoad(worker, scores.scores.get(worker, 0) if use_overlap else 0,
-                                       self.sequences.active_prefill_tokens(worker), decode,
-                                       self.sequences.active_requests(worker))
+            loads[worker] = CostTerms(worker, scores.scores.get(worker, 0) if use_overlap else 0,
+                                      self.sequences.active_prefill_tokens(worker), decode,
+                                      self.sequences.active_requests(worker))
         costs = worker_costs(list(loads.values()), len(token_ids), self.block_size, config)
         chosen = select_worker(costs, config.temperature, self.rng, session)
         return RoutingDecision(chosen[0], chosen[1], loads[chosen].overlap_blocks, loads[chosen], costs[chosen],

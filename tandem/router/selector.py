@@ -18,7 +18,9 @@ from tandem.router.sequences import WorkerKey
 
 
 @dataclass
-class WorkerLoad:
+class CostTerms:
+    """What `worker_costs` weighs for one candidate: its cached prefix and its load."""
+
     worker: WorkerKey
     overlap_blocks: int  # prefix blocks of the request the worker has cached (from the indexer)
     active_prefill_tokens: int  # prompt tokens queued for prefill (from ActiveSequences)
@@ -32,7 +34,7 @@ def legacy_cost(prefill_blocks: float, decode_blocks: float, overlap_score_weigh
 
 
 def worker_costs(
-    loads: Sequence[WorkerLoad], isl_tokens: int, block_size: int, config: KvRouterConfig
+    loads: Sequence[CostTerms], isl_tokens: int, block_size: int, config: KvRouterConfig
 ) -> dict[WorkerKey, float]:
     """Cost of sending a request of `isl_tokens` prompt tokens to each candidate; lower is better.
 
@@ -42,7 +44,7 @@ def worker_costs(
         raise ValueError(f"block_size must be positive, got {block_size}")
     track_prefill = config.track_prefill_tokens
 
-    def queued(load: WorkerLoad) -> int:
+    def queued(load: CostTerms) -> int:
         return load.active_prefill_tokens if track_prefill else 0
 
     if config.overlap_score_weight is not None:

@@ -53,7 +53,6 @@ from tandem.llm.protocols import (
     TextRequest,
     text_chunk,
 )
-from tandem.mocker.engine import synthetic_embedding
 from tandem.models import default_served_name, resolve_model
 from tandem.router.protocols import KV_METRICS_TOPIC, ActiveLoad
 from tandem.runtime import (
@@ -67,6 +66,7 @@ from tandem.runtime import (
 from tandem.runtime.options import MIGRATION_LIMIT
 from tandem.worker.config import PARSER_OPTIONS, DisaggregationMode, parser_options
 from tandem.worker.harness import WorkerSpec, serve_worker
+from tandem.worker.synthetic import synthetic_embedding
 
 DEFAULT_TEXT = " The quick brown fox jumps over the lazy dog."
 _SAY = re.compile(r"\[\[say:(.*?)\]\]", re.S)

@@ -13,9 +13,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from tandem.llm.forward_pass import EngineState
 from tandem.router.publisher import SupportsPublish
 from tandem.vllm.publisher import NullStatLogger
-from tandem.worker.forward_pass import EngineState, ForwardPassRecorder, PendingPrompts
+from tandem.worker.forward_pass import ForwardPassRecorder, PendingPrompts
 
 log = logging.getLogger(__name__)
 

@@ -13,19 +13,19 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.llm.forward_pass import FORWARD_PASS_TOPIC
 from tandem.llm.model_card import ModelInput, ModelRuntimeConfig, ModelType
 from tandem.models.resolve import loaded_model_folder
 from tandem.router.protocols import KV_METRICS_TOPIC
 from tandem.runtime import DistributedRuntime, configure_logging, run
 from tandem.vllm.args import Config, dump_config, parse_args
+from tandem.vllm.bos_token import bos_token_id_of
 from tandem.vllm.checkpoint_restore import get_checkpoint_config
 from tandem.vllm.engine_monitor import VllmEngineMonitor
 from tandem.vllm.forward_pass import ForwardPasses, ForwardPassLoggerFactory, enable_iteration_details
 from tandem.vllm.handlers import DisaggMetrics, handler_class
-from tandem.vllm.health_check import bos_token_id_of
 from tandem.vllm.lifeline import mark_owner
 from tandem.vllm.publisher import StatLoggerFactory
-from tandem.worker.forward_pass import FORWARD_PASS_TOPIC
 from tandem.worker.harness import ServedWorker, WorkerSpec, serve_worker
 
 log = logging.getLogger("tandem.vllm")

@@ -1,5 +1,5 @@
 """A worker's forward-pass metrics: what each engine step computed and how long it took, published on the
-component's `forward_pass_metrics` topic for the load-based planner.
+component's `forward_pass_metrics` topic for the load-based planner (the messages: `tandem.llm.forward_pass`).
 
 The planner fits step time against the tokens a step computes (prompt tokens, and the KV tokens the
 running requests attend over), then estimates from an engine's queue what TTFT and ITL a request sent to
@@ -23,47 +23,15 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import msgspec
 
+from tandem.llm.forward_pass import EngineState, ForwardPass, ForwardPassMetrics
 from tandem.router.publisher import SupportsPublish
 
 log = logging.getLogger(__name__)
 
-FORWARD_PASS_TOPIC = "forward_pass_metrics"
 MAX_PASSES = 64  # steps per report: the newest, when an engine steps faster than reports go out
-
-
-class ForwardPass(msgspec.Struct, array_like=True, frozen=True):
-    """One engine step."""
-
-    prefill_tokens: int  # prompt tokens computed in the step
-    kv_tokens: int  # KV tokens held by the engine's running requests during the step
-    wall_time: float  # seconds the step took
-
-
-class EngineState(msgspec.Struct, array_like=True, frozen=True):
-    """An engine's queue at the time of a report."""
-
-    queued_prefill_tokens: int  # prompt tokens admitted (waiting or in chunked prefill) and not yet computed
-    kv_tokens: int  # KV tokens held by the running requests
-    max_num_batched_tokens: int  # the most tokens one step computes: the prefill chunk
-
-
-class ForwardPassMetrics(msgspec.Struct, frozen=True):
-    """One report of one engine (one data-parallel rank of a worker)."""
-
-    worker_id: int
-    dp_rank: int
-    state: EngineState
-    passes: list[ForwardPass]  # the newest steps since the last report
-    busy: float = 0.0  # seconds all steps since the last report took (`passes` may hold only some of them)
-
-
-def forward_pass_metrics_from_builtins(event: Any) -> ForwardPassMetrics:
-    """An event as the event plane delivers it; raises msgspec.ValidationError if it is not one."""
-    return msgspec.convert(event, ForwardPassMetrics)
 
 
 class ForwardPassRecorder:

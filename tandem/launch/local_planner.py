@@ -9,7 +9,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, start_http_server
 
 from tandem.launch.plan import Plan
-from tandem.launch.supervisor import Deployment
+from tandem.launch.supervisor import Supervisor
 from tandem.planner.config import PlannerConfig
 from tandem.planner.engines import EngineFollower
 from tandem.planner.load import LoadPlanner
@@ -23,25 +23,25 @@ class LocalConnector:
     """Scales the worker groups of this `tandem run`: new workers start on free cores; the workers stopped
     are the newest, each draining its streams before it exits (the frontend migrates what is left)."""
 
-    def __init__(self, deployment: Deployment) -> None:
-        self.deployment = deployment
-        self.aggregated = "agg" in deployment.groups
+    def __init__(self, supervisor: Supervisor) -> None:
+        self.supervisor = supervisor
+        self.aggregated = "agg" in supervisor.groups
 
     async def replicas(self) -> Replicas:
-        workers = self.deployment.workers
+        workers = self.supervisor.workers
         if self.aggregated:
             return Replicas(0, len(workers["agg"]))
         return Replicas(len(workers["prefill"]), len(workers["decode"]))
 
     def startup_seconds(self) -> float | None:
-        return self.deployment.startup_seconds()
+        return self.supervisor.startup_seconds()
 
     async def scale(self, target: Replicas) -> None:
         if self.aggregated:
-            await self.deployment.scale("agg", target.decode)
+            await self.supervisor.scale("agg", target.decode)
         else:
-            await asyncio.gather(self.deployment.scale("prefill", target.prefill),
-                                 self.deployment.scale("decode", target.decode))
+            await asyncio.gather(self.supervisor.scale("prefill", target.prefill),
+                                 self.supervisor.scale("decode", target.decode))
 
 
 class _ToMux(logging.Handler):
@@ -62,7 +62,7 @@ def runtime_config(plan: Plan) -> RuntimeConfig:
         system_port=None)
 
 
-async def run_planner(config: PlannerConfig, sla: SlaPlanner | None, deployment: Deployment, frontend_url: str,
+async def run_planner(config: PlannerConfig, sla: SlaPlanner | None, supervisor: Supervisor, frontend_url: str,
                       stop: asyncio.Event, say: Callable[[str], None], metrics_port: int | None = None) -> None:
     """Plan until `stop`: throughput-based with `sla` (observing the frontend), load-based when the config enables
     it (following the engines on this run's event plane). The planner's lines go to `say`, its metrics to
@@ -80,12 +80,12 @@ async def run_planner(config: PlannerConfig, sla: SlaPlanner | None, deployment:
     try:
         load = None
         if config.enable_load_scaling:
-            runtime = await DistributedRuntime.create(runtime_config(deployment.plan))
+            runtime = await DistributedRuntime.create(runtime_config(supervisor.plan))
             load = LoadPlanner(config)
-            follower = EngineFollower(runtime, deployment.plan.spec.namespace, load)
+            follower = EngineFollower(runtime, supervisor.plan.spec.namespace, load)
             await follower.start()
-        observer = FrontendObserver([frontend_url], deployment.plan.served_name) if sla is not None else None
-        loop = PlannerLoop(config, LocalConnector(deployment), sla=sla, observer=observer, load=load,
+        observer = FrontendObserver([frontend_url], supervisor.plan.served_name) if sla is not None else None
+        loop = PlannerLoop(config, LocalConnector(supervisor), sla=sla, observer=observer, load=load,
                            registry=registry)
         say(config.describe())
         await loop.run(stop)
