@@ -29,8 +29,6 @@ KV_METRICS_TOPIC = "kv_metrics"
 WORKER_KV_INDEXER_QUERY_ENDPOINT = "worker_kv_indexer_query"
 WORKER_KV_INDEXER_BUFFER_SIZE = 1024
 
-STORAGE_TIERS = ("device", "host_pinned", "disk", "external")
-
 U64 = Annotated[int, msgspec.Meta(ge=0)]  # (msgspec cannot bound above int64; msgpack caps at u64)
 
 
@@ -138,26 +136,9 @@ def cleared_event(event_id: int, dp_rank: int = 0) -> KvCacheEvent:
 
 
 # -- codecs --------------------------------------------------------------------------------------
-_encoder = msgspec.msgpack.Encoder()
-_router_event_decoder = msgspec.msgpack.Decoder(RouterEvent)
-_active_load_decoder = msgspec.msgpack.Decoder(ActiveLoad)
-
-
 def to_builtins(obj: msgspec.Struct) -> Any:
     """Plain dicts/lists/ints: what `EventPublisher.publish` takes."""
     return msgspec.to_builtins(obj)
-
-
-def encode(obj: msgspec.Struct) -> bytes:
-    return _encoder.encode(obj)
-
-
-def decode_router_event(data: bytes) -> RouterEvent:
-    return _router_event_decoder.decode(data)
-
-
-def decode_active_load(data: bytes) -> ActiveLoad:
-    return _active_load_decoder.decode(data)
 
 
 def router_event_from_builtins(obj: Any) -> RouterEvent:

@@ -47,9 +47,8 @@ from tandem.worker.load import KvMetricsStatLogger, PublisherProvider
 
 log = logging.getLogger(__name__)
 
-# Attention groups whose blocks the router indexes; other groups (sliding window, mamba, ...) of
-# hybrid models are ignored, as are all groups but group 0.
-MAIN_ATTENTION_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+# Attention groups of hybrid models whose blocks the router does not index (sliding window, mamba, ...): it
+# indexes full attention (full, MLA, sink full), and only group 0.
 NON_MAIN_ATTENTION_KINDS = frozenset({
     "sliding_window", "sliding_window_mla", "mamba", "chunked_local_attention",
     "encoder_only_attention", "cross_attention", "unknown",

@@ -28,7 +28,6 @@ class MarkupCalls(CallSyntax):
     def __init__(self, tools: Sequence[Mapping[str, Any]] = ()) -> None:
         super().__init__(tools)
         self.markers = tuple(open_ for open_, _ in self.tags)
-        self._closes = dict(self.tags)
 
     def take(self, region: str, final: bool) -> Taken | None:
         close = next(c for o, c in self.tags if region.startswith(o))

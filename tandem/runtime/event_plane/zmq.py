@@ -75,7 +75,6 @@ class ZmqSubscriber(EventSubscriber):
         self._socket.setsockopt(zmq.SUBSCRIBE, self._topic)
         self._connected: dict[str, str] = {}  # discovery key -> address
         self._watcher: asyncio.Task[None] | None = None
-        self._ready = asyncio.Event()
 
     async def start(self) -> None:
         watch = await self._store.watch_prefix(self._prefix)
