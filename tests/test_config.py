@@ -220,3 +220,50 @@ def test_advertise_host_flag_over_env(monkeypatch):
     monkeypatch.setenv("DYN_ADVERTISE_HOST", "10.0.0.1")
     assert RuntimeConfig.from_env().advertise_host == "10.0.0.1"
     assert RuntimeConfig.from_args(parse(["--advertise-host", "10.0.0.2"])).advertised_host() == "10.0.0.2"
+
+
+def test_a_shared_worker_flag_is_one_row_in_every_worker_kind(monkeypatch):
+    """The worker kinds add the same `Option` rows: the same flags (aliases too), env vars and destination in
+    each; only the default is the kind's own (blocks of 64 tokens in the mocker, 16 in the test engine)."""
+    from tandem.llm.model_card import ModelType
+    from tandem.mocker.args import build_parser as mocker_parser
+    from tandem.mocker.args import parse_args as mocker_args
+    from tandem.runtime.options import MIGRATION_LIMIT, RUNTIME_OPTIONS
+    from tandem.testing.engine import build_parser as engine_parser
+    from tandem.testing.engine import parse_args as engine_args
+    from tandem.worker.config import (
+        BLOCK_SIZE,
+        CONTEXT_LENGTH,
+        ENDPOINT_TYPES,
+        MODEL_PATH,
+        PARSER_OPTIONS,
+        SERVED_MODEL_NAME,
+    )
+
+    parsers = {"mocker": mocker_parser(), "test engine": engine_parser()}
+    for row in (MODEL_PATH, SERVED_MODEL_NAME, ENDPOINT_TYPES, CONTEXT_LENGTH, BLOCK_SIZE, MIGRATION_LIMIT,
+                *PARSER_OPTIONS, *RUNTIME_OPTIONS):
+        for kind, parser in parsers.items():
+            for flag in row.flags:
+                action = parser._option_string_actions[flag]
+                assert (action.dest, action.default) == (row.dest, None), (kind, flag)
+                assert all(env in action.help for env in row.envs), (kind, flag)
+
+    assert "default 64" in parsers["mocker"]._option_string_actions["--block-size"].help
+    assert "default 16" in parsers["test engine"]._option_string_actions["--block-size"].help
+    assert (mocker_args([]).engine.block_size, engine_args([])[1].block_size) == (64, 16)
+    assert (mocker_args(["--block-size", "32"]).engine.block_size,
+            engine_args(["--block-size", "32"])[1].block_size) == (32, 32)
+    monkeypatch.setenv("DYN_ENDPOINT_TYPES", "completions")  # the vLLM worker's env var, now every kind's
+    assert mocker_args([]).model_type == ModelType.Completions
+    assert engine_args([])[1].endpoint_types == "completions"
+    assert engine_args(["--dyn-endpoint-types", "chat"])[1].endpoint_types == "chat"  # the flag wins
+
+
+@pytest.mark.parametrize("module", ["tandem.mocker.args", "tandem.testing.engine"])
+def test_a_shared_worker_flag_names_its_bad_value(capsys, module):
+    import importlib
+
+    with pytest.raises(SystemExit) as info:
+        importlib.import_module(module).parse_args(["--block-size", "0"])
+    assert info.value.code == 2 and "--block-size must be" in capsys.readouterr().err

@@ -184,6 +184,20 @@ def test_env_bool_false(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     assert not build().is_prefill_worker
 
 
+def test_the_worker_flags_are_the_shared_rows() -> None:
+    """The flags the vLLM worker shares with the mocker and the test engine are the same `Option` rows."""
+    from tandem.runtime.options import MIGRATION_LIMIT, RUNTIME_OPTIONS
+    from tandem.vllm.args import build_dynamo_parser
+    from tandem.worker import config as worker
+
+    parser = build_dynamo_parser()
+    for row in (worker.ENDPOINT_TYPES, worker.CUSTOM_JINJA_TEMPLATE, worker.IS_PREFILL_WORKER, worker.IS_DECODE_WORKER,
+                worker.DURABLE_KV_EVENTS, *worker.PARSER_OPTIONS, MIGRATION_LIMIT, *RUNTIME_OPTIONS):
+        for flag in row.flags:
+            action = parser._option_string_actions[flag]
+            assert action.dest == row.dest and all(env in action.help for env in row.envs), flag
+
+
 def test_cli_wins_over_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DYN_VLLM_IS_PREFILL_WORKER", "true")
     monkeypatch.setenv("DYN_NAMESPACE", "from-env")
@@ -354,7 +368,7 @@ def test_mp_executor_for_nixl_tp1() -> None:
 
 
 def test_nixl_progress_thread_extension_on_cpu_only() -> None:
-    from tandem.vllm.args import NIXL_CPU_EXTENSION
+    from tandem.vllm.engine_args import NIXL_CPU_EXTENSION
 
     assert build().engine_args.worker_extension_cls == NIXL_CPU_EXTENSION
     assert not build("--connector", "none").engine_args.worker_extension_cls
@@ -502,15 +516,15 @@ def test_nixl_side_channel(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_side_channel_port_comes_back_after_a_restart() -> None:
     """Ports are claimed per process (lock files) from a fixed start, so a restarted worker gets its port
     back: the port is part of vLLM's compile-cache key."""
-    from tandem.vllm import args
+    from tandem.vllm import engine_args
 
-    first = args._claim_port(43100)
-    second = args._claim_port(43100)
+    first = engine_args._claim_port(43100)
+    second = engine_args._claim_port(43100)
     assert second > first
-    os.close(args._claimed_ports.pop(first))  # the first worker exits
-    assert args._claim_port(43100) == first
+    os.close(engine_args._claimed_ports.pop(first))  # the first worker exits
+    assert engine_args._claim_port(43100) == first
     for port in (first, second):
-        os.close(args._claimed_ports.pop(port))
+        os.close(engine_args._claimed_ports.pop(port))
 
 
 def test_nixl_side_channel_only_with_nixl() -> None:

@@ -10,16 +10,26 @@ import argparse
 import json
 import os
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 from tandem.llm.model_card import ModelType
 from tandem.mocker.scheduler import SchedulerConfig
 from tandem.models import default_served_name, resolve_model
-from tandem.runtime import RuntimeConfig, add_runtime_args
+from tandem.runtime import RuntimeConfig
 from tandem.runtime.keys import parse_endpoint_path
-from tandem.runtime.options import MIGRATION_LIMIT, Option
+from tandem.runtime.options import MIGRATION_LIMIT, Option, add_options, add_runtime_args
 from tandem.worker.config import (
+    BLOCK_SIZE,
+    CONTEXT_LENGTH,
+    DEFAULT_ENDPOINT_TYPES,
+    DISAGGREGATION_MODE,
     DURABLE_KV_EVENTS,
+    ENDPOINT_TYPES,
+    IS_DECODE_WORKER,
+    IS_PREFILL_WORKER,
+    MODEL_PATH,
     PARSER_OPTIONS,
+    SERVED_MODEL_NAME,
     DisaggregationMode,
     check_durable_kv_events,
     parser_options,
@@ -77,42 +87,51 @@ class MockerConfig:
         return num_tokens * self.kv_bytes_per_token / (self.kv_transfer_bandwidth * 1e9)
 
 
-_MODEL_PATH = Option("model_path", ("--model-path", "--model"), ("DYN_MODEL_PATH",),
-                     "model folder (tokenizer, config.json), hub id or `smollm2`", kind=str)
 _DROP_KV_EVENTS = Option("drop_kv_events", (), ("DYN_MOCKER_DROP_KV_EVENTS",),
                          "test hook: every Nth KV event is not published (0 = off)", kind=int, minimum=0)
 _ENDPOINT = Option("endpoint", ("--endpoint",), ("DYN_ENDPOINT",), "dyn://namespace.component.endpoint to serve",
                    kind=str)
+# The worker flags the mocker shares with the other worker kinds, with the mocker's defaults.
+_MODEL_OPTIONS = (MODEL_PATH, SERVED_MODEL_NAME, _ENDPOINT)
+_SERVING_OPTIONS = (MIGRATION_LIMIT, ENDPOINT_TYPES, *PARSER_OPTIONS, DURABLE_KV_EVENTS, CONTEXT_LENGTH)
+_DISAGG_OPTIONS = (DISAGGREGATION_MODE, IS_PREFILL_WORKER, IS_DECODE_WORKER)
+
+# Options `--extra-engine-args` may set, with the defaults used when neither it nor a flag does.
+ENGINE_DEFAULTS: dict[str, object] = {
+    "num_gpu_blocks": 16384, "block_size": 64, "max_num_seqs": 256, "max_num_batched_tokens": 8192,
+    "enable_prefix_caching": True, "enable_chunked_prefill": True, "watermark": 0.01, "preemption_mode": "lifo",
+    "scheduler_reserve_full_isl": True,
+    "seed": 0, "speedup_ratio": 1.0, "decode_speedup_ratio": 1.0, "startup_time": 0.0,
+    "planner_profile_data": None, "disaggregation_mode": "agg", "kv_transfer_bandwidth": 64.0,
+    "kv_bytes_per_token": None, "data_parallel_size": 1,
+}
+# Every flag's default, shown in --help.
+_DEFAULTS = SimpleNamespace(
+    **ENGINE_DEFAULTS, model_path="smollm2", served_model_name=None, migration_limit=0,
+    endpoint_types=DEFAULT_ENDPOINT_TYPES, dyn_tool_call_parser=None, dyn_reasoning_parser=None,
+    durable_kv_events=False, context_length=None, is_prefill_worker=False, is_decode_worker=False,
+    endpoint="dyn://<namespace>.backend.generate (prefill workers: .prefill.generate)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tandem mocker", description="A simulated vLLM worker: real registration, tokenizer, KV events "
-        "and load metrics; simulated scheduling and timing. Defaults match Dynamo's mocker.",
+        "and load metrics; simulated scheduling and timing. Defaults match Dynamo's mocker. With "
+        "--endpoint-types embedding it is a simulated embedding model: each input costs its prefill, the "
+        "vectors are synthetic.",
     )
     model = parser.add_argument_group("Model and serving")
-    _MODEL_PATH.add_to(model, "smollm2")
-    model.add_argument("--model-name", "--served-model-name", dest="model_name", default=None,
-                       help="served model name [default: the folder's name]")
-    _ENDPOINT.add_to(model, "dyn://<namespace>.backend.generate (prefill workers: .prefill.generate)")
+    add_options(model, _MODEL_OPTIONS, _DEFAULTS)
     model.add_argument("--num-workers", type=int, default=1, help="simulated engines in this process, each its own "
                        "worker instance [default 1]")
     model.add_argument("--data-parallel-size", "--dp-size", dest="data_parallel_size", type=int, default=None,
                        help="data-parallel ranks per worker instance, each its own engine, KV cache and KV event "
                        "stream; requests name theirs in routing.dp_rank [default 1]")
-    MIGRATION_LIMIT.add_to(model, 0)
-    model.add_argument("--endpoint-types", default="chat,completions",
-                       help="what the model serves: chat,completions, or embedding (a simulated embedding model: "
-                       "each input costs its prefill, the vectors are synthetic) [chat,completions]")
-    for option in PARSER_OPTIONS:
-        option.add_to(model, None)
-    DURABLE_KV_EVENTS.add_to(model, None)
-    model.add_argument("--context-length", "--max-model-len", dest="context_length", type=int, default=None,
-                       help="maximum sequence length [default: the model's max_position_embeddings]")
+    add_options(model, _SERVING_OPTIONS, _DEFAULTS)
     engine = parser.add_argument_group("Simulated engine")
     engine.add_argument("--num-gpu-blocks-override", dest="num_gpu_blocks", type=int, default=None,
                         help="KV cache blocks per engine [16384]")
-    engine.add_argument("--block-size", type=int, default=None, help="tokens per KV block [64]")
+    BLOCK_SIZE.add_to(engine, _DEFAULTS.block_size)
     engine.add_argument("--max-num-seqs", type=int, default=None, help="running requests per step [256]")
     engine.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step [8192]")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
@@ -140,9 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="measured timings to interpolate (.npz as Dynamo's profiler writes, or .json with "
                         "the same keys) instead of the polynomial default")
     disagg = parser.add_argument_group("Disaggregation")
-    disagg.add_argument("--disaggregation-mode", choices=["agg", "prefill", "decode"], default=None, help="[agg]")
-    disagg.add_argument("--is-prefill-worker", action="store_true", help="same as --disaggregation-mode prefill")
-    disagg.add_argument("--is-decode-worker", action="store_true", help="same as --disaggregation-mode decode")
+    add_options(disagg, _DISAGG_OPTIONS, _DEFAULTS)
     disagg.add_argument("--enable-conditional-disagg", action="store_true",
                         help="decode workers: publish KV events, so that a frontend with --router-conditional-disagg "
                         "can keep mostly cached prompts on them")
@@ -157,15 +174,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# Options `--extra-engine-args` may set, with the defaults used when neither it nor a flag does.
-ENGINE_DEFAULTS: dict[str, object] = {
-    "num_gpu_blocks": 16384, "block_size": 64, "max_num_seqs": 256, "max_num_batched_tokens": 8192,
-    "enable_prefix_caching": True, "enable_chunked_prefill": True, "watermark": 0.01, "preemption_mode": "lifo",
-    "scheduler_reserve_full_isl": True,
-    "seed": 0, "speedup_ratio": 1.0, "decode_speedup_ratio": 1.0, "startup_time": 0.0,
-    "planner_profile_data": None, "disaggregation_mode": "agg", "kv_transfer_bandwidth": 64.0,
-    "kv_bytes_per_token": None, "data_parallel_size": 1,
-}
 SCHEDULER_OPTIONS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
                      "enable_chunked_prefill", "watermark", "preemption_mode", "scheduler_reserve_full_isl")
 _ALIASES = {"num_gpu_blocks_override": "num_gpu_blocks", "dp_size": "data_parallel_size"}
@@ -183,13 +191,10 @@ def parse_args(argv: list[str] | None = None) -> MockerConfig:
 
 
 def _config(args: argparse.Namespace) -> MockerConfig:
-    if args.is_prefill_worker and args.is_decode_worker:
-        raise ValueError("--is-prefill-worker and --is-decode-worker are mutually exclusive")
-    if args.is_prefill_worker or args.is_decode_worker:
-        mode = "prefill" if args.is_prefill_worker else "decode"
-        if args.disaggregation_mode not in (None, mode):
-            raise ValueError(f"--disaggregation-mode {args.disaggregation_mode} contradicts --is-{mode}-worker")
-        args.disaggregation_mode = mode
+    prefill, decode = (bool(option.value(args)) for option in (IS_PREFILL_WORKER, IS_DECODE_WORKER))
+    mode = DISAGGREGATION_MODE.value(args)
+    if mode is not None or prefill or decode:  # a role given as a flag wins over --extra-engine-args's
+        args.disaggregation_mode = DisaggregationMode.of(mode, prefill, decode)
     options = dict(ENGINE_DEFAULTS)
     options.update(_extra_engine_args(args.extra_engine_args))
     options.update({k: getattr(args, k) for k in ENGINE_DEFAULTS if getattr(args, k) is not None})
@@ -217,27 +222,29 @@ def _config(args: argparse.Namespace) -> MockerConfig:
 
     drop_kv_events = _DROP_KV_EVENTS.value(args, 0)
     tool_call_parser, reasoning_parser = parser_options(args)
-    model_type = ModelType.parse(args.endpoint_types)
+    model_type = ModelType.parse(ENDPOINT_TYPES.value(args, _DEFAULTS.endpoint_types))
     if model_type & ModelType.Embedding and (model_type != ModelType.Embedding or mode is not DisaggregationMode.AGGREGATED):
         raise ValueError("--endpoint-types embedding: an embedding model serves embeddings only, aggregated")
 
-    model_path = resolve_model(_MODEL_PATH.value(args, "smollm2"))
+    model = MODEL_PATH.value(args, _DEFAULTS.model_path)
+    model_path = resolve_model(model)
     model_config = _read_model_config(model_path)
-    context_length = args.context_length or int(model_config.get("max_position_embeddings") or 8192)
+    context_length = CONTEXT_LENGTH.value(args) or int(model_config.get("max_position_embeddings") or 8192)
     kv_bytes = options.pop("kv_bytes_per_token") or kv_bytes_per_token(model_config, args.kv_cache_dtype)
     engine = SchedulerConfig(num_blocks=int(options.pop("num_gpu_blocks")),  # type: ignore[call-overload]
                              **{name: options.pop(name) for name in SCHEDULER_OPTIONS})  # type: ignore[arg-type]
 
     runtime = RuntimeConfig.from_args(args)
-    durable_kv_events = bool(DURABLE_KV_EVENTS.value(args, False))
+    durable_kv_events = bool(DURABLE_KV_EVENTS.value(args, _DEFAULTS.durable_kv_events))
     check_durable_kv_events(durable_kv_events, runtime.event_plane)
     endpoint = _ENDPOINT.value(args) or f"dyn://{runtime.namespace}.{mode.default_component}.generate"
     namespace, component, endpoint_name = parse_endpoint_path(endpoint)
     return MockerConfig(
         model_path=model_path,
-        served_model_name=args.model_name or default_served_name(_MODEL_PATH.value(args, "smollm2"), model_path),
+        served_model_name=SERVED_MODEL_NAME.value(args) or default_served_name(model, model_path),
         namespace=namespace, component=component, endpoint=endpoint_name,
-        num_workers=args.num_workers, migration_limit=MIGRATION_LIMIT.value(args, 0), context_length=context_length,
+        num_workers=args.num_workers, migration_limit=MIGRATION_LIMIT.value(args, _DEFAULTS.migration_limit),
+        context_length=context_length,
         enable_conditional_disagg=args.enable_conditional_disagg, drop_kv_events=drop_kv_events,
         durable_kv_events=durable_kv_events,
         kv_bytes_per_token=int(kv_bytes), runtime=runtime.replace(namespace=namespace), engine=engine,

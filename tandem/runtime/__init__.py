@@ -2,7 +2,7 @@
 
 from tandem.runtime.client import Client
 from tandem.runtime.component import Component, Endpoint, Namespace, ServedEndpoint
-from tandem.runtime.config import ConfigError, RuntimeConfig, add_runtime_args
+from tandem.runtime.config import ConfigError, RuntimeConfig
 from tandem.runtime.context import Context
 from tandem.runtime.errors import (
     EngineShutdown,
@@ -13,6 +13,7 @@ from tandem.runtime.errors import (
     StreamIncompleteError,
 )
 from tandem.runtime.logs import configure_logging
+from tandem.runtime.options import add_runtime_args
 from tandem.runtime.runtime import DistributedRuntime, run
 
 __all__ = [

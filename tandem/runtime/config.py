@@ -118,7 +118,8 @@ class RuntimeConfig:
         """Defaults overridden by DYN_* environment variables."""
         import json
 
-        backend = env_str("DYN_DISCOVERY_BACKEND") or env_str("DYN_STORE_KV") or "file"
+        from tandem.runtime.options import RUNTIME_OPTIONS, apply_options  # options.py builds on this module
+
         system_port = env_str("DYN_SYSTEM_PORT")
         endpoints_json = env_str("DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS")
         try:
@@ -128,14 +129,9 @@ class RuntimeConfig:
                 f"DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS must be a JSON list of endpoint names, got {endpoints_json!r}"
             ) from None
         grace = env_number("DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS", 5.0)
-        return cls(
-            namespace=env_str("DYN_NAMESPACE", "dynamo"),  # type: ignore[arg-type]
-            discovery_backend=backend.lower(),
-            request_plane=(env_str("DYN_REQUEST_PLANE") or "tcp").lower(),
-            event_plane=(env_str("DYN_EVENT_PLANE") or "zmq").lower(),
+        config = cls(
             file_kv_root=env_str("DYN_FILE_KV"),
             discovery_ttl=env_number("DYN_DISCOVERY_TTL_SECS", env_number("ETCD_LEASE_TTL", 10.0)),
-            advertise_host=env_str("DYN_ADVERTISE_HOST"),
             tcp_host=env_str("DYN_TCP_RPC_HOST"),
             tcp_port=int(env_number("DYN_TCP_RPC_PORT", 0, int)),
             tcp_max_message_size=int(env_number("DYN_TCP_MAX_MESSAGE_SIZE", 32 * 1024 * 1024, int)),
@@ -165,15 +161,15 @@ class RuntimeConfig:
             graceful_shutdown_grace_period=max(grace, 0.0),
             graceful_shutdown_timeout=env_number("DYN_RUNTIME_GRACEFUL_SHUTDOWN_TIMEOUT_SECS", 900.0),
         )
+        apply_options(config, RUNTIME_OPTIONS, None)
+        return config
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RuntimeConfig:
         """Env-derived config with the runtime flags of `add_runtime_args` applied on top."""
-        config = cls.from_env()
-        for name in ("namespace", "discovery_backend", "request_plane", "event_plane", "advertise_host"):
-            value = getattr(args, name, None)
-            if value is not None:
-                setattr(config, name, value)
+        from tandem.runtime.options import RUNTIME_OPTIONS, apply_options
+
+        config: RuntimeConfig = apply_options(cls.from_env(), RUNTIME_OPTIONS, args)
         config.validate()
         return config
 
@@ -203,14 +199,14 @@ class RuntimeConfig:
 
     def validate(self) -> None:
         from tandem.runtime.discovery import BACKENDS
+        from tandem.runtime.options import RUNTIME_OPTIONS
 
-        for setting, flag, env, value, built, later in (
-            ("discovery backend", "--discovery-backend", "DYN_DISCOVERY_BACKEND", self.discovery_backend, BACKENDS,
-             "kubernetes"),
-            ("request plane", "--request-plane", "DYN_REQUEST_PLANE", self.request_plane, ("tcp", "nats"), None),
-            ("event plane", "--event-plane", "DYN_EVENT_PLANE", self.event_plane, ("zmq", "nats"), None),
-        ):
-            if value == later:
+        rows = {option.field: option for option in RUNTIME_OPTIONS}
+        for name, built in (("discovery_backend", BACKENDS), ("request_plane", ("tcp", "nats")),
+                            ("event_plane", ("zmq", "nats"))):
+            value, row, setting = getattr(self, name), rows[name], name.replace("_", " ")
+            flag, env = row.flags[0], row.envs[0]
+            if value in (row.choices or ()) and value not in built:  # understood (kubernetes), not built
                 raise ConfigError(f"{flag} {value} ({env}): the {value} {setting} is not built yet in tandem; "
                                   f"use {' or '.join(built)}")
             if value not in built:
@@ -234,30 +230,3 @@ def _port(name: str, value: str) -> int:
     if not 0 <= port <= 65535:
         raise ValueError(f"{name}={port} is outside 0-65535")
     return port
-
-
-def add_runtime_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    """The runtime flags every tandem component accepts. Defaults are left as None so that
-    `RuntimeConfig.from_args` can tell "not given" (use env) from "given" (CLI wins)."""
-    group = parser.add_argument_group("Runtime options")
-    group.add_argument("--namespace", default=None, help="namespace to serve in [env DYN_NAMESPACE, default dynamo]")
-    group.add_argument(
-        "--discovery-backend", "--store-kv", dest="discovery_backend", default=None,
-        choices=["file", "mem", "etcd", "kubernetes"], type=str.lower,  # kubernetes: refused until built
-        help="how processes find each other [env DYN_DISCOVERY_BACKEND or DYN_STORE_KV, default file; "
-        "file root: DYN_FILE_KV]",
-    )
-    group.add_argument(
-        "--request-plane", default=None, choices=["tcp", "nats"], type=str.lower,
-        help="transport for requests to workers [env DYN_REQUEST_PLANE, default tcp; nats: NATS_SERVER]",
-    )
-    group.add_argument(
-        "--event-plane", default=None, choices=["zmq", "nats"], type=str.lower,
-        help="transport for KV events and metrics [env DYN_EVENT_PLANE, default zmq; nats: NATS_SERVER]",
-    )
-    group.add_argument(
-        "--advertise-host", default=None, metavar="ADDRESS",
-        help="the address other hosts reach this process at [env DYN_ADVERTISE_HOST; default DYN_TCP_RPC_HOST, "
-        "else this host's address on the route to etcd or NATS]",
-    )
-    return group

@@ -2,8 +2,10 @@
 
 A row names the config field, its flags (the first canonical, the rest aliases), its env vars (the first
 canonical), its kind (float, int, bool or str) and bounds. The flag wins over the env var, the env var
-over the default; a value out of bounds is a ValueError that names where the value came from (the flag
-or the env var). Flags are added with `default=None`, so "not given" and "given the default value" differ.
+over the default; a value out of bounds is a ConfigError (a ValueError) that names where the value came from
+(the flag or the env var). Flags are added with `default=None`, so "not given" and "given the default value"
+differ. The default belongs to the use, not to the row: `add_options` shows, and the caller applies, the
+defaults of the component adding the row (a worker kind with its own block size shares the row).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from tandem.runtime.config import env_bool, env_str
+from tandem.runtime.config import ConfigError, RuntimeConfig, env_bool, env_str
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,7 @@ class Option:
     maximum: float | None = None  # inclusive upper bound
     positive: bool = False  # strictly > 0
     choices: tuple[str, ...] | None = None
+    casefold: bool = False  # choices in any case: the flag's or env var's value is lowercased
     metavar: str | None = None  # shown in --help; default: the flag's last word (str) or the kind
 
     @property
@@ -46,6 +49,7 @@ class Option:
                                help=f"{self.help} [{where}]")
         elif self.choices:
             group.add_argument(*self.flags, dest=self.dest, choices=self.choices, default=None,
+                               type=str.lower if self.casefold else str,
                                help=f"{self.help}: {', '.join(self.choices)} [{where}]")
         else:
             metavar = self.metavar or (self.flags[0].rsplit("-", 1)[-1].upper() if self.kind is str
@@ -70,29 +74,29 @@ class Option:
             if raw is None:
                 continue
             if self.choices:
-                return raw, name  # checked against the choices by _validate
+                return (raw.lower() if self.casefold else raw), name  # checked against the choices by _validate
             if self.kind is bool:
                 return env_bool(name), name
             try:
                 return self.kind(raw), name
             except ValueError:
                 where = f" (for {self.flags[0]})" if self.flags else ""
-                raise ValueError(f"{name}={raw!r} is not a valid {self.kind.__name__}{where}") from None
+                raise ConfigError(f"{name}={raw!r} is not a valid {self.kind.__name__}{where}") from None
         return None, ""
 
     def _validate(self, value: Any, source: str) -> None:
         if self.choices and value not in self.choices:
-            raise ValueError(f"{source} must be one of {', '.join(self.choices)}, got {value!r}")
+            raise ConfigError(f"{source} must be one of {', '.join(self.choices)}, got {value!r}")
         if self.kind not in (int, float):
             return
         if not math.isfinite(value):
-            raise ValueError(f"{source} must be a finite number, got {value}")
+            raise ConfigError(f"{source} must be a finite number, got {value}")
         if self.positive and value <= 0:
-            raise ValueError(f"{source} must be > 0, got {value}")
+            raise ConfigError(f"{source} must be > 0, got {value}")
         if self.minimum is not None and value < self.minimum:
-            raise ValueError(f"{source} must be >= {self.minimum:g}, got {value}")
+            raise ConfigError(f"{source} must be >= {self.minimum:g}, got {value}")
         if self.maximum is not None and value > self.maximum:
-            raise ValueError(f"{source} must be <= {self.maximum:g}, got {value}")
+            raise ConfigError(f"{source} must be <= {self.maximum:g}, got {value}")
 
 
 def add_options(group: argparse._ActionsContainer, options: Iterable[Option], defaults: Any) -> None:
@@ -109,6 +113,30 @@ def apply_options(target: Any, options: Iterable[Option], args: argparse.Namespa
         if value is not None:
             setattr(target, option.field, value)
     return target
+
+
+# The runtime's flags: every component takes them (`RuntimeConfig.from_env` reads their env vars).
+RUNTIME_OPTIONS = (
+    Option("namespace", ("--namespace",), ("DYN_NAMESPACE",), "namespace to serve in", kind=str),
+    Option("discovery_backend", ("--discovery-backend", "--store-kv"), ("DYN_DISCOVERY_BACKEND", "DYN_STORE_KV"),
+           "how processes find each other (file root: DYN_FILE_KV)", kind=str, casefold=True,
+           choices=("file", "mem", "etcd", "kubernetes")),  # kubernetes: refused by RuntimeConfig.validate
+    Option("request_plane", ("--request-plane",), ("DYN_REQUEST_PLANE",),
+           "transport for requests to workers (nats: NATS_SERVER)", kind=str, casefold=True, choices=("tcp", "nats")),
+    Option("event_plane", ("--event-plane",), ("DYN_EVENT_PLANE",),
+           "transport for KV events and metrics (nats: NATS_SERVER)", kind=str, casefold=True,
+           choices=("zmq", "nats")),
+    Option("advertise_host", ("--advertise-host",), ("DYN_ADVERTISE_HOST",),
+           "the address other hosts reach this process at (unset: DYN_TCP_RPC_HOST, else this host's address on "
+           "the route to etcd or NATS)", kind=str, metavar="ADDRESS"),
+)
+
+
+def add_runtime_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The runtime flags every tandem component accepts, for `RuntimeConfig.from_args`."""
+    group = parser.add_argument_group("Runtime options")
+    add_options(group, RUNTIME_OPTIONS, RuntimeConfig)
+    return group
 
 
 # Settings more than one component reads (the frontend and the workers, or `tandem run` and the frontend).

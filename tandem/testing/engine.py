@@ -36,6 +36,7 @@ import re
 import signal
 import sys
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 from typing import Any
 
 import msgspec
@@ -63,8 +64,20 @@ from tandem.runtime import (
     configure_logging,
     run,
 )
-from tandem.runtime.options import MIGRATION_LIMIT
-from tandem.worker.config import PARSER_OPTIONS, DisaggregationMode, parser_options
+from tandem.runtime.options import MIGRATION_LIMIT, add_options, apply_options
+from tandem.worker.config import (
+    BLOCK_SIZE,
+    CONTEXT_LENGTH,
+    CUSTOM_JINJA_TEMPLATE,
+    DEFAULT_ENDPOINT_TYPES,
+    ENDPOINT_TYPES,
+    MODEL_PATH,
+    PARSER_OPTIONS,
+    SERVED_MODEL_NAME,
+    DisaggregationMode,
+    check_parser_options,
+    custom_template_path,
+)
 from tandem.worker.harness import WorkerSpec, serve_worker
 from tandem.worker.synthetic import synthetic_embedding
 
@@ -264,50 +277,65 @@ def _report(path: str | None, what: str) -> None:
             f.write(what + "\n")
 
 
-async def main(argv: list[str] | None = None) -> int:
+# The worker flags the test engine shares with the other worker kinds, and its defaults.
+_WORKER_OPTIONS = (MODEL_PATH, SERVED_MODEL_NAME, ENDPOINT_TYPES, CUSTOM_JINJA_TEMPLATE, CONTEXT_LENGTH, BLOCK_SIZE,
+                   MIGRATION_LIMIT, *PARSER_OPTIONS)
+_DEFAULTS = SimpleNamespace(model_path="smollm2", served_model_name=None, endpoint_types=DEFAULT_ENDPOINT_TYPES,
+                            custom_jinja_template=None, context_length=None, block_size=16, migration_limit=0,
+                            dyn_tool_call_parser=None, dyn_reasoning_parser=None)
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m tandem.testing.engine", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2", help="model folder, hub id or smollm2")
-    parser.add_argument("--model-name", default=None, help="served model name (default: the folder's name)")
+    add_options(parser, _WORKER_OPTIONS, _DEFAULTS)
     parser.add_argument("--component", default="backend")
-    parser.add_argument("--endpoint-types", default="chat,completions")
     parser.add_argument("--model-input", choices=["Tokens", "Text"], default="Tokens")
-    parser.add_argument("--custom-jinja-template", default=None)
-    parser.add_argument("--context-length", type=int, default=None)
-    parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--total-kv-blocks", type=int, default=1024)
     parser.add_argument("--enable-prompt-embeds", action="store_true", help="take prompt_embeds, as vLLM's flag")
-    MIGRATION_LIMIT.add_to(parser, 0)
-    for option in PARSER_OPTIONS:
-        option.add_to(parser, None)
     parser.add_argument("--lora", action="append", default=[], help="also serve a LoRA adapter of this name")
     parser.add_argument("--delay-ms", type=float, default=0.0)
     parser.add_argument("--die-after", type=int, default=0)
     parser.add_argument("--report", default=None)
     add_runtime_args(parser)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, SimpleNamespace]:
+    """The flags, and the shared worker settings (each from its flag, else its env var, else `_DEFAULTS`),
+    checked; a bad one exits 2 naming it."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        tool_call_parser, reasoning_parser = parser_options(args)
-    except ValueError as e:
+        worker = apply_options(SimpleNamespace(**vars(_DEFAULTS)), _WORKER_OPTIONS, args)
+        worker.custom_jinja_template = custom_template_path(worker.custom_jinja_template)
+        check_parser_options(worker.dyn_tool_call_parser, worker.dyn_reasoning_parser)
+    except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
+    args.block_size = worker.block_size  # the engine's
+    return args, worker
+
+
+async def main(argv: list[str] | None = None) -> int:
+    args, worker = parse_args(argv)
     configure_logging()
-    model_path = resolve_model(args.model)
+    model_path = resolve_model(worker.model_path)
     runtime = await DistributedRuntime.create(RuntimeConfig.from_args(args))
     runtime.install_signal_handlers()
     component = runtime.namespace().component(args.component)
-    model_type = ModelType.parse(args.endpoint_types)
+    model_type = ModelType.parse(worker.endpoint_types)
     embedding = bool(model_type & ModelType.Embedding)
     kind = TextTestEngine if args.model_input == ModelInput.Text else EmbeddingTestEngine if embedding else TestEngine
     engine = kind(args, model_path, runtime.instance_id)
     engine.load_publisher = await component.event_publisher(KV_METRICS_TOPIC)
     spec = WorkerSpec(
-        model_path, args.model_name or default_served_name(args.model, model_path), DisaggregationMode.AGGREGATED,
-        args.block_size, MIGRATION_LIMIT.value(args, 0), model_type=model_type,
-        model_input=ModelInput(args.model_input), context_length=args.context_length,
-        custom_template_path=args.custom_jinja_template, loras=args.lora,
+        model_path, worker.served_model_name or default_served_name(worker.model_path, model_path),
+        DisaggregationMode.AGGREGATED, worker.block_size, worker.migration_limit, model_type=model_type,
+        model_input=ModelInput(args.model_input), context_length=worker.context_length,
+        custom_template_path=worker.custom_jinja_template, loras=args.lora,
         runtime_config=ModelRuntimeConfig(total_kv_blocks=args.total_kv_blocks, max_num_seqs=256,
-                                          max_num_batched_tokens=8192, tool_call_parser=tool_call_parser,
-                                          reasoning_parser=reasoning_parser,
+                                          max_num_batched_tokens=8192, tool_call_parser=worker.dyn_tool_call_parser,
+                                          reasoning_parser=worker.dyn_reasoning_parser,
                                           enable_prompt_embeds=args.enable_prompt_embeds,
                                           embedding_size=engine.hidden_size if embedding else None,
                                           matryoshka=embedding),

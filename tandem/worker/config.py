@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from enum import StrEnum
 from typing import Any
 
@@ -32,6 +33,56 @@ class DisaggregationMode(StrEnum):
     def default_component(self) -> str:
         """Prefill workers are their own component, so the frontend finds them apart from the rest."""
         return "prefill" if self is DisaggregationMode.PREFILL else "backend"
+
+    @classmethod
+    def of(cls, mode: str | None, prefill: bool, decode: bool) -> DisaggregationMode:
+        """The role --disaggregation-mode names, or its shorthand --is-prefill-worker or --is-decode-worker;
+        raises ValueError when they disagree."""
+        if prefill and decode:
+            raise ValueError("Cannot set both --is-prefill-worker and --is-decode-worker")
+        shorthand = cls.PREFILL if prefill else cls.DECODE if decode else None
+        if mode is not None and shorthand is not None and mode != shorthand:
+            raise ValueError(f"--disaggregation-mode {mode} contradicts --is-{shorthand}-worker")
+        return shorthand or cls(mode or cls.AGGREGATED)
+
+
+DEFAULT_ENDPOINT_TYPES = "chat,completions"
+
+# The flags every worker kind takes, each declared once. A default belongs to the worker kind, not to the
+# row: a kind passes its own to `add_options` (the --help) and to `Option.value` or `apply_options`.
+MODEL_PATH = Option("model_path", ("--model-path", "--model"), ("DYN_MODEL_PATH",),
+                    "model folder (tokenizer, config.json), hub id or `smollm2`", kind=str, metavar="PATH")
+SERVED_MODEL_NAME = Option("served_model_name", ("--model-name", "--served-model-name"), (),
+                           "the model's name in the API (unset: the folder's name)", kind=str, metavar="NAME")
+ENDPOINT_TYPES = Option("endpoint_types", ("--endpoint-types", "--dyn-endpoint-types"), ("DYN_ENDPOINT_TYPES",),
+                        "OpenAI surfaces to enable, comma separated: chat, completions (an embedding model: embedding)",
+                        kind=str)
+CONTEXT_LENGTH = Option("context_length", ("--context-length", "--max-model-len"), (),
+                        "maximum sequence length (unset: the model's max_position_embeddings)", kind=int,
+                        positive=True)
+BLOCK_SIZE = Option("block_size", ("--block-size",), (), "tokens per KV block", kind=int, positive=True)
+CUSTOM_JINJA_TEMPLATE = Option("custom_jinja_template", ("--custom-jinja-template",), ("DYN_CUSTOM_JINJA_TEMPLATE",),
+                               "chat template file overriding the model's (~ and $VARS expanded)", kind=str,
+                               metavar="FILE")
+# The worker's role: --disaggregation-mode, or Dynamo's older shorthands (see `DisaggregationMode.of`).
+DISAGGREGATION_MODE = Option("disaggregation_mode", ("--disaggregation-mode",), (),
+                             "whole requests (agg) or one side of disaggregated serving (as --is-prefill-worker, "
+                             "--is-decode-worker)", kind=DisaggregationMode,
+                             choices=tuple(mode.value for mode in DisaggregationMode))
+IS_PREFILL_WORKER = Option("is_prefill_worker", ("--is-prefill-worker",), ("DYN_VLLM_IS_PREFILL_WORKER",),
+                           "prefill-only worker (component prefill)", kind=bool)
+IS_DECODE_WORKER = Option("is_decode_worker", ("--is-decode-worker",), ("DYN_VLLM_IS_DECODE_WORKER",),
+                          "decode-only worker (publishes no KV events)", kind=bool)
+
+
+def custom_template_path(path: str | None) -> str | None:
+    """--custom-jinja-template as an absolute path, ~ and $VARS expanded; FileNotFoundError when no such file."""
+    if path is None:
+        return None
+    full = os.path.abspath(os.path.expandvars(os.path.expanduser(path)))
+    if not os.path.isfile(full):
+        raise FileNotFoundError(f"Custom Jinja template file not found: {full} (--custom-jinja-template {path})")
+    return full
 
 
 # The parsers the frontend applies to the model's output; every worker kind takes them and puts them in

@@ -6,8 +6,9 @@ import argparse
 import asyncio
 import json
 
-from tandem.runtime.config import RuntimeConfig, add_runtime_args
+from tandem.runtime.config import RuntimeConfig
 from tandem.runtime.discovery import make_store
+from tandem.runtime.options import add_runtime_args
 
 
 async def _list(config: RuntimeConfig, prefix: str, as_json: bool) -> int:
