@@ -19,7 +19,7 @@ _PER_PROCESS_ENV = ("DYN_SYSTEM_PORT", "DYN_TCP_RPC_PORT", "DYN_VLLM_KV_EVENT_PO
 
 
 @dataclass(frozen=True)
-class Engine:
+class WorkerCommand:
     """How to start one kind of worker."""
 
     module: str  # run as `python -m MODULE`
@@ -31,13 +31,13 @@ class Engine:
 
 
 _ROLE_SWITCHES = {"agg": (), "prefill": ("--is-prefill-worker",), "decode": ("--is-decode-worker",)}
-ENGINES: dict[str, Engine] = {
+ENGINES: dict[str, WorkerCommand] = {
     # An aggregated vLLM worker moves no KV cache: without `--connector none` it would still set up NIXL.
-    "vllm": Engine("tandem.vllm", "--model", "--served-model-name", _ROLE_SWITCHES, cpu_cores_flag=True,
-                   agg_defaults=("--connector", "none")),
-    "mocker": Engine("tandem.mocker", "--model-path", "--model-name",
-                     {"agg": (), "prefill": ("--disaggregation-mode", "prefill"),
-                      "decode": ("--disaggregation-mode", "decode")}),
+    "vllm": WorkerCommand("tandem.vllm", "--model", "--served-model-name", _ROLE_SWITCHES, cpu_cores_flag=True,
+                          agg_defaults=("--connector", "none")),
+    "mocker": WorkerCommand("tandem.mocker", "--model-path", "--model-name",
+                            {"agg": (), "prefill": ("--disaggregation-mode", "prefill"),
+                             "decode": ("--disaggregation-mode", "decode")}),
 }
 
 

@@ -57,7 +57,7 @@ FULL = Sweep(prefill_points=10, repeats=3, decode_contexts=5, osl=128, max_concu
 
 
 @dataclass(frozen=True)
-class Engine:
+class EngineLimits:
     """What the frontend reports of the worker's engine."""
 
     context_length: int
@@ -81,7 +81,7 @@ def geometric(low: int, high: int, points: int) -> list[int]:
     return sorted({int(round(v)) for v in np.geomspace(low, high, points)})
 
 
-async def engine_of(http: aiohttp.ClientSession, url: str, model: str) -> Engine:
+async def engine_of(http: aiohttp.ClientSession, url: str, model: str) -> EngineLimits:
     async with http.get(f"{url}/metrics") as response:
         text = await response.text()
     values: dict[str, float] = {}
@@ -90,13 +90,15 @@ async def engine_of(http: aiohttp.ClientSession, url: str, model: str) -> Engine
             if sample.labels.get("model") == model:
                 values[sample.name.removeprefix("dynamo_frontend_model_")] = sample.value
     try:
-        return Engine(int(values["context_length"]), int(values["total_kv_blocks"] * values["kv_cache_block_size"]),
-                      int(values["max_num_seqs"]))
+        return EngineLimits(int(values["context_length"]),
+                            int(values["total_kv_blocks"] * values["kv_cache_block_size"]), int(values["max_num_seqs"]))
     except KeyError as e:
         raise RuntimeError(f"the frontend does not report the engine's {e.args[0]} for {model}") from None
 
 
-class Client:
+class CompletionClient:
+    """Completions streamed from the frontend and timed, on prompts of random token ids (seeded)."""
+
     def __init__(self, http: aiohttp.ClientSession, url: str, model: str, seed: int) -> None:
         self.http, self.url, self.model = http, url, model
         self.random = random.Random(seed)
@@ -128,7 +130,8 @@ class Client:
         return arrivals[0] - start, arrivals, tokens
 
 
-async def sweep_prefill(client: Client, engine: Engine, sweep: Sweep) -> tuple[list[float], list[float], list[float]]:
+async def sweep_prefill(client: CompletionClient, engine: EngineLimits,
+                        sweep: Sweep) -> tuple[list[float], list[float], list[float]]:
     top = max(64, min(engine.context_length - 2, engine.kv_tokens - 2, 8192))
     isls, ttfts, thpts = [], [], []
     for isl in geometric(min(64, top), top, sweep.prefill_points):
@@ -142,7 +145,8 @@ async def sweep_prefill(client: Client, engine: Engine, sweep: Sweep) -> tuple[l
 Series = list[float]
 
 
-async def sweep_decode(client: Client, engine: Engine, sweep: Sweep) -> tuple[Series, Series, Series, Series]:
+async def sweep_decode(client: CompletionClient, engine: EngineLimits,
+                       sweep: Sweep) -> tuple[Series, Series, Series, Series]:
     usage, contexts, itls, thpts = [], [], [], []
     # One stream of the longest prompt must fit the context and the KV cache (a mocker's can be small).
     longest = max(64, min(engine.context_length - sweep.osl - 1, engine.kv_tokens - sweep.osl - 1, 4096))
@@ -166,7 +170,7 @@ async def sweep_decode(client: Client, engine: Engine, sweep: Sweep) -> tuple[Se
 async def measure(url: str, model: str, sweep: Sweep, seed: int = 0) -> Profile:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
         engine = await engine_of(http, url, model)
-        client = Client(http, url, model, seed)
+        client = CompletionClient(http, url, model, seed)
         await client.stream(client.prompt(16), 2)  # warm-up
         isl, ttft, prefill_thpt = await sweep_prefill(client, engine, sweep)
         usage, context, itl, decode_thpt = await sweep_decode(client, engine, sweep)

@@ -112,7 +112,9 @@ class StepTimeFit:
 
 
 @dataclass(frozen=True)
-class Engine:
+class EngineRecord:
+    """What the planner knows of one engine: its latest states, and its steps since the last decision."""
+
     pool: str
     states: tuple[EngineState, ...]  # reported since the last decision (or the latest before it, if none since)
     seen: float  # time.monotonic() of its last report
@@ -178,7 +180,7 @@ class LoadPlanner:
         features = 2 if self.aggregated else 1
         self.fits = {pool: StepTimeFit(features, config.max_num_fpm_samples, config.fpm_sample_bucket_size)
                      for pool in config.pools}
-        self.engines: dict[tuple[int, int], Engine] = {}
+        self.engines: dict[tuple[int, int], EngineRecord] = {}
 
     def ingest(self, pool: str, report: ForwardPassMetrics, now: float | None = None) -> None:
         """One engine's report; `pool` is the pool its worker serves (`prefill`, or `decode` for decode and
@@ -189,14 +191,14 @@ class LoadPlanner:
         key = (report.worker_id, report.dp_rank)
         now = time.monotonic() if now is None else now
         first = key not in self.engines
-        before = self.engines.get(key) or Engine(pool, (), now, since=now)
+        before = self.engines.get(key) or EngineRecord(pool, (), now, since=now)
         prefills = [step.prefill_tokens for step in report.passes if step.prefill_tokens > 0]
         earlier = () if before.carried else before.states
         # An engine's first report covers time before `since`: its busy time would overstate the fraction.
         busy = before.busy + (0.0 if first else report.busy)
-        self.engines[key] = Engine(pool, (*earlier, report.state)[-MAX_STATES:], now, before.since,
-                                   before.steps + len(report.passes), before.prefill_steps + len(prefills),
-                                   before.prefill_tokens + sum(prefills), busy)
+        self.engines[key] = EngineRecord(pool, (*earlier, report.state)[-MAX_STATES:], now, before.since,
+                                         before.steps + len(report.passes), before.prefill_steps + len(prefills),
+                                         before.prefill_tokens + sum(prefills), busy)
         for step in report.passes:
             if self.aggregated:
                 fit.add((step.prefill_tokens, step.kv_tokens), step.wall_time)
@@ -217,17 +219,17 @@ class LoadPlanner:
         workers = {pool: {key[0] for key, _ in self._reporting(pool, now)} for pool in ("prefill", "decode")}
         return Replicas(len(workers["prefill"]), len(workers["decode"]))
 
-    def reporting(self, pool: str, now: float) -> list[Engine]:
+    def reporting(self, pool: str, now: float) -> list[EngineRecord]:
         return [engine for _, engine in self._reporting(pool, now)]
 
-    def _reporting(self, pool: str, now: float) -> list[tuple[tuple[int, int], Engine]]:
+    def _reporting(self, pool: str, now: float) -> list[tuple[tuple[int, int], EngineRecord]]:
         """(worker id, dp rank) and engine, of the engines of `pool` that report and whose worker is a member."""
         members = self.members(pool) if self.members is not None and pool in self.fits else None
         return [(key, e) for key, e in self.engines.items() if e.pool == pool and now - e.seen <= REPORT_TIMEOUT
                 and (members is None or key[0] in members)]
 
     # -- estimates ---------------------------------------------------------------------------------
-    def ttft_seconds(self, pool: str, engine: Engine, state: EngineState) -> float:
+    def ttft_seconds(self, pool: str, engine: EngineRecord, state: EngineState) -> float:
         """The queued prompt tokens and a typical prompt step of this engine, one chunk per step."""
         fit, chunk = self.fits[pool], max(state.max_num_batched_tokens, 1)
         full, rest = divmod(state.queued_prefill_tokens + engine.prompt_step(), chunk)
@@ -235,7 +237,7 @@ class LoadPlanner:
         total = full * fit.seconds(chunk, *extra)
         return total + (fit.seconds(rest, *extra) if rest else 0.0)
 
-    def itl_seconds(self, pool: str, engine: Engine, state: EngineState) -> float:
+    def itl_seconds(self, pool: str, engine: EngineRecord, state: EngineState) -> float:
         """A step over the KV tokens held (aggregated engines: and the prompt tokens their steps carry)."""
         fit = self.fits[pool]
         if self.aggregated:
@@ -247,7 +249,7 @@ class LoadPlanner:
         engines = self.reporting(pool, now)
         if not engines or len(self.fits[pool]) < c.load_min_observations:
             return PoolEstimate(Verdict.NOT_READY, len(engines))
-        def mean_ms(estimate: Callable[[str, Engine, EngineState], float], engine: Engine) -> float:
+        def mean_ms(estimate: Callable[[str, EngineRecord, EngineState], float], engine: EngineRecord) -> float:
             return 1000 * sum(estimate(pool, engine, state) for state in engine.states) / len(engine.states)
 
         ttft = tuple(mean_ms(self.ttft_seconds, e) for e in engines) if pool == "prefill" or self.aggregated else ()
