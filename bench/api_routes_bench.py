@@ -298,13 +298,14 @@ def _agent_headers(name: str, turn: int, keep: tuple[str, ...]) -> bytes:
 def _agent_conversation(name: str) -> tuple[dict[str, Any], ...]:
     """An agent route's conversation as the frontend maps it onto chat messages (its system and developer
     messages, tool calls and tool results): the same prompt text, without the agent's API around it."""
-    from tandem.frontend import anthropic, responses
+    from tandem.frontend.api.anthropic.protocol import parse_messages_request
+    from tandem.frontend.api.responses.protocol import parse_request
 
     route = ROUTES[name]
     raw = json.dumps(route.body(1, False)).encode()
     if route.path == "/v1/messages":
-        return tuple(anthropic.parse_messages_request(raw).messages)
-    return tuple(responses.parse_request(raw).chat([]).messages)
+        return tuple(parse_messages_request(raw).messages)
+    return tuple(parse_request(raw).chat([]).messages)
 
 
 def _plain_chat(agent: str) -> Callable[[int, bool], dict[str, Any]]:

@@ -14,8 +14,14 @@ from typing import Any
 
 import pytest
 
-from tandem.frontend import anthropic, openai, responses
-from tandem.frontend.answers import Ending, Outcome, Usage
+from tandem.frontend.api.anthropic.protocol import _CountBody, note_betas, parse_messages_request
+from tandem.frontend.api.anthropic.serving import MessagesAnswer
+from tandem.frontend.api.responses.protocol import ResponsesRequest, input_messages, parse_request
+from tandem.frontend.api.responses.serving import ResponseAnswer
+from tandem.frontend.hints import routing_hints
+from tandem.frontend.protocol.answer import Ending, Outcome, Usage
+from tandem.frontend.protocol.errors import RequestError
+from tandem.frontend.requests import chat_request
 from tandem.frontend.response_store import ResponseStore
 from tandem.frontend.routing import by_session
 from tandem.frontend.tolerant import WARNING_HEADER, Notice, TolerantDecoder, left_out_header, notice
@@ -39,17 +45,17 @@ def encoded(body: dict[str, Any]) -> bytes:
 
 @pytest.mark.parametrize("captured", CLAUDE, ids=["title", "turn1", "turn2"])
 def test_every_claude_code_request_is_served(captured):
-    request = anthropic.parse_messages_request(encoded(captured["body"]))
+    request = parse_messages_request(encoded(captured["body"]))
     chat = request.chat(reasoning=False)
     assert chat.model == "agent" and chat.stream
     assert request.left_out_tools == []
-    hints = openai.routing_hints(chat, captured["headers"])
+    hints = routing_hints(chat, captured["headers"])
     assert hints is not None and hints.session_id == captured["headers"]["x-claude-code-session-id"]
 
 
 def test_claude_code_turn_maps_onto_chat():
     body = CLAUDE[2]["body"]
-    request = anthropic.parse_messages_request(encoded(body))
+    request = parse_messages_request(encoded(body))
     roles = [m["role"] for m in request.messages]
     # The system blocks (its billing header left out), the user turn, the mid-conversation system message,
     # the tool call and its result.
@@ -65,12 +71,12 @@ def test_claude_code_turn_maps_onto_chat():
 def test_server_tools_are_left_out_with_a_warning():
     body = {**CLAUDE[1]["body"], "tools": [*CLAUDE[1]["body"]["tools"],
                                            {"type": "web_search_20250305", "name": "web_search", "max_uses": 5}]}
-    request = anthropic.parse_messages_request(encoded(body))
+    request = parse_messages_request(encoded(body))
     assert request.left_out_tools == ["web_search"]
     assert "web_search" not in {t["function"]["name"] for t in request.tools}
-    answer = anthropic.MessagesAnswer("agent", "msg_1", 10, request.left_out_tools)
+    answer = MessagesAnswer("agent", "msg_1", 10, request.left_out_tools)
     assert "web_search" in answer.headers[WARNING_HEADER]
-    assert anthropic.MessagesAnswer("agent", "msg_2", 10).headers == {}
+    assert MessagesAnswer("agent", "msg_2", 10).headers == {}
 
 
 def thinking_turns(messages: list[dict[str, Any]]) -> list[str]:
@@ -93,14 +99,14 @@ def test_clear_thinking_keeps_the_last_turns(keep, kept):
     edit = {"type": "clear_thinking_20251015"} | ({} if keep is None else {"keep": keep})
     body = {"model": "m", "max_tokens": 10, "messages": turns,
             "context_management": {"edits": [edit, {"type": "clear_tool_uses_20250919"}]}}
-    assert thinking_turns(anthropic.parse_messages_request(encoded(body)).messages) == kept
+    assert thinking_turns(parse_messages_request(encoded(body)).messages) == kept
 
 
 # -- Codex -----------------------------------------------------------------------------------------
 
 
 def test_codex_turns_map_onto_chat():
-    first, second = (responses.parse_request(encoded(c["body"])) for c in CODEX)
+    first, second = (parse_request(encoded(c["body"])) for c in CODEX)
     names = [t["function"]["name"] for t in first.chat([]).tools or []]
     assert "multi_agent_v1__spawn_agent" in names and "exec_command" in names
     assert first.left_out_tools == ["web_search"]
@@ -110,18 +116,18 @@ def test_codex_turns_map_onto_chat():
     assert [m["role"] for m in second.input][-2:] == ["assistant", "tool"]
     assert second.input[-2]["tool_calls"][0]["function"]["name"] == "exec_command"
     chat = second.chat([])
-    hints = openai.routing_hints(chat, CODEX[1]["headers"])
+    hints = routing_hints(chat, CODEX[1]["headers"])
     assert hints is not None and hints.session_id == CODEX[1]["headers"]["session-id"]
     echoed = {t["type"] for t in first.echo()["tools"]}
     assert echoed == {"function", "namespace"}
 
 
-def answer_for(request: responses.ResponsesRequest) -> responses.ResponseAnswer:
-    return responses.ResponseAnswer(request, "resp_1", "agent", [], ResponseStore(4, 1))
+def answer_for(request: ResponsesRequest) -> ResponseAnswer:
+    return ResponseAnswer(request, "resp_1", "agent", [], ResponseStore(4, 1))
 
 
 def test_a_namespace_function_is_called_back_by_namespace_and_name():
-    request = responses.parse_request(encoded(CODEX[0]["body"]))
+    request = parse_request(encoded(CODEX[0]["body"]))
     answer = answer_for(request)
     answer.collect(ProcessedDelta(), ParsedDelta(tool_calls=[
         ToolCallDelta(0, '{"message": "hi"}', "call_1", "multi_agent_v1__spawn_agent"),
@@ -132,11 +138,11 @@ def test_a_namespace_function_is_called_back_by_namespace_and_name():
     assert WARNING_HEADER in answer.headers
     # Sent back, the call is the same function in the conversation.
     item = {**body["output"][0], "call_id": "call_1"}
-    assert responses.input_messages([item])[0]["tool_calls"][0]["function"]["name"] == "multi_agent_v1__spawn_agent"
+    assert input_messages([item])[0]["tool_calls"][0]["function"]["name"] == "multi_agent_v1__spawn_agent"
 
 
 def test_opaque_reasoning_comes_back_as_the_thinking():
-    request = responses.parse_request(encoded({**CODEX[0]["body"], "stream": False}))
+    request = parse_request(encoded({**CODEX[0]["body"], "stream": False}))
     answer = answer_for(request)
     answer.collect(ProcessedDelta(), ParsedDelta(reasoning="Think "))
     answer.collect(ProcessedDelta(), ParsedDelta(reasoning="é.", content="Done"))
@@ -145,11 +151,11 @@ def test_opaque_reasoning_comes_back_as_the_thinking():
     # Codex keeps nothing but the opaque form (store false): that is enough for the next turn.
     kept = {"type": "reasoning", "summary": [], "encrypted_content": reasoning["encrypted_content"]}
     call = {"type": "function_call", "call_id": "c", "name": "exec_command", "arguments": "{}"}
-    assert responses.input_messages([kept, call])[0]["reasoning_content"] == "Think é."
+    assert input_messages([kept, call])[0]["reasoning_content"] == "Think é."
     # Another server's encrypted reasoning cannot be read: the turn goes on without it.
     foreign = {**kept, "encrypted_content": "gAAAAABo-opaque"}
-    assert "reasoning_content" not in responses.input_messages([foreign, call])[0]
-    without = responses.parse_request(encoded({**CODEX[0]["body"], "include": []}))
+    assert "reasoning_content" not in input_messages([foreign, call])[0]
+    without = parse_request(encoded({**CODEX[0]["body"], "include": []}))
     plain = answer_for(without)
     plain.collect(ProcessedDelta(), ParsedDelta(reasoning="Think"))
     assert "encrypted_content" not in plain.body(Outcome(), Ending("eos", None, False, Usage(1, 1)))["output"][0]
@@ -195,21 +201,21 @@ def test_unknown_fields_are_accepted_and_logged_once(caplog):
     body = encoded({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
                     "future_field": {"x": 1}, "other_field": 2})
     for _ in range(3):
-        assert anthropic.parse_messages_request(body).max_tokens == 5
+        assert parse_messages_request(body).max_tokens == 5
     logged = [r.getMessage() for r in caplog.records]
     assert sum("'future_field'" in line for line in logged) == 1
     assert sum("'other_field'" in line for line in logged) == 1
-    responses.parse_request(encoded(CODEX[0]["body"]))  # (notices are once per process: maybe logged earlier)
+    parse_request(encoded(CODEX[0]["body"]))  # (notices are once per process: maybe logged earlier)
     assert "/v1/responses field 'client_metadata'" in notice._seen
-    anthropic.note_betas("claude-code-20250219, brand-new-beta-2027-01-01")
-    anthropic.note_betas("brand-new-beta-2027-01-01")
+    note_betas("claude-code-20250219, brand-new-beta-2027-01-01")
+    note_betas("brand-new-beta-2027-01-01")
     logged = [r.getMessage() for r in caplog.records]
     assert sum("brand-new-beta" in line for line in logged) == 1
     assert not any("claude-code-20250219" in line for line in logged)
 
 
 def test_the_tolerant_decoder_leaves_errors_to_the_route():
-    reader = TolerantDecoder(anthropic._CountBody, "/test")
+    reader = TolerantDecoder(_CountBody, "/test")
     assert reader.decode(b'{"model": "m", "messages": []}') is not None
     assert reader.decode(b'{"model": 5}') is None  # the route's own decode names the field
     assert reader.decode(b"{") is None
@@ -232,13 +238,13 @@ def test_the_warning_header_holds_only_what_a_header_can():
 
 
 def test_session_headers_and_their_bounds():
-    chat = openai.chat_request(model="m", messages=[], stream=False, max_tokens=None, session_id="from-body")
-    assert openai.routing_hints(chat).session_id == "from-body"
-    assert openai.routing_hints(chat, {"Session-Id": "codex"}).session_id == "codex"
+    chat = chat_request(model="m", messages=[], stream=False, max_tokens=None, session_id="from-body")
+    assert routing_hints(chat).session_id == "from-body"
+    assert routing_hints(chat, {"Session-Id": "codex"}).session_id == "codex"
     both = {"X-Claude-Code-Session-Id": "claude", "X-Dynamo-Session-ID": "dynamo"}
-    assert openai.routing_hints(chat, both).session_id == "dynamo"
-    with pytest.raises(openai.RequestError) as info:
-        openai.routing_hints(chat, {"session-id": "s" * 257})
+    assert routing_hints(chat, both).session_id == "dynamo"
+    with pytest.raises(RequestError) as info:
+        routing_hints(chat, {"session-id": "s" * 257})
     assert info.value.param == "session-id"
 
 

@@ -8,8 +8,15 @@ from typing import Any
 
 import pytest
 
-from tandem.frontend import anthropic, openai
-from tandem.frontend.answers import Ending, Outcome, Usage
+from tandem.frontend.api.anthropic.protocol import (
+    error_body,
+    parse_count_tokens_request,
+    parse_messages_request,
+)
+from tandem.frontend.api.anthropic.serving import MessagesAnswer, stop_reason
+from tandem.frontend.protocol.answer import Ending, Outcome, Usage
+from tandem.frontend.protocol.errors import RequestError
+from tandem.frontend.requests import ChatRequest
 from tandem.llm.parsers import ParsedDelta, ToolCallDelta
 from tandem.llm.postprocess import ProcessedDelta
 
@@ -23,8 +30,8 @@ def body(**fields: Any) -> bytes:
                        **fields}).encode()
 
 
-def chat(reasoning: bool = False, **fields: Any) -> openai.ChatRequest:
-    return anthropic.parse_messages_request(body(**fields)).chat(reasoning=reasoning)
+def chat(reasoning: bool = False, **fields: Any) -> ChatRequest:
+    return parse_messages_request(body(**fields)).chat(reasoning=reasoning)
 
 
 # -- requests --------------------------------------------------------------------------------------
@@ -93,7 +100,7 @@ def test_sampling_stop_and_metadata():
                                                                                                 None, "u1")
     assert chat(top_k=40).top_k == 40 and chat().stop is None
     assert (request.max_tokens, request.stream) == (100, False)
-    assert anthropic.parse_messages_request(body(stream=True)).stream
+    assert parse_messages_request(body(stream=True)).stream
 
 
 @pytest.mark.parametrize(("thinking", "reasoning", "kwargs", "budget"), [
@@ -134,7 +141,7 @@ def test_output_config():
 
 
 def test_count_tokens_body_needs_no_max_tokens():
-    request = anthropic.parse_count_tokens_request(json.dumps({
+    request = parse_count_tokens_request(json.dumps({
         "model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER],
         "thinking": {"type": "enabled", "budget_tokens": 1024}}).encode())
     chat_request = request.chat(reasoning=True)
@@ -190,27 +197,27 @@ def test_count_tokens_body_needs_no_max_tokens():
     ({"model": ""}, "model", "non-empty"),
 ])
 def test_bad_input_names_the_field(fields, param, words):
-    with pytest.raises(openai.RequestError) as info:
-        anthropic.parse_messages_request(body(**fields))
+    with pytest.raises(RequestError) as info:
+        parse_messages_request(body(**fields))
     error = info.value
     assert (error.status, error.param) == (400, param)
-    rendered = anthropic.error_body(error)
+    rendered = error_body(error)
     assert rendered["type"] == "error" and rendered["error"]["type"] == "invalid_request_error"
     assert param in rendered["error"]["message"]
     assert words in rendered["error"]["message"]
 
 
 def test_missing_max_tokens_and_bad_json():
-    with pytest.raises(openai.RequestError) as info:
-        anthropic.parse_messages_request(b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}')
+    with pytest.raises(RequestError) as info:
+        parse_messages_request(b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}')
     assert info.value.param == "max_tokens"
-    with pytest.raises(openai.RequestError) as info:
-        anthropic.parse_count_tokens_request(b'{"model": "m", "messages": [')
+    with pytest.raises(RequestError) as info:
+        parse_count_tokens_request(b'{"model": "m", "messages": [')
     assert info.value.status == 400 and "not valid JSON" in info.value.message
 
 
 def test_error_types_by_status():
-    kinds = {status: anthropic.error_body(openai.RequestError("x", status=status))["error"]["type"]
+    kinds = {status: error_body(RequestError("x", status=status))["error"]["type"]
              for status in (400, 401, 404, 413, 429, 500, 503)}
     assert kinds == {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                      413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
@@ -237,11 +244,11 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", 
     (ending("cancelled"), [], ("end_turn", None)),
 ])
 def test_stop_reasons(end, calls, expected):
-    assert anthropic.stop_reason(Outcome(tool_calls=calls), end) == expected
+    assert stop_reason(Outcome(tool_calls=calls), end) == expected
 
 
 def test_unary_message():
-    answer = anthropic.MessagesAnswer("m", "msg_1", 50)
+    answer = MessagesAnswer("m", "msg_1", 50)
     second = {"id": "call_2", "type": "function", "function": {"name": "search", "arguments": '{"query": "x"'}}
     outcome = Outcome(text=["Check", "ing."], reasoning=["Plan", "."], tool_calls=[CALL, second])
     for parsed in (ParsedDelta(reasoning="Plan"), ParsedDelta(content="Check", reasoning="."), ParsedDelta(content="ing."),
@@ -258,7 +265,7 @@ def test_unary_message():
         "usage": {"input_tokens": 18, "output_tokens": 7, "cache_read_input_tokens": 32,
                   "output_tokens_details": {"thinking_tokens": 3}},
     }
-    plain_answer = anthropic.MessagesAnswer("m", "msg_2", 50)
+    plain_answer = MessagesAnswer("m", "msg_2", 50)
     plain_answer.collect(ProcessedDelta(text="hi"), None)
     plain = plain_answer.body(Outcome(text=["hi"]), ending("stop", "END"))
     assert plain["content"] == [{"type": "text", "text": "hi"}]
@@ -278,7 +285,7 @@ def events(frames: list[bytes]) -> list[tuple[str, dict[str, Any]]]:
 
 
 def test_event_stream():
-    answer = anthropic.MessagesAnswer("m", "msg_1", 50)
+    answer = MessagesAnswer("m", "msg_1", 50)
     frames = answer.opening()
     frames += answer.delta(ProcessedDelta("x"), ParsedDelta(reasoning="Pl"))
     frames += answer.delta(ProcessedDelta("x"), ParsedDelta(reasoning="an.", content="Sure."))
@@ -316,15 +323,15 @@ def test_event_stream():
 
 
 def test_event_stream_without_parser_and_failure():
-    answer = anthropic.MessagesAnswer("m", "msg_1", 5)
+    answer = MessagesAnswer("m", "msg_1", 5)
     frames = answer.delta(ProcessedDelta("Hel"), None) + answer.delta(ProcessedDelta(""), None)
     frames += answer.delta(ProcessedDelta("lo"), None)
     got = events(frames)
     assert [name for name, _ in got] == ["content_block_start", "content_block_delta", "content_block_delta"]
     assert [e["delta"]["text"] for _, e in got[1:]] == ["Hel", "lo"]
-    failed = events([answer.failure(openai.RequestError("the worker failed", status=500))])
+    failed = events([answer.failure(RequestError("the worker failed", status=500))])
     assert failed == [("error", {"type": "error", "error": {"type": "api_error", "message": "the worker failed"}})]
-    busy = events([answer.failure(openai.RequestError("no worker", status=503))])
+    busy = events([answer.failure(RequestError("no worker", status=503))])
     assert busy[0][1]["error"]["type"] == "overloaded_error"
     closing = events(answer.closing(Outcome(text=["Hello"]), ending("length")))
     assert [name for name, _ in closing] == ["content_block_stop", "message_delta", "message_stop"]
@@ -332,8 +339,8 @@ def test_event_stream_without_parser_and_failure():
 
 
 def test_error_body_is_the_answer_error_shape():
-    error = openai.RequestError.model_not_found("nope")
-    assert anthropic.MessagesAnswer.error_body(error) == {
+    error = RequestError.model_not_found("nope")
+    assert MessagesAnswer.error_body(error) == {
         "type": "error", "error": {"type": "not_found_error", "message": "The model `nope` does not exist."}}
 
 
@@ -341,7 +348,7 @@ def test_unary_blocks_keep_the_order_they_were_written():
     """Text after a tool call is its own block after it, in the body as in the stream."""
     deltas = [ParsedDelta(content="Checking."), ParsedDelta(tool_calls=[ToolCallDelta(0, "{}", "call_1", "search")]),
               ParsedDelta(content="Done.")]
-    unary, streamed = anthropic.MessagesAnswer("m", "msg_1", 5), anthropic.MessagesAnswer("m", "msg_1", 5)
+    unary, streamed = MessagesAnswer("m", "msg_1", 5), MessagesAnswer("m", "msg_1", 5)
     for parsed in deltas:
         unary.collect(ProcessedDelta(), parsed)
     events = [e for parsed in deltas for e in streamed.delta(ProcessedDelta(), parsed)]

@@ -18,7 +18,7 @@ from tandem.frontend.models import ModelManager, ServedModel
 from tandem.frontend.pipeline import Attempt, ModelPipeline
 from tandem.frontend.routing import LoadMonitor, LoadThresholds, NoWorkerError
 from tandem.llm.model_card import ModelRuntimeConfig, ModelType, build_card, register_model
-from tandem.llm.protocols import PreprocessedRequest, StopConditions
+from tandem.llm.protocols import PreprocessedRequest, PromptTokensDetails, StopConditions
 from tandem.router.config import KvRouterConfig, add_router_args, parse_args_with_router_config
 from tandem.router.kv_router import KvRouter
 from tandem.runtime import Context
@@ -192,14 +192,14 @@ async def test_prefill_then_decode(runtimes: Any, namespace: str, smollm2: str) 
     workers = Workers()
     pipeline, metrics = await _pipeline(runtimes, namespace, smollm2, workers)
     outputs = await _generate(pipeline)
-    assert [o["token_ids"] for o in outputs] == [[1], [2]]
+    assert [o.token_ids for o in outputs] == [[1], [2]]
     (prefill,), (decode,) = workers.prefill_requests, workers.decode_requests
     assert prefill["stop_conditions"]["max_tokens"] == 1 and prefill["token_ids"] == PROMPT
     assert decode["stop_conditions"]["max_tokens"] == 2
     assert decode["prefill_result"] == {"disaggregated_params": {"kv_transfer_params": {"remote_engine_id": "p"}},
                                         "prompt_tokens_details": {"cached_tokens": 32}}
     # Usage reports the prefill worker's cache hits, not the decode worker's.
-    assert outputs[-1]["completion_usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+    assert outputs[-1].completion_usage.prompt_tokens_details == PromptTokensDetails(cached_tokens=32)
     # The decode stage does not count the prompt as load on the decode worker.
     assert workers.decode_prefill_load == [0]
     assert _count(metrics, "ok") == 1
@@ -222,7 +222,7 @@ async def test_a_disaggregated_prompt_is_hashed_once(runtimes: Any, namespace: s
     calls = []
     real = kv_router.local_block_hashes
     monkeypatch.setattr(kv_router, "local_block_hashes", lambda *a, **k: calls.append(a) or real(*a, **k))
-    assert [o["token_ids"] for o in await _generate(pipeline)] == [[1], [2]]
+    assert [o.token_ids for o in await _generate(pipeline)] == [[1], [2]]
     assert len(workers.prefill_requests) == 1 and len(calls) == 1
 
 
@@ -257,9 +257,9 @@ async def test_failed_prefill(runtimes: Any, namespace: str, smollm2: str, enfor
         assert workers.decode_requests == [] and _count(metrics, "error") == 1
     else:
         outputs = await _generate(pipeline)
-        assert outputs[-1]["finish_reason"] == "length"
+        assert outputs[-1].finish_reason == "length"
         assert "prefill_result" not in workers.decode_requests[0] and _count(metrics, "fallback") == 1
-        assert outputs[-1]["completion_usage"]["prompt_tokens_details"] == {"cached_tokens": 0}  # the decode's own
+        assert outputs[-1].completion_usage.prompt_tokens_details == PromptTokensDetails(cached_tokens=0)  # the decode's own
     assert len(workers.prefill_requests) == 1
 
 
@@ -297,7 +297,7 @@ async def test_cancel_during_prefill(runtimes: Any, namespace: str, smollm2: str
     assert len(pipeline.prefill_router.sequences) == 0  # type: ignore[union-attr]
     # No decode: one started for it would reach the decode worker before this request's, on one connection.
     workers.prefill_mode = "ok"
-    assert (await _generate(pipeline))[-1]["finish_reason"] == "length"
+    assert (await _generate(pipeline))[-1].finish_reason == "length"
     assert len(workers.decode_requests) == 1 and _count(metrics, "cancelled") == 1
 
 

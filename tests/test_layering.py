@@ -167,3 +167,63 @@ def test_imports_follow_the_layers(rows: list[Row]) -> None:
                 offending.append(f"{found.where} imports {found.module}")
     assert not offending, ("imports docs/architecture.md's table does not allow (its `may import` column; move the "
                            "shared code down a layer, or write the rule there):\n" + "\n".join(offending))
+
+
+# -- the frontend's floors ----------------------------------------------------------------------------
+
+
+def read_floors(text: str) -> dict[str, int]:
+    """docs/architecture.md's table of the frontend's floors (header `floor | modules`), listed from the top:
+    each module or folder (`frontend/api/`) -> its floor, 0 for the ground."""
+    section = text[text.index("## The frontend's floors"):]
+    section = section[:section.index("\n## ")]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and "`" in line]
+    floors = {}
+    for height, line in enumerate(reversed(rows)):
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        for entry in NAME.findall(cells[1]):
+            floors["tandem/" + entry] = height
+    return floors
+
+
+def floor_of(floors: dict[str, int], path: str) -> int | None:
+    return next((floor for entry, floor in floors.items()
+                 if path == entry or (entry.endswith("/") and path.startswith(entry))), None)
+
+
+def api_of(path: str) -> str | None:
+    """The API a module of `frontend/api/` belongs to: its package, or itself."""
+    if not path.startswith("tandem/frontend/api/"):
+        return None
+    parts = path.removeprefix("tandem/frontend/api/").split("/")
+    return parts[0].removesuffix(".py") if parts[0] != "__init__.py" else None
+
+
+def _source_path(module: str) -> str:
+    path = Path(*module.split("."))
+    return str(path / "__init__.py") if (REPO / path / "__init__.py").is_file() else f"{path}.py"
+
+
+def test_the_frontend_imports_down_its_floors(doc: str) -> None:
+    floors = read_floors(doc)
+    assert floor_of(floors, "tandem/frontend/protocol/errors.py") == 0 and floor_of(floors, "tandem/frontend/main.py")
+    unplaced, offending = [], []
+    for path in sorted((REPO / ROOT / "frontend").rglob("*.py")):
+        here = str(path.relative_to(REPO))
+        if here == "tandem/frontend/__init__.py":
+            continue
+        floor = floor_of(floors, here)
+        if floor is None:
+            unplaced.append(here)
+            continue
+        for found in imports_of(path):
+            if not found.module.startswith("tandem.frontend."):
+                continue
+            target = _source_path(found.module)
+            target_floor = floor_of(floors, target)
+            if target_floor is None or target_floor > floor:
+                offending.append(f"{found.where} imports {found.module}, a floor above")
+            elif api_of(here) and api_of(target) and api_of(here) != api_of(target):
+                offending.append(f"{found.where} imports {found.module}: an API imports no other API")
+    assert not unplaced, "frontend modules on no floor of docs/architecture.md's table:\n" + "\n".join(unplaced)
+    assert not offending, "imports against the frontend's floors:\n" + "\n".join(offending)

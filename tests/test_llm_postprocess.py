@@ -4,10 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
 
 from tandem.llm.postprocess import OutputProcessor, ProcessedDelta
-from tandem.llm.protocols import OutputOptions, SamplingOptions, StopConditions
+from tandem.llm.protocols import (
+    CompletionUsage,
+    LLMEngineOutput,
+    OutputOptions,
+    SamplingOptions,
+    StopConditions,
+)
 from tandem.llm.tokenizer import Tokenizer
 
 EOS = 2
@@ -40,7 +47,12 @@ def feed(proc: OutputProcessor, ids: list[int], **last: Any) -> list[ProcessedDe
             outs[-1].update(last)
         else:
             outs.append(dict(last))
-    return [proc.process(o) for o in outs]
+    return [proc.process(engine_output(o)) for o in outs]
+
+
+def engine_output(fields: dict[str, Any]) -> LLMEngineOutput:
+    """A worker's output as the request plane decodes it (`token_ids` empty unless given)."""
+    return msgspec.convert({"token_ids": [], **fields}, LLMEngineOutput)
 
 
 def text_of(deltas: list[ProcessedDelta]) -> str:
@@ -65,7 +77,7 @@ def test_multi_token_chunks_equal_single_tokens(tok: Tokenizer, prompt: list[int
     ids = tok.encode(" a 😀 b STOP c") + [EOS]
     one = feed(make(tok, prompt, stop=["STOP"]), ids)
     proc = make(tok, prompt, stop=["STOP"])
-    chunked = [proc.process({"token_ids": ids[i : i + 3]}) for i in range(0, len(ids), 3)]
+    chunked = [proc.process(engine_output({"token_ids": ids[i : i + 3]})) for i in range(0, len(ids), 3)]
     assert text_of(one) == text_of(chunked) == " a 😀 b "
     assert one[-1].finish_reason == "stop"
     assert [d for d in chunked if d.finish_reason][0].finish_reason == "stop"
@@ -86,7 +98,7 @@ def test_hidden_eos(tok: Tokenizer, prompt: list[int]) -> None:
     assert proc.finished
     # EOS in the middle of a chunk: later tokens are dropped.
     proc = make(tok, prompt)
-    d = proc.process({"token_ids": [*ids, EOS, 100]})
+    d = proc.process(engine_output({"token_ids": [*ids, EOS, 100]}))
     assert d.text == " Hello there." and d.token_ids == [*ids, EOS] and d.finish_reason == "eos"
 
 
@@ -138,7 +150,7 @@ def test_partial_stop_released(tok: Tokenizer, prompt: list[int]) -> None:
     proc = make(tok, prompt, stop=["###"])
     deltas = feed(proc, ids)
     assert text_of(deltas) == " x "
-    end = proc.process({"token_ids": [], "finish_reason": "length"})
+    end = proc.process(engine_output({"token_ids": [], "finish_reason": "length"}))
     assert end.text == "##" and end.finish_reason == "length"
     # ...or by finish() when the stream just ends...
     proc = make(tok, prompt, stop=["###"])
@@ -186,7 +198,7 @@ def test_max_tokens(tok: Tokenizer, prompt: list[int]) -> None:
     assert deltas[3] == ProcessedDelta("", [], "length", None, None, None, None, 3)
     # In one chunk: truncated to max_tokens.
     proc = make(tok, prompt, max_tokens=2)
-    d = proc.process({"token_ids": ids})
+    d = proc.process(engine_output({"token_ids": ids}))
     assert d.text == " one two" and d.token_ids == ids[:2] and d.finish_reason == "length"
     # A held partial stop string is released at the length limit.
     proc = make(tok, prompt, max_tokens=2, stop=["two three"])
@@ -195,39 +207,39 @@ def test_max_tokens(tok: Tokenizer, prompt: list[int]) -> None:
 
 def test_engine_text_passthrough(tok: Tokenizer, prompt: list[int]) -> None:
     proc = make(tok, prompt, stop=["STOP"])
-    d1 = proc.process({"token_ids": [10, 11], "text": "Hello ST"})
+    d1 = proc.process(engine_output({"token_ids": [10, 11], "text": "Hello ST"}))
     assert d1.text == "Hello " and d1.completion_tokens == 2
-    d2 = proc.process({"token_ids": [12], "text": "OP and more"})
+    d2 = proc.process(engine_output({"token_ids": [12], "text": "OP and more"}))
     assert d2.text == "" and d2.finish_reason == "stop" and d2.stop_reason == "STOP"
     # No stop strings: verbatim, even text the tokenizer would not produce for these ids.
     proc = make(tok, prompt)
-    assert proc.process({"token_ids": [5], "text": "anything"}).text == "anything"
-    d = proc.process({"token_ids": [6], "text": "!", "finish_reason": "stop", "stop_reason": "x"})
+    assert proc.process(engine_output({"token_ids": [5], "text": "anything"})).text == "anything"
+    d = proc.process(engine_output({"token_ids": [6], "text": "!", "finish_reason": "stop", "stop_reason": "x"}))
     assert (d.text, d.finish_reason, d.stop_reason) == ("!", "stop", "x")
     # max_tokens still counts the ids.
     proc = make(tok, prompt, max_tokens=2)
-    d = proc.process({"token_ids": [5, 6], "text": "ab"})
+    d = proc.process(engine_output({"token_ids": [5, 6], "text": "ab"}))
     assert (d.text, d.finish_reason) == ("ab", "length")
 
 
 def test_engine_finish_reasons(tok: Tokenizer, prompt: list[int]) -> None:
     ids = tok.encode(" hi")
-    d = make(tok, prompt).process({"token_ids": ids, "finish_reason": "length"})
+    d = make(tok, prompt).process(engine_output({"token_ids": ids, "finish_reason": "length"}))
     assert (d.text, d.finish_reason, d.error) == (" hi", "length", None)
-    d = make(tok, prompt).process({"token_ids": [], "finish_reason": {"error": "engine died"}})
+    d = make(tok, prompt).process(engine_output({"token_ids": [], "finish_reason": {"error": "engine died"}}))
     assert (d.finish_reason, d.error) == ("error", "engine died")
-    d = make(tok, prompt).process({"finish_reason": "error: out of memory"})
+    d = make(tok, prompt).process(engine_output({"finish_reason": "error: out of memory"}))
     assert (d.finish_reason, d.error) == ("error", "out of memory")
-    d = make(tok, prompt).process({"finish_reason": "content_filter"})
+    d = make(tok, prompt).process(engine_output({"finish_reason": "content_filter"}))
     assert d.finish_reason == "content_filter"
-    usage = {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}
+    usage = CompletionUsage(prompt_tokens=5, completion_tokens=1, total_tokens=6)
     proc = make(tok, prompt)
-    d = proc.process({"token_ids": ids, "finish_reason": "stop", "completion_usage": usage})
+    d = proc.process(engine_output({"token_ids": ids, "finish_reason": "stop", "completion_usage": usage}))
     assert d.usage == usage and d.finish_reason == "stop"
     # Usage arriving after a local stop is still passed on.
     proc = make(tok, prompt)
-    assert proc.process({"token_ids": [EOS]}).finish_reason == "eos"
-    assert proc.process({"completion_usage": usage}).usage == usage
+    assert proc.process(engine_output({"token_ids": [EOS]})).finish_reason == "eos"
+    assert proc.process(engine_output({"completion_usage": usage})).usage == usage
 
 
 def test_logprobs(tok: Tokenizer, prompt: list[int]) -> None:
@@ -240,13 +252,13 @@ def test_logprobs(tok: Tokenizer, prompt: list[int]) -> None:
             "top_logprobs": [
                 [
                     {"rank": 1, "token_id": i, "token": "ignored", "logprob": -0.25 * (n + 1)},
-                    {"rank": 2, "token_id": EOS, "logprob": -9.0},
+                    {"rank": 2, "token_id": EOS, "token": None, "logprob": -9.0},
                 ]
             ],
         }
         for n, i in enumerate(ids)
     ]
-    deltas = [proc.process(o) for o in outs]
+    deltas = [proc.process(engine_output(o)) for o in outs]
     entries = [e for d in deltas for e in (d.logprobs or [])]
     assert [e.token_id for e in entries] == ids
     assert [e.logprob for e in entries] == [-0.25 * (n + 1) for n in range(len(ids))]
@@ -256,10 +268,10 @@ def test_logprobs(tok: Tokenizer, prompt: list[int]) -> None:
     assert entries[0].top[1].token == "<|im_end|>" and entries[0].top[1].bytes == list(b"<|im_end|>")
     # Not requested: none.
     proc = make(tok, prompt)
-    assert proc.process(outs[0]).logprobs is None
+    assert proc.process(engine_output(outs[0])).logprobs is None
     # return_tokens_as_token_ids
     proc = make(tok, prompt, output=OutputOptions(logprobs=0, return_tokens_as_token_ids=True))
-    (entry,) = proc.process(outs[0]).logprobs or []
+    (entry,) = proc.process(engine_output(outs[0])).logprobs or []
     assert entry.token == f"token_id:{ids[0]}"
 
 
@@ -272,6 +284,6 @@ def test_per_token_work_does_not_grow_with_the_output(tok: Tokenizer, prompt: li
     assert matcher is not None
     text = []
     for i in ids:
-        text.append(proc.process({"token_ids": [i]}).text)
+        text.append(proc.process(engine_output({"token_ids": [i]})).text)
         assert len(matcher.held) < len("\n\nUser:")
     assert "".join(text) + proc.finish().text == tok.decode(ids)

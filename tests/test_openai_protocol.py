@@ -16,12 +16,31 @@ from hypothesis import strategies as st
 from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from tandem.frontend import anthropic, responses
-from tandem.frontend import openai as oai
-from tandem.frontend.openai import RequestError
+from tandem.frontend.api.anthropic.protocol import parse_messages_request
+from tandem.frontend.api.openai.protocol import (
+    ChatStream,
+    CompletionStream,
+    chat_chunk,
+    chat_completion,
+    chat_logprobs,
+    completion,
+    completion_chunk,
+    completion_logprobs,
+    models_list,
+    parse_chat_request,
+    parse_completion_request,
+    usage_body,
+)
+from tandem.frontend.api.responses.protocol import parse_request
+from tandem.frontend.hints import routing_hints
 from tandem.frontend.openapi import openapi_spec
+from tandem.frontend.preprocess import output_options, sampling_options, stop_conditions
+from tandem.frontend.protocol.errors import RequestError
+from tandem.frontend.protocol.sse import SSE_DONE, dumps, sse
+from tandem.frontend.requests import AnyRequest, ChatRequest
 from tandem.llm.postprocess import TokenLogprob, TopLogprob
 from tandem.llm.protocols import (
+    FinishReason,
     GuidedDecoding,
     OutputOptions,
     PreprocessedRequest,
@@ -165,10 +184,10 @@ COMPLETION_ERRORS: list[tuple[dict[str, Any], str | None, str]] = [
 ]
 
 ERROR_CASES = (
-    [pytest.param(oai.parse_chat_request, chat_body, *c, id=f"chat-{i}") for i, c in enumerate(COMMON_ERRORS)]
-    + [pytest.param(oai.parse_completion_request, cmpl_body, *c, id=f"cmpl-{i}") for i, c in enumerate(COMMON_ERRORS)]
-    + [pytest.param(oai.parse_chat_request, chat_body, *c, id=f"chat-only-{i}") for i, c in enumerate(CHAT_ERRORS)]
-    + [pytest.param(oai.parse_completion_request, cmpl_body, *c, id=f"cmpl-only-{i}")
+    [pytest.param(parse_chat_request, chat_body, *c, id=f"chat-{i}") for i, c in enumerate(COMMON_ERRORS)]
+    + [pytest.param(parse_completion_request, cmpl_body, *c, id=f"cmpl-{i}") for i, c in enumerate(COMMON_ERRORS)]
+    + [pytest.param(parse_chat_request, chat_body, *c, id=f"chat-only-{i}") for i, c in enumerate(CHAT_ERRORS)]
+    + [pytest.param(parse_completion_request, cmpl_body, *c, id=f"cmpl-only-{i}")
        for i, c in enumerate(COMPLETION_ERRORS)]
 )  # fmt: skip
 
@@ -182,7 +201,7 @@ def test_invalid_field(parse, make, fields, param, message):
                                     "code": None}}  # fmt: skip
 
 
-@pytest.mark.parametrize("parse", [oai.parse_chat_request, oai.parse_completion_request])
+@pytest.mark.parametrize("parse", [parse_chat_request, parse_completion_request])
 @pytest.mark.parametrize("body,message", [
     (b"{not json", "not valid JSON"),
     (b"", "not valid JSON"),
@@ -198,7 +217,7 @@ def test_malformed_body(parse, body, message):
 
 
 def test_number_out_of_range():
-    err = error_of(oai.parse_chat_request, b'{"model": "m", "messages": [], "temperature": 1e999}')
+    err = error_of(parse_chat_request, b'{"model": "m", "messages": [], "temperature": 1e999}')
     assert (err.status, err.param) == (400, "temperature") and "out of range" in err.message
 
 
@@ -219,7 +238,7 @@ def test_error_statuses_and_types():
 
 
 def test_chat_full_mapping():
-    req = oai.parse_chat_request(chat_body(
+    req = parse_chat_request(chat_body(
         temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, presence_penalty=0.5, frequency_penalty=-0.5,
         repetition_penalty=1.1, seed=7, stop=["END", "STOP"], stop_token_ids=[2, 3], ignore_eos=False,
         min_tokens=2, include_stop_str_in_output=True, skip_special_tokens=False, n=1, user="u",
@@ -231,24 +250,24 @@ def test_chat_full_mapping():
     assert req.max_tokens == 50  # max_completion_tokens wins
     assert req.tools == [{"type": "function", "function": {"name": "f"}}] and req.tool_choice == "auto"
     assert req.chat_template_kwargs == {"enable_thinking": False}
-    s = oai.sampling_options(req)
+    s = sampling_options(req)
     assert (s.temperature, s.top_p, s.top_k, s.min_p, s.seed) == (0.7, 0.9, 40, 0.05, 7)
     assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.5, -0.5, 1.1)
     assert s.include_stop_str_in_output is True and s.guided_decoding is None and s.n is None
-    assert oai.stop_conditions(req) == StopConditions(
+    assert stop_conditions(req) == StopConditions(
         max_tokens=50, stop=["END", "STOP"], stop_token_ids=[2, 3], min_tokens=2, ignore_eos=False
     )
-    assert oai.output_options(req) == OutputOptions(logprobs=3, skip_special_tokens=False)
+    assert output_options(req) == OutputOptions(logprobs=3, skip_special_tokens=False)
 
 
 def test_minimal_requests_leave_options_unset():
-    for req in (oai.parse_chat_request(chat_body()), oai.parse_completion_request(cmpl_body())):
+    for req in (parse_chat_request(chat_body()), parse_completion_request(cmpl_body())):
         assert req.stream is False and req.include_usage is False and req.stop is None
         # Unset means "engine default": nothing is sent on the wire.
-        assert msgspec.json.encode(oai.sampling_options(req)) == b"{}"
-        assert msgspec.json.encode(oai.stop_conditions(req)) == b"{}"
-        assert msgspec.json.encode(oai.output_options(req)) == b"{}"
-        assert oai.routing_hints(req) is None
+        assert msgspec.json.encode(sampling_options(req)) == b"{}"
+        assert msgspec.json.encode(stop_conditions(req)) == b"{}"
+        assert msgspec.json.encode(output_options(req)) == b"{}"
+        assert routing_hints(req) is None
 
 
 def test_nulls_and_unknown_fields_are_accepted():
@@ -256,13 +275,13 @@ def test_nulls_and_unknown_fields_are_accepted():
                                "logprobs", "response_format", "nvext", "tools", "tool_choice")}  # fmt: skip
     extras = {"metadata": {"a": "b"}, "parallel_tool_calls": False, "logit_bias": {"1": 2}, "store": False,
               "service_tier": "auto", "user": "me"}  # fmt: skip
-    chat = oai.parse_chat_request(chat_body(**nulls, **extras))
+    chat = parse_chat_request(chat_body(**nulls, **extras))
     assert chat.stream is False and chat.user == "me"
-    assert oai.parse_completion_request(cmpl_body(**(nulls | extras))).stream is False
+    assert parse_completion_request(cmpl_body(**(nulls | extras))).stream is False
     # as OpenAI and vLLM do: stream_options without stream is a mistake, not silently ignored
-    err = error_of(oai.parse_completion_request, cmpl_body(stream_options={"include_usage": True}))
+    err = error_of(parse_completion_request, cmpl_body(stream_options={"include_usage": True}))
     assert (err.status, err.param) == (400, "stream_options")
-    cmpl = oai.parse_completion_request(cmpl_body(stream=True, stream_options={"include_usage": True}))
+    cmpl = parse_completion_request(cmpl_body(stream=True, stream_options={"include_usage": True}))
     assert cmpl.include_usage is True and cmpl.stream is True
 
 
@@ -283,12 +302,12 @@ def test_nulls_and_unknown_fields_are_accepted():
     ({"structured_outputs": {"grammar": "g"}}, GuidedDecoding(grammar="g")),
     ({"response_format": {"type": "text"}, "guided_regex": "x"}, GuidedDecoding(regex="x")),
 ])  # fmt: skip
-@pytest.mark.parametrize("parse,make", [(oai.parse_chat_request, chat_body),
-                                        (oai.parse_completion_request, cmpl_body)])  # fmt: skip
+@pytest.mark.parametrize("parse,make", [(parse_chat_request, chat_body),
+                                        (parse_completion_request, cmpl_body)])  # fmt: skip
 def test_guided_decoding(parse, make, fields, guided):
     req = parse(make(**fields))
     assert req.is_guided is (guided is not None)
-    assert oai.sampling_options(req).guided_decoding == guided
+    assert sampling_options(req).guided_decoding == guided
 
 
 @pytest.mark.parametrize("fields,stop", [
@@ -300,7 +319,7 @@ def test_guided_decoding(parse, make, fields, guided):
     ({"stop": [f"s{i}" for i in range(16)]}, [f"s{i}" for i in range(16)]),
 ])  # fmt: skip
 def test_stop_normalized(fields, stop):
-    assert oai.stop_conditions(oai.parse_chat_request(chat_body(**fields))).stop == stop
+    assert stop_conditions(parse_chat_request(chat_body(**fields))).stop == stop
 
 
 @pytest.mark.parametrize("fields,logprobs", [
@@ -311,7 +330,7 @@ def test_stop_normalized(fields, stop):
     ({"logprobs": True, "top_logprobs": 20}, 20),
 ])  # fmt: skip
 def test_chat_logprobs_option(fields, logprobs):
-    assert oai.output_options(oai.parse_chat_request(chat_body(**fields))).logprobs == logprobs
+    assert output_options(parse_chat_request(chat_body(**fields))).logprobs == logprobs
 
 
 @pytest.mark.parametrize("prompt,expected", [
@@ -321,9 +340,9 @@ def test_chat_logprobs_option(fields, logprobs):
     ([[4, 5]], [4, 5]),
 ])  # fmt: skip
 def test_completion_prompt_forms(prompt, expected):
-    req = oai.parse_completion_request(cmpl_body(prompt=prompt, logprobs=2, echo=False, suffix=None, max_tokens=8))
+    req = parse_completion_request(cmpl_body(prompt=prompt, logprobs=2, echo=False, suffix=None, max_tokens=8))
     assert req.prompt == expected
-    assert oai.output_options(req).logprobs == 2 and oai.stop_conditions(req).max_tokens == 8
+    assert output_options(req).logprobs == 2 and stop_conditions(req).max_tokens == 8
 
 
 def test_messages_kept_as_dicts():
@@ -336,14 +355,14 @@ def test_messages_kept_as_dicts():
         {"role": "tool", "content": "42", "tool_call_id": "c1"},
         {"role": "assistant", "content": "", "reasoning_content": "hmm"},
     ]
-    req = oai.parse_chat_request(chat_body(messages=messages))
+    req = parse_chat_request(chat_body(messages=messages))
     assert req.messages[1] == {"role": "developer", "content": "a\nb"}  # text parts joined for the template
     assert req.messages[3] == {"role": "assistant", "content": None, "tool_calls": calls}
     assert [m for i, m in enumerate(req.messages) if i != 1] == [m for i, m in enumerate(messages) if i != 1]
 
 
 def test_nvext():
-    req = oai.parse_chat_request(chat_body(temperature=0.9, stream=True, nvext={
+    req = parse_chat_request(chat_body(temperature=0.9, stream=True, nvext={
         "greed_sampling": True, "backend_instance_id": 17, "annotations": ["formatted_prompt", "token_ids"],
         "use_raw_prompt": True, "cache_salt": "s", "max_thinking_tokens": 64, "agent_hints": {"priority": 3},
         "extra_fields": ["worker_id"],
@@ -351,36 +370,36 @@ def test_nvext():
     assert req.ext.greed_sampling and req.ext.use_raw_prompt
     assert req.ext.annotations == ["formatted_prompt", "token_ids"]
     assert req.ext.extra == {"agent_hints": {"priority": 3}, "extra_fields": ["worker_id"]}
-    assert oai.sampling_options(req).temperature == 0.0  # greedy overrides the request's temperature
-    assert oai.stop_conditions(req).max_thinking_tokens == 64
-    assert oai.routing_hints(req) == RoutingHints(backend_instance_id=17, cache_salt="s")
+    assert sampling_options(req).temperature == 0.0  # greedy overrides the request's temperature
+    assert stop_conditions(req).max_thinking_tokens == 64
+    assert routing_hints(req) == RoutingHints(backend_instance_id=17, cache_salt="s")
 
 
 def test_routing_headers():
-    req = oai.parse_chat_request(chat_body(nvext={"prefill_worker_id": 1, "decode_worker_id": 5}))
+    req = parse_chat_request(chat_body(nvext={"prefill_worker_id": 1, "decode_worker_id": 5}))
     headers = {"x-prefill-instance-id": "3", "X-Data-Parallel-Rank": "1",
                "x-dynamo-prefill-dp-rank": "0", "X-Dynamo-Request-Priority": "9", "content-type": "x"}  # fmt: skip
-    assert oai.routing_hints(req, headers) == RoutingHints(
+    assert routing_hints(req, headers) == RoutingHints(
         prefill_worker_id=3, decode_worker_id=5, dp_rank=1, prefill_dp_rank=0, priority=9
     )
     # the newer x-dynamo-* name wins over the legacy one
     both = {"x-worker-instance-id": "2", "x-dynamo-worker-instance-id": "4"}
-    assert oai.routing_hints(None, both).backend_instance_id == 4  # type: ignore[union-attr]
+    assert routing_hints(None, both).backend_instance_id == 4  # type: ignore[union-attr]
     # a request pinned whole has no legs to pin
-    err = error_of(lambda b: oai.routing_hints(oai.parse_chat_request(b), {"X-Worker-Instance-Id": "2"}),
+    err = error_of(lambda b: routing_hints(parse_chat_request(b), {"X-Worker-Instance-Id": "2"}),
                    chat_body(nvext={"decode_worker_id": 5}))
     assert err.status == 400 and err.param == "nvext.decode_worker_id"
-    err = error_of(lambda b: oai.routing_hints(oai.parse_chat_request(b), {"x-dp-rank": "zero"}), chat_body())
+    err = error_of(lambda b: routing_hints(parse_chat_request(b), {"x-dp-rank": "zero"}), chat_body())
     assert err.status == 400 and "x-dp-rank" in err.message
 
 
 def test_options_fit_the_wire_request():
-    req = oai.parse_chat_request(chat_body(max_tokens=5, stop="x", logprobs=True, guided_regex="a",
+    req = parse_chat_request(chat_body(max_tokens=5, stop="x", logprobs=True, guided_regex="a",
                                            nvext={"backend_instance_id": 3}))  # fmt: skip
     wire = PreprocessedRequest(
-        model=req.model, token_ids=[1, 2], stop_conditions=oai.stop_conditions(req),
-        sampling_options=oai.sampling_options(req), output_options=oai.output_options(req),
-        annotations=req.ext.annotations, routing=oai.routing_hints(req),
+        model=req.model, token_ids=[1, 2], stop_conditions=stop_conditions(req),
+        sampling_options=sampling_options(req), output_options=output_options(req),
+        annotations=req.ext.annotations, routing=routing_hints(req),
     )  # fmt: skip
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(wire), type=PreprocessedRequest) == wire
 
@@ -403,13 +422,13 @@ _json = st.recursive(
 def test_fuzz_only_request_errors(body):
     """Whatever JSON arrives, parsing either succeeds or raises a 400 RequestError (never a 500)."""
     raw = json.dumps(body).encode()
-    for parse in (oai.parse_chat_request, oai.parse_completion_request):
+    for parse in (parse_chat_request, parse_completion_request):
         try:
             req = parse(raw)
         except RequestError as e:
             assert e.status == 400 and e.message
             continue
-        msgspec.json.encode([oai.sampling_options(req), oai.stop_conditions(req), oai.output_options(req)])
+        msgspec.json.encode([sampling_options(req), stop_conditions(req), output_options(req)])
 
 
 # -- responses -------------------------------------------------------------------------------------
@@ -422,16 +441,16 @@ TOKENS = [
 
 
 def test_usage():
-    assert oai.usage(3, 4) == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
-    assert oai.usage(3, 4, cached_tokens=2)["prompt_tokens_details"] == {"cached_tokens": 2}
+    assert usage_body(3, 4) == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert usage_body(3, 4, cached_tokens=2)["prompt_tokens_details"] == {"cached_tokens": 2}
 
 
 def test_chat_stream_sequence_validates():
-    stream = oai.ChatStream("m", include_usage=True, created=123)
+    stream = ChatStream("m", include_usage=True, created=123)
     assert stream.id.startswith("chatcmpl-") and len(stream.id) == len("chatcmpl-") + 32
-    chunks = [stream.start(), stream.content("Hel", oai.chat_logprobs(TOKENS[:1])),
-              stream.content("lo", oai.chat_logprobs(TOKENS[1:])), stream.finish("stop"),
-              stream.usage(oai.usage(5, 2, cached_tokens=4))]  # fmt: skip
+    chunks = [stream.start(), stream.content("Hel", chat_logprobs(TOKENS[:1])),
+              stream.content("lo", chat_logprobs(TOKENS[1:])), stream.finish("stop"),
+              stream.usage(usage_body(5, 2, cached_tokens=4))]  # fmt: skip
     parsed = [ChatCompletionChunk.model_validate(c) for c in chunks]
     assert all(c.id == stream.id and c.created == 123 and c.object == "chat.completion.chunk" for c in parsed)
     assert parsed[0].choices[0].delta.role == "assistant" and parsed[0].choices[0].delta.content == ""
@@ -445,7 +464,7 @@ def test_chat_stream_sequence_validates():
 
 
 def test_chat_stream_without_usage_has_no_usage_key():
-    stream = oai.ChatStream("m")
+    stream = ChatStream("m")
     for chunk in (stream.start(), stream.content("x"), stream.finish("length")):
         assert "usage" not in chunk
         ChatCompletionChunk.model_validate(chunk)
@@ -454,15 +473,15 @@ def test_chat_stream_without_usage_has_no_usage_key():
 
 
 def test_chat_completion_validates():
-    body = oai.chat_completion(oai.chat_id(), 5, "m", content="Hello", finish_reason="stop", usage=oai.usage(1, 2),
-                               logprobs=oai.chat_logprobs(TOKENS))  # fmt: skip
+    body = chat_completion("chatcmpl-test", 5, "m", content="Hello", finish_reason="stop", usage=usage_body(1, 2),
+                               logprobs=chat_logprobs(TOKENS))  # fmt: skip
     parsed = ChatCompletion.model_validate(body)
     assert parsed.object == "chat.completion" and parsed.id.startswith("chatcmpl-")
     assert parsed.choices[0].message.content == "Hello" and parsed.choices[0].message.role == "assistant"
     assert [t.token for t in parsed.choices[0].logprobs.content] == ["Hel", "lo"]  # type: ignore[union-attr]
     assert parsed.usage is not None and parsed.usage.total_tokens == 3
     calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
-    body = oai.chat_completion("chatcmpl-x", 5, "m", content=None, finish_reason="tool_calls", usage=oai.usage(1, 2),
+    body = chat_completion("chatcmpl-x", 5, "m", content=None, finish_reason="tool_calls", usage=usage_body(1, 2),
                                tool_calls=calls, reasoning="thinking")  # fmt: skip
     parsed = ChatCompletion.model_validate(body)
     assert parsed.choices[0].message.tool_calls[0].function.name == "f"  # type: ignore[index, union-attr]
@@ -470,32 +489,32 @@ def test_chat_completion_validates():
 
 
 def test_completion_validates():
-    lp = oai.completion_logprobs(TOKENS, text_offset=0)
+    lp = completion_logprobs(TOKENS, text_offset=0)
     assert lp == {"tokens": ["Hel", "lo"], "token_logprobs": [-0.1, -9999.0],
                   "top_logprobs": [{"Hel": -0.1, "Hi": -2.5}, {"lo": -9999.0}], "text_offset": [0, 3]}  # fmt: skip
-    assert oai.completion_logprobs(TOKENS[1:], text_offset=3)["text_offset"] == [3]  # continues across chunks
-    body = oai.completion(oai.completion_id(), 5, "m", text="Hello", finish_reason="length", usage=oai.usage(1, 2),
+    assert completion_logprobs(TOKENS[1:], text_offset=3)["text_offset"] == [3]  # continues across chunks
+    body = completion("cmpl-test", 5, "m", text="Hello", finish_reason="length", usage=usage_body(1, 2),
                           logprobs=lp)  # fmt: skip
     parsed = Completion.model_validate(body)
     assert parsed.object == "text_completion" and parsed.id.startswith("cmpl-")
     assert parsed.choices[0].text == "Hello" and parsed.choices[0].logprobs.tokens == ["Hel", "lo"]  # type: ignore[union-attr]
-    stream = oai.CompletionStream("m", include_usage=True)
+    stream = CompletionStream("m", include_usage=True)
     last = Completion.model_validate(stream.finish("stop"))
     assert last.choices[0].text == "" and stream.text("x")["usage"] is None
-    assert Completion.model_validate(stream.usage(oai.usage(1, 1))).choices == []
+    assert Completion.model_validate(stream.usage(usage_body(1, 1))).choices == []
 
 
 def test_models_list():
-    body = oai.models_list([("m", 1, "tandem", None), ("m-lora", 2, "tandem", "m")])
+    body = models_list([("m", 1, "tandem", None), ("m-lora", 2, "tandem", "m")])
     assert body["object"] == "list" and "parent" not in body["data"][0] and body["data"][1]["parent"] == "m"
     assert [Model.model_validate(d).id for d in body["data"]] == ["m", "m-lora"]
 
 
 def test_sse_framing():
-    assert oai.sse({"a": [1, None], "b": "é"}) == b'data: {"a":[1,null],"b":"\xc3\xa9"}\n\n'
-    assert oai.SSE_DONE == b"data: [DONE]\n\n"
-    assert oai.dumps({"x": 1}) == b'{"x":1}'
-    frame = oai.sse_error(500, "worker died")
+    assert sse({"a": [1, None], "b": "é"}) == b'data: {"a":[1,null],"b":"\xc3\xa9"}\n\n'
+    assert SSE_DONE == b"data: [DONE]\n\n"
+    assert dumps({"x": 1}) == b'{"x":1}'
+    frame = RequestError("worker died", status=500).sse()
     assert frame.startswith(b"data: ") and frame.endswith(b"\n\n")
     assert json.loads(frame[6:]) == {"error": {"message": "worker died", "type": "internal_server_error",
                                                "param": None, "code": None}}  # the unary error body's shape  # fmt: skip
@@ -514,30 +533,30 @@ def _serve(request: httpx.Request) -> httpx.Response:
     """A toy HTTP layer: parse with this module, answer "Hello" in two pieces."""
     try:
         if request.url.path.endswith("/chat/completions"):
-            req: oai.AnyRequest = oai.parse_chat_request(request.content)
+            req: AnyRequest = parse_chat_request(request.content)
         else:
-            req = oai.parse_completion_request(request.content)
+            req = parse_completion_request(request.content)
     except RequestError as e:
         return httpx.Response(e.status, json=e.body())
-    usage = oai.usage(3, 2)
-    if isinstance(req, oai.ChatRequest):
+    usage = usage_body(3, 2)
+    if isinstance(req, ChatRequest):
         if not req.stream:
-            return httpx.Response(200, content=oai.dumps(oai.chat_completion(
-                oai.chat_id(), oai.now(), req.model, content="Hello", finish_reason="stop", usage=usage)))  # fmt: skip
-        s = oai.ChatStream(req.model, include_usage=req.include_usage)
+            return httpx.Response(200, content=dumps(chat_completion(
+                "chatcmpl-test", 5, req.model, content="Hello", finish_reason="stop", usage=usage)))  # fmt: skip
+        s = ChatStream(req.model, include_usage=req.include_usage)
         chunks = [s.start(), s.content("Hel"), s.content("lo"), s.finish("stop")]
         if req.messages[-1]["content"] == "fail":  # a worker dying mid-stream
-            frames = [oai.sse(chunks[0]), oai.sse_error(500, "worker died")]
+            frames = [sse(chunks[0]), RequestError("worker died", status=500).sse()]
         else:
-            frames = [oai.sse(c) for c in chunks] + ([oai.sse(s.usage(usage))] if req.include_usage else [])
+            frames = [sse(c) for c in chunks] + ([sse(s.usage(usage))] if req.include_usage else [])
     else:
         if not req.stream:
-            return httpx.Response(200, content=oai.dumps(oai.completion(
-                oai.completion_id(), oai.now(), req.model, text="Hello", finish_reason="stop", usage=usage)))  # fmt: skip
-        c = oai.CompletionStream(req.model, include_usage=req.include_usage)
-        frames = [oai.sse(c.text("Hel")), oai.sse(c.text("lo")), oai.sse(c.finish("length"))]
-        frames += [oai.sse(c.usage(usage))] if req.include_usage else []
-    return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=b"".join(frames) + oai.SSE_DONE)
+            return httpx.Response(200, content=dumps(completion(
+                "cmpl-test", 5, req.model, text="Hello", finish_reason="stop", usage=usage)))  # fmt: skip
+        c = CompletionStream(req.model, include_usage=req.include_usage)
+        frames = [sse(c.text("Hel")), sse(c.text("lo")), sse(c.finish("length"))]
+        frames += [sse(c.usage(usage))] if req.include_usage else []
+    return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=b"".join(frames) + SSE_DONE)
 
 
 def test_official_client_round_trip():
@@ -585,18 +604,18 @@ class _Tok(msgspec.Struct):
 def test_logprobs_accept_duck_typed_records():
     """Records with object alternatives, missing logprobs and missing bytes (e.g. the postprocessor's)."""
     toks = [_Tok("a", 1, None, None, [_Top("a", 1, -0.5, [97]), _Top("b", 2, None)])]
-    chat = oai.chat_logprobs(toks)
+    chat = chat_logprobs(toks)
     assert chat == {"content": [{"token": "a", "logprob": -9999.0, "bytes": None, "top_logprobs": [
         {"token": "a", "logprob": -0.5, "bytes": [97]}, {"token": "b", "logprob": -9999.0, "bytes": None}]}]}  # fmt: skip
-    ChatCompletionChunk.model_validate(oai.chat_chunk("c", 1, "m", delta={"content": "a"}, logprobs=chat))
-    assert oai.completion_logprobs(toks, 2)["top_logprobs"] == [{"a": -0.5, "b": -9999.0}]
+    ChatCompletionChunk.model_validate(chat_chunk("c", 1, "m", delta={"content": "a"}, logprobs=chat))
+    assert completion_logprobs(toks, 2)["top_logprobs"] == [{"a": -0.5, "b": -9999.0}]
 
 
 def test_chunk_usage_key():
-    assert "usage" not in oai.chat_chunk("c", 1, "m", delta={})
-    assert oai.chat_chunk("c", 1, "m", delta={}, usage=None)["usage"] is None
-    assert oai.completion_chunk("c", 1, "m", text="", usage=None)["usage"] is None
-    assert oai.chat_chunk("c", 1, "m", delta={}, usage=oai.usage(1, 1))["usage"]["total_tokens"] == 2
+    assert "usage" not in chat_chunk("c", 1, "m", delta={})
+    assert chat_chunk("c", 1, "m", delta={}, usage=None)["usage"] is None
+    assert completion_chunk("c", 1, "m", text="", usage=None)["usage"] is None
+    assert chat_chunk("c", 1, "m", delta={}, usage=usage_body(1, 1))["usage"]["total_tokens"] == 2
 
 
 @pytest.mark.parametrize("reason,expected", [
@@ -604,7 +623,7 @@ def test_chunk_usage_key():
     ("content_filter", "content_filter"), ("error", "stop"),
 ])  # fmt: skip
 def test_finish_reason(reason, expected):
-    assert oai.finish_reason(reason) == expected
+    assert (FinishReason(reason).openai if reason else None) == expected
 
 
 # -- the OpenAPI contract says what the parser refuses ----------------------------------------------
@@ -619,7 +638,7 @@ def test_openapi_schema_rejects_what_the_parser_rejects(parse, make, fields, par
     """Generated clients and fuzzers learn the contract from /openapi.json: a body the parser refuses for
     one field is invalid by the schema too (model "" and response_format {} used to pass it)."""
     schemas = openapi_spec(["m"])["components"]["schemas"]
-    name = "ChatCompletionRequest" if parse is oai.parse_chat_request else "CompletionRequest"
+    name = "ChatCompletionRequest" if parse is parse_chat_request else "CompletionRequest"
     validator = jsonschema.Draft202012Validator(schemas[name])
     assert not validator.is_valid(json.loads(make(**fields))), fields
 
@@ -631,29 +650,29 @@ def test_openapi_schema_rejects_the_reported_cases(fields):
     schema = openapi_spec(["m"])["components"]["schemas"]["ChatCompletionRequest"]
     assert not jsonschema.Draft202012Validator(schema).is_valid(json.loads(chat_body(**fields)))
     with pytest.raises(RequestError):
-        oai.parse_chat_request(chat_body(**fields))
+        parse_chat_request(chat_body(**fields))
 
 
 BEYOND_64_BITS = -(2**75)
 
 
 @pytest.mark.parametrize(("parse", "body", "param"), [
-    (oai.parse_chat_request, {"messages": [{"role": "user", "content": "x"}], "guided_json": {"a": BEYOND_64_BITS}},
+    (parse_chat_request, {"messages": [{"role": "user", "content": "x"}], "guided_json": {"a": BEYOND_64_BITS}},
      "guided_json"),
-    (oai.parse_chat_request, {"messages": [{"role": "user", "content": "x"}], "nvext": {"x": [BEYOND_64_BITS]}},
+    (parse_chat_request, {"messages": [{"role": "user", "content": "x"}], "nvext": {"x": [BEYOND_64_BITS]}},
      "nvext"),
-    (oai.parse_chat_request, {"messages": [{"role": "user", "content": "x"}], "tools": [
+    (parse_chat_request, {"messages": [{"role": "user", "content": "x"}], "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {"maximum": BEYOND_64_BITS}}}]},
      "tools[0].function.parameters"),
-    (responses.parse_request, {"input": "x", "text": {"format": {"type": "json_schema", "name": "n",
+    (parse_request, {"input": "x", "text": {"format": {"type": "json_schema", "name": "n",
                                                                  "schema": {"a": BEYOND_64_BITS}}}}, "text.format.schema"),
-    (responses.parse_request, {"input": "x", "tools": [{"type": "function", "name": "f",
+    (parse_request, {"input": "x", "tools": [{"type": "function", "name": "f",
                                                         "parameters": {"a": BEYOND_64_BITS}}]}, "tools[0].parameters"),
-    (anthropic.parse_messages_request, {"max_tokens": 3, "messages": [{"role": "user", "content": "x"}],
+    (parse_messages_request, {"max_tokens": 3, "messages": [{"role": "user", "content": "x"}],
                                         "output_config": {"format": {"type": "json_schema",
                                                                      "schema": {"a": BEYOND_64_BITS}}}},
      "output_config.format.schema"),
-    (anthropic.parse_messages_request, {"max_tokens": 3, "messages": [{"role": "user", "content": "x"}], "tools": [
+    (parse_messages_request, {"max_tokens": 3, "messages": [{"role": "user", "content": "x"}], "tools": [
         {"name": "f", "input_schema": {"type": "object", "maximum": BEYOND_64_BITS}}]}, "tools[0].input_schema"),
 ])
 def test_integers_the_request_plane_cannot_carry_are_a_400(parse, body, param):

@@ -130,7 +130,7 @@ def test_a_body_over_the_limit_is_413(deployment):
 
 def test_the_frontend_starts_without_torch():
     """torch is imported when a request carries prompt embeddings, not when the frontend starts."""
-    code = "import sys, tandem.frontend.main, tandem.frontend.http; assert 'torch' not in sys.modules"
+    code = "import sys, tandem.frontend.main, tandem.frontend.server; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -161,7 +161,7 @@ async def test_no_kv_hashing_and_no_remote_prefill(runtimes: Any, namespace: str
     monkeypatch.setattr(pipeline.kv_router, "hashes", lambda *a, **k: pytest.fail("the prompt was hashed"))
     request = _embeds_request()
     outputs = [o async for o in pipeline.generate(request, Context(), Attempt())]
-    assert [o["token_ids"] for o in outputs] == [[1], [2]]
+    assert [o.token_ids for o in outputs] == [[1], [2]]
     assert workers.prefill_requests == []
     (decode,) = workers.decode_requests
     assert decode["prompt_embeds"] == request.prompt_embeds and "prefill_result" not in decode
@@ -185,7 +185,7 @@ async def test_a_cut_off_stream_is_not_migrated(runtimes: Any, namespace: str, s
         async for output in pipeline.generate(_embeds_request(), Context(), Attempt()):
             outputs.append(output)
     assert "prompt-embedding requests cannot be migrated" in lost.value.public
-    assert [o["token_ids"] for o in outputs] == [[1]] and len(workers.decode_requests) == 1
+    assert [o.token_ids for o in outputs] == [[1]] and len(workers.decode_requests) == 1
 
 
 # -- the vLLM worker --------------------------------------------------------------------------------------

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from tandem.frontend.openai import RequestError
+from tandem.frontend.api.responses.protocol import input_messages, parse_request
+from tandem.frontend.protocol.errors import RequestError
 from tandem.frontend.response_store import ResponseStore, StoredResponse
-from tandem.frontend.responses import input_messages, parse_request
 
 WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}}
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather", "parameters": WEATHER_PARAMS}

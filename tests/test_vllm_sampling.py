@@ -8,7 +8,8 @@ import json
 import msgspec
 from vllm.sampling_params import RequestOutputKind
 
-from tandem.frontend import openai
+from tandem.frontend.api.openai.protocol import parse_completion_request
+from tandem.frontend.preprocess import output_options, sampling_options, stop_conditions
 from tandem.llm.protocols import PreprocessedRequest
 from tandem.vllm.handlers import build_sampling_params
 
@@ -17,12 +18,12 @@ EOS = [2, 0]
 
 
 def _through_the_wire(body: dict, eos_hidden: list[int] | None = EOS) -> PreprocessedRequest:
-    request = openai.parse_completion_request(json.dumps(body).encode())
-    stop = openai.stop_conditions(request)
+    request = parse_completion_request(json.dumps(body).encode())
+    stop = stop_conditions(request)
     stop.stop_token_ids_hidden = eos_hidden
     preprocessed = PreprocessedRequest(model="m", token_ids=PROMPT_IDS, stop_conditions=stop,
-                                       sampling_options=openai.sampling_options(request),
-                                       output_options=openai.output_options(request))
+                                       sampling_options=sampling_options(request),
+                                       output_options=output_options(request))
     return msgspec.msgpack.decode(msgspec.msgpack.encode(preprocessed), type=PreprocessedRequest)
 
 

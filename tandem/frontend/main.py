@@ -8,13 +8,14 @@ import os
 import sys
 from dataclasses import dataclass, replace
 
-from tandem.frontend.http import FrontendServer, HttpConfig
 from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.models import ModelManager, ServedModel
 from tandem.frontend.pipeline import ModelPipeline
 from tandem.frontend.preprocess import ParserNames
 from tandem.frontend.replicas import REPLICA_ENV, supervise
 from tandem.frontend.routing import LoadMonitor, LoadThresholds
+from tandem.frontend.server import FrontendServer
+from tandem.frontend.serving import HttpConfig
 from tandem.llm.model_card import ModelInput
 from tandem.router.config import add_router_args, parse_args_with_router_config
 from tandem.router.kv_router import KvRouter, RouterMetrics

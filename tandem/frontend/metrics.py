@@ -69,9 +69,3 @@ class FrontendMetrics:
             if value is not None and name in self.model_gauges:
                 self.model_gauges[name].labels(model).set(value)
 
-    def drop_model(self, model: str) -> None:
-        for metric in self.model_gauges.values():
-            try:
-                metric.remove(model)
-            except KeyError:
-                pass

@@ -45,10 +45,6 @@ class ServedModel:
     types: ModelType = ModelType(0)
 
     @property
-    def is_lora(self) -> bool:
-        return self.card.lora is not None
-
-    @property
     def parent(self) -> str | None:
         return self.card.lora.base_model if self.card.lora else None
 
@@ -93,13 +89,6 @@ class ModelManager:
 
     def served(self) -> list[ServedModel]:
         return [m for m in self.models.values() if m.instances]
-
-    async def wait_for_model(self, name: str, timeout: float) -> ServedModel:
-        async with asyncio.timeout(timeout):
-            while self.get(name) is None:
-                self.changed.clear()
-                await self.changed.wait()
-        return self.models[name]
 
     async def client(self, endpoint_path: str) -> Client:
         client = self.clients.get(endpoint_path)

@@ -1,6 +1,7 @@
 """The frontend's OpenAPI description, served at /openapi.json.
 
-It is the contract generated clients and fuzzers learn, so it states what the server checks: every
+It is the contract generated clients and fuzzers learn, so it states what the server checks (each API's
+numeric bounds come from the rule tables its range checks read, `protocol.validation.Rule`): every
 request a schema here calls invalid is refused with a 4xx, and every response matches its schema. Rules
 that tie two fields together (stream_options needs stream, min_tokens <= max_tokens, the context length)
 are the server's alone. The served model names are filled in per request.
@@ -9,6 +10,12 @@ are the server's alone. The served model names are filled in per request.
 from __future__ import annotations
 
 from typing import Any
+
+from tandem.frontend.api.anthropic import protocol as anthropic
+from tandem.frontend.api.openai.protocol import CHAT_RULES, COMPLETION_RULES
+from tandem.frontend.api.responses import protocol as responses
+from tandem.frontend.protocol.validation import schemas
+from tandem.frontend.requests import LOGPROBS_RULE, SAMPLING_RULES
 
 _JSON = "application/json"
 _U32_MAX = 2**32 - 1
@@ -20,10 +27,6 @@ def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
 
 def _int(minimum: int, maximum: int = _U32_MAX) -> dict[str, Any]:
     return _nullable({"type": "integer", "minimum": minimum, "maximum": maximum})
-
-
-def _number(**bounds: float) -> dict[str, Any]:
-    return _nullable({"type": "number", **bounds})
 
 
 _BOOL = _nullable({"type": "boolean"})
@@ -175,23 +178,13 @@ def _sampling(model: dict[str, Any]) -> dict[str, Any]:
         "model": model,
         "stream": _BOOL,
         "stream_options": _nullable({"type": "object", "properties": {"include_usage": _BOOL}}),
-        "max_tokens": _int(1, 2**63 - 1),
-        "temperature": _number(minimum=0, maximum=2),
-        "top_p": _number(exclusiveMinimum=0, maximum=1),
-        "top_k": _nullable({"anyOf": [{"const": -1}, {"type": "integer", "minimum": 1, "maximum": _U32_MAX}]}),
-        "min_p": _number(minimum=0, maximum=1),
-        "presence_penalty": _number(minimum=-2, maximum=2),
-        "frequency_penalty": _number(minimum=-2, maximum=2),
-        "repetition_penalty": _number(exclusiveMinimum=0),
-        "seed": _int(-(2**63), 2**64 - 1),
+        **schemas(SAMPLING_RULES),
         "stop": _nullable({"anyOf": [{"type": "string"},
                                      {"type": "array", "maxItems": 16, "items": {"type": "string"}}]}),
         "stop_token_ids": _nullable({"type": "array", "items": _TOKEN_IDS["items"]}),
         "ignore_eos": _BOOL,
-        "min_tokens": _int(0),
         "include_stop_str_in_output": _BOOL,
         "skip_special_tokens": _BOOL,
-        "n": _nullable({"const": 1}),
         "user": _STRING,
         "response_format": _nullable({
             "type": "object", "required": ["type"],
@@ -289,9 +282,7 @@ def _responses_request(model: dict[str, Any]) -> dict[str, Any]:
             "input": {"anyOf": [{"type": "string", "minLength": 1}, {"type": "array", "minItems": 1,
                                                                       "items": _INPUT_ITEM}]},
             "instructions": _STRING,
-            "max_output_tokens": _int(1, 2**63 - 1),
-            "temperature": _number(minimum=0, maximum=2),
-            "top_p": _number(exclusiveMinimum=0, maximum=1),
+            **schemas(responses.RULES),
             # Function tools; a namespace tool's functions; hosted tools (left out, with a warning header).
             "tools": _nullable({"type": "array", "items": {"anyOf": [
                 _RESPONSES_FUNCTION,
@@ -411,12 +402,10 @@ def _messages_request(model: dict[str, Any]) -> dict[str, Any]:
         "required": ["model", "messages", "max_tokens"],
         "properties": {
             **_messages_prompt(model),
-            "max_tokens": {"type": "integer", "minimum": 1, "maximum": _U32_MAX},
+            **schemas(anthropic.RULES),
+            "max_tokens": anthropic.RULES[0].schema(nullable=False),  # required
             "stream": {"type": "boolean"},
             "stop_sequences": _nullable({"type": "array", "maxItems": 16, "items": {"type": "string"}}),
-            "temperature": _number(minimum=0, maximum=1),
-            "top_p": _number(exclusiveMinimum=0, maximum=1),
-            "top_k": _int(0),
             "metadata": _nullable({"type": "object", "properties": {"user_id": _STRING}}),
             "output_config": _nullable({"type": "object", "properties": {
                 "effort": _nullable({"enum": ["low", "medium", "high", "xhigh", "max"]}),
@@ -523,7 +512,7 @@ def _generate_request(model: dict[str, Any]) -> dict[str, Any]:
     shared = _sampling(model)
     sampling = {name: shared[name] for name in _SHARED_SAMPLING} | {
         "top_k": _int(-1),  # vLLM's 0 disables it too
-        "logprobs": _int(0, 20),
+        **schemas((LOGPROBS_RULE,)),
         "detokenize": {"type": "boolean"},
         "structured_outputs": _nullable({"type": "object", "additionalProperties": False, "properties": {
             "json": _nullable({"type": ["object", "string"]}), "regex": _STRING,
@@ -672,9 +661,8 @@ def openapi_spec(models: list[str], *, anthropic: bool = True) -> dict[str, Any]
                     "properties": {
                         **_sampling(model),
                         "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
-                        "max_completion_tokens": _int(1, 2**63 - 1),
+                        **schemas(CHAT_RULES),
                         "logprobs": _BOOL,
-                        "top_logprobs": _int(0, 20),
                         "tools": _nullable({"type": "array", "items": _TOOL}),
                         "tool_choice": _nullable({"anyOf": [{"enum": ["none", "auto", "required"]}, _NAMED_CHOICE]}),
                         "parallel_tool_calls": _BOOL,
@@ -700,7 +688,7 @@ def openapi_spec(models: list[str], *, anthropic: bool = True) -> dict[str, Any]
                             {"type": "string", "minLength": 1},
                             {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string", "minLength": 1}},
                         ]},
-                        "logprobs": _int(0, 20),
+                        **schemas(COMPLETION_RULES),
                         "echo": _nullable({"const": False}),
                         "suffix": _nullable({"type": "string", "maxLength": 0}),
                     },

@@ -15,7 +15,6 @@ from typing import Any, TypeGuard
 
 import msgspec
 
-from tandem.frontend import openai
 from tandem.frontend.disagg import (
     CANCELLED,
     ERROR,
@@ -28,6 +27,7 @@ from tandem.frontend.disagg import (
 from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.models import ModelManager, ServedModel
 from tandem.frontend.preprocess import ParserNames, Preprocessor
+from tandem.frontend.protocol.errors import RequestError
 from tandem.frontend.routing import (
     LoadMonitor,
     NoWorkerError,
@@ -38,6 +38,8 @@ from tandem.frontend.routing import (
 )
 from tandem.llm.model_card import ModelInput
 from tandem.llm.protocols import (
+    OUTPUT_OF,
+    EmbeddingOutput,
     EmbeddingRequest,
     FinishReason,
     LLMEngineOutput,
@@ -45,6 +47,7 @@ from tandem.llm.protocols import (
     PreprocessedRequest,
     PromptTokensDetails,
     RoutingHints,
+    TextChunk,
     parse_finish_reason,
 )
 from tandem.router.kv_router import KvRouter, PromptHashes, RoutedRequest
@@ -75,12 +78,19 @@ def _has_token_prompt(request: Any) -> TypeGuard[PreprocessedRequest]:
     return isinstance(request, PreprocessedRequest) and request.prompt_embeds is None
 
 
-def _finished(output: dict[str, Any]) -> bool:
+def _output_type(request: Any) -> type:
+    """What the worker answers `request` with; a text-input model's request is the client's body, relayed."""
+    return TextChunk if isinstance(request, dict) else OUTPUT_OF[type(request)]
+
+
+def _finished(output: LLMEngineOutput | TextChunk | EmbeddingOutput) -> bool:
     """Token engines set `finish_reason`; text engines stream OpenAI chunks with it per choice; an
     embedding engine's one output is its whole answer."""
-    if output.get("finish_reason") is not None or "embeddings" in output:
-        return True
-    return any(choice.get("finish_reason") for choice in output.get("choices") or ())
+    if isinstance(output, LLMEngineOutput):
+        return output.finish_reason is not None
+    if isinstance(output, TextChunk):
+        return any(choice.finish_reason for choice in output.choices)
+    return True
 
 
 class StreamLost(StreamIncompleteError):
@@ -201,7 +211,7 @@ class ModelPipeline:
                 raise NoWorkerError(f"worker instance {pinned} does not serve model {self.model.name!r}")
             return pinned, None, None
         if self.router_mode is RouterMode.DIRECT:
-            raise openai.RequestError(
+            raise RequestError(
                 "the frontend runs with --router-mode direct: name the worker in the x-worker-instance-id header",
                 param="x-worker-instance-id",
             )
@@ -223,7 +233,7 @@ class ModelPipeline:
     # -- generation with migration -------------------------------------------------------------
     async def generate(self, request: PreprocessedRequest | EmbeddingRequest | dict[str, Any], context: Context,
                        attempt: Attempt, *, pinned: int | None = None,
-                       guided: bool = False) -> AsyncGenerator[dict[str, Any], None]:
+                       guided: bool = False) -> AsyncGenerator[LLMEngineOutput | TextChunk | EmbeddingOutput, None]:
         """Stream engine outputs for `request`, moving to another worker when one fails.
 
         `attempt` records the serving instance, the tokens generated so far and the migrations.
@@ -247,6 +257,7 @@ class ModelPipeline:
         if decode_pin is not None:
             pinned = decode_pin  # the decode leg stays on it, as a request pinned whole does
         prompt_len = len(request.token_ids) if isinstance(request, PreprocessedRequest) else 0
+        item_type = _output_type(request)
         while True:
             # A migrated request recomputes its prompt on the next worker (`_continuation`).
             decode_stage = (isinstance(request, PreprocessedRequest) and request.prefill_result is not None
@@ -277,7 +288,7 @@ class ModelPipeline:
             client = self.manager.clients[self.model.instances[instance]]
             try:
                 try:
-                    stream = attempt.stream = await client.direct(outgoing, instance, child)
+                    stream = attempt.stream = await client.direct(outgoing, instance, child, item_type=item_type)
                 except (InstanceUnreachableError, NoInstancesError) as e:
                     # The worker never accepted the request: another one can take it, whatever the
                     # migration limit. The client has left it out of routing for everyone meanwhile.
@@ -292,7 +303,7 @@ class ModelPipeline:
                     async for output in stream:
                         if decode_stage:
                             self._decode_stage_output(output, prefill_details)
-                        ids = output.get("token_ids")
+                        ids = output.token_ids if isinstance(output, LLMEngineOutput) else None
                         if ids:
                             prefill.done()
                             if routed is not None:  # the KV router stops counting its prompt as load
@@ -416,9 +427,9 @@ class ModelPipeline:
             leg = msgspec.structs.replace(request, stop_conditions=stop)
             if dp_rank is not None and instance in self.model.dp_sizes:
                 leg = _on_dp_rank(leg, dp_rank)
-            stream = await client.direct(leg, instance, child)
+            stream = await client.direct(leg, instance, child, item_type=LLMEngineOutput)
             async for output in stream:
-                last = msgspec.convert(output, LLMEngineOutput)
+                last = output
             reason, error = parse_finish_reason(last.finish_reason, last.error)
             if reason == FinishReason.ERROR:
                 raise RuntimeError(f"prefill worker error: {error}")
@@ -438,15 +449,13 @@ class ModelPipeline:
         return msgspec.structs.replace(request, prefill_result=PrefillResult(
             last.disaggregated_params, usage.prompt_tokens_details if usage is not None else None))
 
-    def _decode_stage_output(self, output: dict[str, Any], prefill_details: PromptTokensDetails | None) -> None:
+    def _decode_stage_output(self, output: LLMEngineOutput, prefill_details: PromptTokensDetails | None) -> None:
         """A decode worker's output for a disaggregated request: record the KV transfer time it reports
         (`kv_transfer_ms`, first output) and give its usage the prefill worker's cached tokens."""
-        transfer_ms = output.get("kv_transfer_ms")
-        if transfer_ms is not None:
-            self.metrics.kv_transfer_seconds.labels(self.model.name).observe(float(transfer_ms) / 1000)
-        usage = output.get("completion_usage")
-        if usage and prefill_details is not None:
-            output["completion_usage"] = {**usage, "prompt_tokens_details": msgspec.to_builtins(prefill_details)}
+        if output.kv_transfer_ms is not None:
+            self.metrics.kv_transfer_seconds.labels(self.model.name).observe(output.kv_transfer_ms / 1000)
+        if output.completion_usage is not None and prefill_details is not None:
+            output.completion_usage.prompt_tokens_details = prefill_details
 
     @staticmethod
     def _continuation(request: PreprocessedRequest, generated: list[int]) -> PreprocessedRequest:

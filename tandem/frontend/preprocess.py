@@ -11,7 +11,16 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from tandem.frontend import openai
+from tandem.frontend.protocol.errors import RequestError
+from tandem.frontend.protocol.validation import MAX_TOKENS_LIMIT
+from tandem.frontend.requests import (
+    AnyRequest,
+    ChatRequest,
+    CompletionRequest,
+    EmbeddingsRequest,
+    Nvext,
+    TokenizeRequest,
+)
 from tandem.llm import prompt_embeds
 from tandem.llm.chat_template import ChatTemplate
 from tandem.llm.model_card import hidden_size_of
@@ -23,13 +32,17 @@ from tandem.llm.parsers import (
     needs_special_tokens,
 )
 from tandem.llm.postprocess import OutputProcessor
-from tandem.llm.protocols import PreprocessedRequest, RoutingHints
+from tandem.llm.protocols import (
+    OutputOptions,
+    PreprocessedRequest,
+    RoutingHints,
+    SamplingOptions,
+    StopConditions,
+)
 from tandem.llm.tokenizer import Tokenizer, TooManyTokens
 
 if TYPE_CHECKING:
-    from tandem.frontend.embeddings import EmbeddingsRequest
     from tandem.frontend.models import ServedModel
-    from tandem.frontend.tokenize import TokenizeRequest
 
 # Request bodies above this size are templated and tokenized in a thread: a 7k-token prompt costs tens of
 # milliseconds, which on the event loop would stall every other stream.
@@ -95,23 +108,23 @@ class Preprocessor:
         self.takes_prompt_embeds = config.enable_prompt_embeds
         self.hidden_size = hidden_size_of(model.folder) if self.takes_prompt_embeds else 0
 
-    async def prepare(self, request: openai.ChatRequest | openai.CompletionRequest, body_size: int,
+    async def prepare(self, request: ChatRequest | CompletionRequest, body_size: int,
                       routing: RoutingHints | None) -> Prepared:
         """The prompt (templated and tokenized; off the event loop for a large body, the tokenizer drops
         the GIL; or a completion's prompt embeddings, checked), the worker request with its limits checked,
         and its output processor."""
-        if isinstance(request, openai.CompletionRequest) and request.prompt_embeds is not None:
+        if isinstance(request, CompletionRequest) and request.prompt_embeds is not None:
             self._check_takes_prompt_embeds()
             # Off the event loop whatever the size: torch's first import alone takes seconds.
             prompt_ids, prompt = [], ""
             prompt_len = await asyncio.to_thread(self.prompt_embeds_length, request.prompt_embeds)
         else:
-            render: Any = (partial(self.chat_prompt, request) if isinstance(request, openai.ChatRequest)
+            render: Any = (partial(self.chat_prompt, request) if isinstance(request, ChatRequest)
                            else partial(self._completion, request))
             prompt_ids, prompt = await asyncio.to_thread(render) if body_size > OFF_LOOP_PROMPT_BYTES else render()
             prompt_len = len(prompt_ids)
         preprocessed = self.worker_request(request, prompt_ids, routing, prompt_len)
-        parser = self.chat_parser(request, prompt) if isinstance(request, openai.ChatRequest) else None
+        parser = self.chat_parser(request, prompt) if isinstance(request, ChatRequest) else None
         if parser is not None and preprocessed.output_options.skip_special_tokens is None and \
                 needs_special_tokens(self.parsers.tool_call, self.parsers.reasoning):
             preprocessed.output_options.skip_special_tokens = False  # the family's markers are special tokens
@@ -119,7 +132,7 @@ class Preprocessor:
                                     preprocessed.sampling_options, preprocessed.output_options)
         return Prepared(preprocessed, processor, prompt_len, parser, prompt)
 
-    async def count_prompt_tokens(self, request: openai.ChatRequest, body_size: int) -> int:
+    async def count_prompt_tokens(self, request: ChatRequest, body_size: int) -> int:
         """The tokens of the request's templated prompt (the token-counting routes)."""
         render = partial(self.chat_prompt, request)
         prompt_ids, _ = await asyncio.to_thread(render) if body_size > OFF_LOOP_PROMPT_BYTES else render()
@@ -151,7 +164,7 @@ class Preprocessor:
                 raise self._too_long(f"{len(ids)} tokens", param)
             for j, token in enumerate(ids):
                 if token >= vocab:
-                    raise openai.RequestError(f"'{param}[{j}]' is not in the vocabulary (its ids are below {vocab}).",
+                    raise RequestError(f"'{param}[{j}]' is not in the vocabulary (its ids are below {vocab}).",
                                               param=f"{param}[{j}]")
         return list(request.token_ids or ())
 
@@ -163,15 +176,15 @@ class Preprocessor:
         vocab = self.tokenizer.vocab_size
         for i, token in enumerate(ids):
             if token >= vocab:
-                raise openai.RequestError(f"'tokens[{i}]' is not in the vocabulary (its ids are below {vocab}).",
+                raise RequestError(f"'tokens[{i}]' is not in the vocabulary (its ids are below {vocab}).",
                                           param=f"tokens[{i}]")
         return self.tokenizer.decode(ids)
 
-    def chat_parser(self, request: openai.ChatRequest, prompt: str) -> ChatParser | None:
+    def chat_parser(self, request: ChatRequest, prompt: str) -> ChatParser | None:
         """The request's output parser: the model's parsers, as the request's tools, tool_choice and
         thinking switch use them."""
         if request.ext.max_thinking_tokens is not None and self.parsers.reasoning is None:
-            raise openai.RequestError(f"nvext.max_thinking_tokens needs a reasoning parser, and model "
+            raise RequestError(f"nvext.max_thinking_tokens needs a reasoning parser, and model "
                                       f"{self.model!r} is served without one (--dyn-reasoning-parser)",
                                       param="nvext.max_thinking_tokens")
         return chat_parser(tool_parser=self.parsers.tool_call, reasoning_parser=self.parsers.reasoning,
@@ -179,17 +192,17 @@ class Preprocessor:
                            forced_function=request.forced_function, thinking=request.thinking, prompt=prompt,
                            parallel_tool_calls=request.parallel_tool_calls is not False)
 
-    def chat_prompt(self, request: openai.ChatRequest) -> tuple[list[int], str]:
+    def chat_prompt(self, request: ChatRequest) -> tuple[list[int], str]:
         """The prompt's token ids and text."""
         text = self.chat_text(request)
         return self._encode(text, request.names.prompt), text
 
-    def _completion(self, request: openai.CompletionRequest) -> tuple[list[int], str]:
+    def _completion(self, request: CompletionRequest) -> tuple[list[int], str]:
         return self.completion_prompt(request), ""
 
     def _check_takes_prompt_embeds(self) -> None:
         if not self.takes_prompt_embeds:
-            raise openai.RequestError(f"model {self.model!r}'s workers do not take prompt embeddings (they run "
+            raise RequestError(f"model {self.model!r}'s workers do not take prompt embeddings (they run "
                                       "without vLLM's --enable-prompt-embeds); send 'prompt'", param="prompt_embeds")
 
     def prompt_embeds_length(self, encoded: str) -> int:
@@ -198,16 +211,16 @@ class Preprocessor:
         try:
             tensor = prompt_embeds.load(encoded, hidden_size=self.hidden_size or None, max_len=self.max_prompt_tokens)
         except prompt_embeds.PromptEmbedsError as e:
-            raise openai.RequestError(str(e), param="prompt_embeds") from None
+            raise RequestError(str(e), param="prompt_embeds") from None
         except ImportError:
-            raise openai.RequestError("this frontend cannot read 'prompt_embeds': torch is not installed here",
+            raise RequestError("this frontend cannot read 'prompt_embeds': torch is not installed here",
                                       status=501, param="prompt_embeds") from None
         return int(tensor.shape[0])
 
-    def chat_text(self, request: openai.ChatRequest) -> str:
+    def chat_text(self, request: ChatRequest) -> str:
         """The templated prompt (tools left out when tool_choice is none)."""
         if self.template is None:
-            raise openai.RequestError("this model has no chat template; use /v1/completions",
+            raise RequestError("this model has no chat template; use /v1/completions",
                                       param=request.names.prompt)
         use_raw = bool(request.ext.use_raw_prompt)
         if use_raw:
@@ -218,10 +231,10 @@ class Preprocessor:
                 text = self.template.render(request.messages, tools=tools,
                                             chat_template_kwargs=request.template_kwargs())
             except ValueError as e:
-                raise openai.RequestError(f"cannot apply the chat template: {e}", param=request.names.prompt) from None
+                raise RequestError(f"cannot apply the chat template: {e}", param=request.names.prompt) from None
         return text
 
-    def completion_prompt(self, request: openai.CompletionRequest) -> list[int]:
+    def completion_prompt(self, request: CompletionRequest) -> list[int]:
         param = request.names.prompt
         if isinstance(request.prompt, str):
             return self._encode(request.prompt, param)
@@ -229,38 +242,38 @@ class Preprocessor:
             raise self._too_long(f"{len(request.prompt)} tokens", param)
         vocab = self.tokenizer.vocab_size
         if any(not 0 <= t < vocab for t in request.prompt):
-            raise openai.RequestError(f"{param} token ids must be in [0, {vocab})", param=param)
+            raise RequestError(f"{param} token ids must be in [0, {vocab})", param=param)
         return list(request.prompt)
 
-    def worker_request(self, request: openai.ChatRequest | openai.CompletionRequest, prompt_ids: list[int],
+    def worker_request(self, request: ChatRequest | CompletionRequest, prompt_ids: list[int],
                        routing: RoutingHints | None, prompt_len: int | None = None) -> PreprocessedRequest:
         """The request a worker gets: `max_tokens` bounded by what the context leaves (the one place it is
         checked against the context), EOS as hidden stop ids unless `ignore_eos`. `prompt_len`: the
         prompt's length when it is not its ids (the rows of a completion's `prompt_embeds`)."""
         tokenizer = self.tokenizer
-        stop = openai.stop_conditions(request)
+        stop = stop_conditions(request)
         names = request.names
         context_length = self.context_length
         prompt_len = len(prompt_ids) if prompt_len is None else prompt_len
         if context_length:
             if prompt_len >= context_length:
-                raise openai.RequestError(
+                raise RequestError(
                     f"this model's maximum context length is {context_length} tokens, but the prompt has "
                     f"{prompt_len} tokens", param=names.prompt,
                 )
             room = context_length - prompt_len
             if stop.max_tokens is None:
                 stop.max_tokens = room
-            elif stop.max_tokens > room and isinstance(request, openai.ChatRequest) and request.fit_max_tokens:
+            elif stop.max_tokens > room and isinstance(request, ChatRequest) and request.fit_max_tokens:
                 stop.max_tokens = room
             elif stop.max_tokens > room:
-                raise openai.RequestError(
+                raise RequestError(
                     f"this model's maximum context length is {context_length} tokens; the prompt has "
                     f"{prompt_len} tokens and {names.max_tokens} is {stop.max_tokens}",
                     param=names.max_tokens,
                 )
-        elif stop.max_tokens is not None and stop.max_tokens >= openai.MAX_TOKENS_LIMIT:
-            raise openai.RequestError(f"{names.max_tokens} must be less than {openai.MAX_TOKENS_LIMIT} "
+        elif stop.max_tokens is not None and stop.max_tokens >= MAX_TOKENS_LIMIT:
+            raise RequestError(f"{names.max_tokens} must be less than {MAX_TOKENS_LIMIT} "
                                       f"(got {stop.max_tokens})", param=names.max_tokens)
         eos = list(tokenizer.eos_token_ids)
         if stop.ignore_eos:
@@ -276,14 +289,14 @@ class Preprocessor:
             model=self.model,
             token_ids=prompt_ids,
             stop_conditions=stop,
-            sampling_options=openai.sampling_options(request),
-            output_options=openai.output_options(request),
+            sampling_options=sampling_options(request),
+            output_options=output_options(request),
             eos_token_ids=eos_ids,
             mdc_sum=self.mdcsum,
             annotations=list(ext.annotations),
             routing=routing,
-            extra_args={"nvext": msgspec.to_builtins(ext)} if ext != openai.Nvext() else None,
-            prompt_embeds=request.prompt_embeds if isinstance(request, openai.CompletionRequest) else None,
+            extra_args={"nvext": msgspec.to_builtins(ext)} if ext != Nvext() else None,
+            prompt_embeds=request.prompt_embeds if isinstance(request, CompletionRequest) else None,
         )
 
     def _encode(self, text: str, param: str, *, add_special_tokens: bool = False, limit: int | None = None) -> list[int]:
@@ -298,10 +311,10 @@ class Preprocessor:
         except TooManyTokens as e:
             raise self._too_long(f"at least {e.at_least} tokens", param) from None
 
-    def _too_long(self, size: str, param: str) -> openai.RequestError:
+    def _too_long(self, size: str, param: str) -> RequestError:
         context = f"{self.context_length} tokens" if self.context_length else \
             f"{self.max_prompt_tokens + 1} tokens (the model declares none; this is the frontend's bound)"
-        return openai.RequestError(f"this model's maximum context length is {context}, but the prompt has {size}",
+        return RequestError(f"this model's maximum context length is {context}, but the prompt has {size}",
                                    param=param)
 
 
@@ -309,3 +322,30 @@ def _text_of(content: Any) -> str:
     if isinstance(content, list):
         return "".join(part.get("text", "") for part in content if isinstance(part, dict))
     return content or ""
+
+
+# -- the request in the worker contract's terms --------------------------------------------------
+
+_SAMPLING = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed",
+             "include_stop_str_in_output")  # fmt: skip
+
+
+def sampling_options(req: AnyRequest) -> SamplingOptions:
+    """Unset fields stay None (engine defaults); nvext.greed_sampling forces temperature 0."""
+    temperature = 0.0 if req.ext.greed_sampling else req.temperature
+    return SamplingOptions(temperature=temperature, guided_decoding=req.guided, **{k: getattr(req, k) for k in _SAMPLING})
+
+
+def stop_conditions(req: AnyRequest) -> StopConditions:
+    """The user's stop conditions; the preprocessor adds the model's hidden EOS ids (and applies ignore_eos)."""
+    return StopConditions(max_tokens=req.max_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids or None,
+                          min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
+                          max_thinking_tokens=req.ext.max_thinking_tokens)  # fmt: skip
+
+
+def output_options(req: AnyRequest) -> OutputOptions:
+    if isinstance(req, ChatRequest):
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        logprobs = req.logprobs
+    return OutputOptions(logprobs=logprobs, skip_special_tokens=req.skip_special_tokens)

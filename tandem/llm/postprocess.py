@@ -15,11 +15,17 @@ Tokens after it in the same engine chunk are dropped.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import msgspec
 
-from tandem.llm.protocols import OutputOptions, SamplingOptions, StopConditions, parse_finish_reason
+from tandem.llm.protocols import (
+    CompletionUsage,
+    LLMEngineOutput,
+    OutputOptions,
+    SamplingOptions,
+    StopConditions,
+    parse_finish_reason,
+)
 from tandem.llm.stop import StopStringMatcher
 from tandem.llm.tokenizer import Tokenizer
 
@@ -50,12 +56,12 @@ class ProcessedDelta(msgspec.Struct):
     error: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] | None = None
-    usage: dict[str, Any] | None = None  # the engine's completion_usage, when it sent one
+    usage: CompletionUsage | None = None  # the engine's, when it sent one
     completion_tokens: int = 0  # accepted tokens so far
 
 
 class OutputProcessor:
-    """Turns one request's stream of LLMEngineOutput maps into `ProcessedDelta`s."""
+    """Turns one request's stream of `LLMEngineOutput`s into `ProcessedDelta`s."""
 
     __slots__ = (
         "_tok",
@@ -107,11 +113,11 @@ class OutputProcessor:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def process(self, engine_output: dict[str, Any]) -> ProcessedDelta:
+    def process(self, engine_output: LLMEngineOutput) -> ProcessedDelta:
         if self.finish_reason is not None:
-            return self._finished_delta(engine_output.get("completion_usage"))
-        ids: list[int] = engine_output.get("token_ids") or []
-        engine_text = engine_output.get("text")
+            return self._finished_delta(engine_output.completion_usage)
+        ids = engine_output.token_ids
+        engine_text = engine_output.text
         count = self.completion_tokens
         min_tokens = self._min_tokens
         max_tokens = self._max_tokens
@@ -163,10 +169,10 @@ class OutputProcessor:
             if matcher is not None:
                 text += matcher.flush()
         else:
-            raw = engine_output.get("finish_reason")
+            raw = engine_output.finish_reason
             if raw is not None:
-                reason, error = parse_finish_reason(raw, engine_output.get("error"))
-                stop_reason = engine_output.get("stop_reason")
+                reason, error = parse_finish_reason(raw, engine_output.error)
+                stop_reason = engine_output.stop_reason
                 if matcher is not None and reason in _FLUSH_REASONS:
                     text += matcher.flush()
         if reason is not None:
@@ -179,7 +185,7 @@ class OutputProcessor:
         if self._want_logprobs and shown:
             logprobs = self._logprobs(shown, engine_output)
         return ProcessedDelta(
-            text, accepted, reason, error, stop_reason, logprobs, engine_output.get("completion_usage"), count
+            text, accepted, reason, error, stop_reason, logprobs, engine_output.completion_usage, count
         )
 
     def finish(self) -> ProcessedDelta:
@@ -191,7 +197,7 @@ class OutputProcessor:
             text, [], self.finish_reason, self.error, self.stop_reason, None, None, self.completion_tokens
         )
 
-    def _finished_delta(self, usage: dict[str, Any] | None) -> ProcessedDelta:
+    def _finished_delta(self, usage: CompletionUsage | None) -> ProcessedDelta:
         return ProcessedDelta(
             "", [], self.finish_reason, self.error, self.stop_reason, None, usage, self.completion_tokens
         )
@@ -199,42 +205,16 @@ class OutputProcessor:
     def _token_text(self, token_id: int) -> str:
         return f"token_id:{token_id}" if self._as_ids else self._tok.token_text(token_id)
 
-    def _logprobs(self, ids: list[int], out: dict[str, Any]) -> list[TokenLogprob] | None:
-        values = out.get("log_probs")
+    def _logprobs(self, ids: list[int], out: LLMEngineOutput) -> list[TokenLogprob] | None:
+        values = out.log_probs
         if not values:
             return None
-        tops = out.get("top_logprobs") or ()
+        tops = out.top_logprobs or ()
         tok = self._tok
         result: list[TokenLogprob] = []
         for j, tid in enumerate(ids):
-            top: list[TopLogprob] = []
-            if j < len(tops) and tops[j]:
-                for entry in tops[j]:
-                    top_id = entry.get("token_id")
-                    if top_id is None:
-                        top.append(
-                            TopLogprob(
-                                str(entry.get("token", "")), -1, entry.get("logprob"), entry.get("bytes"),
-                                entry.get("rank"),
-                            )
-                        )
-                    else:
-                        top.append(
-                            TopLogprob(
-                                self._token_text(top_id),
-                                top_id,
-                                entry.get("logprob"),
-                                tok.token_bytes(top_id),
-                                entry.get("rank"),
-                            )
-                        )
-            result.append(
-                TokenLogprob(
-                    self._token_text(tid),
-                    tid,
-                    values[j] if j < len(values) else None,
-                    tok.token_bytes(tid),
-                    top,
-                )
-            )
+            top = [TopLogprob(self._token_text(e.token_id), e.token_id, e.logprob, tok.token_bytes(e.token_id), e.rank)
+                   for e in tops[j]] if j < len(tops) and tops[j] else []
+            result.append(TokenLogprob(self._token_text(tid), tid, values[j] if j < len(values) else None,
+                                       tok.token_bytes(tid), top))
         return result

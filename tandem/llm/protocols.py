@@ -2,9 +2,9 @@
 
 The frontend sends a `PreprocessedRequest` to a worker's `generate` endpoint (a text-input worker gets
 a `TextRequest`, an embedding worker an `EmbeddingRequest`); the worker streams `LLMEngineOutput`s back
-(an embedding worker answers with one `EmbeddingOutput`). All of them travel as msgpack maps
-whose absent optional fields are omitted; the endpoint decodes a request into its Struct before the
-handler sees it.
+(a text-input worker `TextChunk`s; an embedding worker answers with one `EmbeddingOutput`): `OUTPUT_OF`.
+All of them travel as msgpack maps whose absent optional fields are omitted; the endpoint decodes a request
+into its Struct before the handler sees it, and the caller decodes each output into its Struct.
 """
 
 from __future__ import annotations
@@ -227,7 +227,9 @@ class LLMEngineOutput(msgspec.Struct, omit_defaults=True):
     text: str | None = None  # engine-decoded text (text-input models); else the frontend detokenizes
     log_probs: list[float] | None = None  # of each new token
     top_logprobs: list[list[RankedLogprob]] | None = None
-    finish_reason: FinishReason | None = None
+    # A worker of this contract sends a FinishReason; the reader also takes the forms other Dynamo-speaking
+    # engines send ("error: <msg>", {"error": msg}, vLLM's "abort"): see `parse_finish_reason`.
+    finish_reason: str | dict[str, Any] | None = None
     error: str | None = None  # why, when finish_reason is ERROR
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     completion_usage: CompletionUsage | None = None
@@ -243,18 +245,42 @@ class LLMEngineOutput(msgspec.Struct, omit_defaults=True):
         return cls([], finish_reason=FinishReason.CANCELLED, completion_usage=usage)
 
 
-def text_chunk(response_id: str, content: str, finish_reason: FinishReason | None,
-               usage: CompletionUsage | None = None) -> dict[str, Any]:
+class TextDelta(msgspec.Struct):
+    role: str = "assistant"
+    content: str = ""
+
+
+class TextChoice(msgspec.Struct):
+    delta: TextDelta
+    finish_reason: str | None = None  # OpenAI's spelling
+    index: int = 0
+
+
+class TextChunk(msgspec.Struct, omit_defaults=True):
     """What a text-input worker streams: an OpenAI `chat.completion.chunk` with one choice; the last one
-    has the finish reason (OpenAI's spelling) and the usage."""
-    chunk: dict[str, Any] = {
-        "id": response_id, "created": int(time.time()), "object": "chat.completion.chunk", "model": "unknown",
-        "choices": [{"index": 0, "delta": {"role": "assistant", "content": content},
-                     "finish_reason": finish_reason.openai if finish_reason is not None else None}],
-    }
-    if usage is not None:
-        chunk["usage"] = usage
-    return chunk
+    has the finish reason and the usage. The frontend relays it with its own id, time and model name."""
+
+    id: str
+    created: int
+    model: str
+    object: str
+    choices: list[TextChoice]
+    usage: CompletionUsage | None = None  # the only field left out when unset
+
+
+def text_chunk(response_id: str, content: str, finish_reason: FinishReason | None,
+               usage: CompletionUsage | None = None) -> TextChunk:
+    choice = TextChoice(TextDelta(content=content), finish_reason.openai if finish_reason is not None else None)
+    return TextChunk(response_id, int(time.time()), "unknown", "chat.completion.chunk", [choice], usage)
+
+
+# What each kind of request to a worker's `generate` endpoint is answered with: the worker harness serves
+# the request type, and the frontend's request-plane client decodes the stream into the output type.
+OUTPUT_OF: dict[type, type] = {
+    PreprocessedRequest: LLMEngineOutput,
+    TextRequest: TextChunk,
+    EmbeddingRequest: EmbeddingOutput,
+}
 
 
 class StatusReply(msgspec.Struct):

@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from tandem.llm.protocols import PreprocessedRequest, RoutingHints
+from tandem.llm.protocols import LLMEngineOutput, PreprocessedRequest, RoutingHints
 from tandem.router.config import add_router_args, parse_args_with_router_config
 from tandem.router.kv_router import KvRouter, RouterMetrics
 from tandem.runtime import (
@@ -53,13 +53,14 @@ class RouterService:
         return {"cache_salt": request.routing.cache_salt if request.routing else None,
                 "override": request.router_config_override, "dp_rank": request.dp_rank}
 
-    async def generate(self, request: PreprocessedRequest, context: Context) -> AsyncIterator[Any]:
+    async def generate(self, request: PreprocessedRequest, context: Context) -> AsyncIterator[LLMEngineOutput]:
         with self.router.select(context.id(), request.token_ids, self._workers(),
                                 **self._select_args(request)) as routed:
             routing = msgspec.structs.replace(request.routing or RoutingHints(), dp_rank=routed.decision.dp_rank)
             request = msgspec.structs.replace(request, routing=routing)
-            async for output in await self.client.direct(request, routed.decision.worker_id, context):
-                if output.get("token_ids"):
+            stream = await self.client.direct(request, routed.decision.worker_id, context, item_type=LLMEngineOutput)
+            async for output in stream:
+                if output.token_ids:
                     routed.tokens_arrived()
                 yield output
 

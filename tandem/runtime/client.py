@@ -149,14 +149,15 @@ class Client:
         self._rr += 1
         return await self.direct(request, candidates[self._rr % len(candidates)], context)
 
-    async def direct(self, request: Any, instance_id: int, context: Context | None = None) -> ResponseStream:
-        """Send to one given instance."""
+    async def direct(self, request: Any, instance_id: int, context: Context | None = None, *,
+                     item_type: type | None = None) -> ResponseStream:
+        """Send to one given instance; its answer's items are decoded into `item_type` (a msgspec Struct)."""
         transport = self._instances.get(instance_id)
         if transport is None:
             raise NoInstancesError(f"instance {instance_id:x} of {self.endpoint.path} is not live")
         try:
             return await self._runtime.request_client.open_stream(
-                transport, self.endpoint.path, request, context or Context()
+                transport, self.endpoint.path, request, context or Context(), item_type
             )
         except InstanceUnreachableError:
             self.report_instance_down(instance_id)

@@ -36,6 +36,7 @@ from tandem.llm.protocols import (
     LLMEngineOutput,
     PreprocessedRequest,
     StatusReply,
+    TextChunk,
     TextRequest,
 )
 from tandem.router.protocols import WORKER_KV_INDEXER_QUERY_ENDPOINT
@@ -52,9 +53,10 @@ class WorkerEngine(Protocol):
     """What a worker kind supplies to `serve_worker`."""
 
     def generate(self, request: Any,
-                 context: Context) -> AsyncIterator[LLMEngineOutput | EmbeddingOutput | dict[str, Any]]:
-        """Answer one request: `PreprocessedRequest` -> `LLMEngineOutput`s for token input; `TextRequest`
-        -> OpenAI chat chunks for text input; `EmbeddingRequest` -> one `EmbeddingOutput`."""
+                 context: Context) -> AsyncIterator[LLMEngineOutput | EmbeddingOutput | TextChunk]:
+        """Answer one request in the output type `OUTPUT_OF` names for it: `PreprocessedRequest` ->
+        `LLMEngineOutput`s (token input); `TextRequest` -> `TextChunk`s (text input); `EmbeddingRequest` ->
+        one `EmbeddingOutput`."""
         ...
 
     async def clear_kv_blocks(self) -> None:

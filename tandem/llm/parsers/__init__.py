@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tandem.llm.parsers.base import CallPiece, ParsedDelta, ToolCallDelta, UnknownParserError
+from tandem.llm.parsers.call_stream import ToolCallStream
 from tandem.llm.parsers.chat import ChatParser, NamedCall, required_calls
 from tandem.llm.parsers.harmony import HarmonyStream
 from tandem.llm.parsers.markup import (
@@ -29,7 +30,6 @@ from tandem.llm.parsers.tools import (
     PythonicCalls,
     SectionCalls,
     TaggedJson,
-    ToolCallStream,
 )
 
 __all__ = ["CallPiece", "ChatParser", "ParsedDelta", "ToolCallDelta", "UnknownParserError", "chat_parser",

@@ -7,9 +7,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tandem.llm.parsers.base import CallPiece, ParsedDelta, ToolCallDelta, call_id
+from tandem.llm.parsers.call_stream import ToolCallStream
 from tandem.llm.parsers.harmony import HarmonyStream
 from tandem.llm.parsers.reasoning import ThinkTags
-from tandem.llm.parsers.tools import CallSyntax, Cursor, JsonCalls, ToolCallStream
+from tandem.llm.parsers.tools import CallSyntax, Cursor, JsonCalls
 
 
 class RequiredCalls(CallSyntax):

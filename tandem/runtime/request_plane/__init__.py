@@ -83,9 +83,10 @@ class ResponseStream(ABC):
 class RequestPlaneClient(ABC):
     @abstractmethod
     async def open_stream(
-        self, transport: dict[str, str], endpoint: str, request: Any, context: Context
+        self, transport: dict[str, str], endpoint: str, request: Any, context: Context, item_type: type | None = None
     ) -> ResponseStream:
-        """Send `request` to `endpoint` on the instance at `transport`.
+        """Send `request` to `endpoint` on the instance at `transport`; the stream's items are decoded into
+        `item_type` (a msgspec Struct; None: plain msgpack values).
 
         Returns once the instance accepted it. Raises InstanceUnreachableError when it could not be
         reached or did not accept in time (nothing was generated: safe to try another instance).

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import time
 from collections.abc import Hashable
@@ -38,6 +39,12 @@ SERVER_KINDS = frozenset((PROLOGUE, DATA, END, ERROR, INCOMPLETE))
 
 encode = msgspec.msgpack.Encoder().encode
 decode = msgspec.msgpack.Decoder().decode
+
+
+@functools.cache
+def items_decoder(item_type: type | None) -> msgspec.msgpack.Decoder[Any]:
+    """The decoder of a stream's items: into `item_type` (a msgspec Struct) when the caller names one."""
+    return msgspec.msgpack.Decoder(item_type) if item_type is not None else msgspec.msgpack.Decoder()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -137,8 +144,10 @@ _OPEN, _ENDED, _FAILED, _CUT, _KILLED = range(5)
 
 
 class FramedResponseStream(ResponseStream):
-    def __init__(self, channel: FrameChannel, stream_id: Hashable, context: Context, where: str) -> None:
+    def __init__(self, channel: FrameChannel, stream_id: Hashable, context: Context, where: str,
+                 item_type: type | None = None) -> None:
         self._channel = channel
+        self._decoder = items_decoder(item_type)
         self._id = stream_id
         self._context = context
         self._where = where
@@ -224,7 +233,13 @@ class FramedResponseStream(ResponseStream):
     async def __anext__(self) -> Any:
         while True:
             if self._items:
-                return decode(self._items.popleft())
+                try:
+                    return self._decoder.decode(self._items.popleft())
+                except msgspec.ValidationError as e:  # a worker out of the contract: its error, not a crash
+                    error = RemoteError(f"{self._where}: an output not in the contract's shape ({e})", 500)
+                    self._channel.send(KILL, self._id)
+                    self.fail(error)
+                    raise error from None
             state = self._state
             if state == _OPEN:
                 self._waiter = asyncio.get_running_loop().create_future()

@@ -297,8 +297,9 @@ class NatsServer(RequestPlaneServer):
 
 
 class NatsResponseStream(FramedResponseStream):
-    def __init__(self, client: NatsClient, stream_id: int, instance: str, context: Context, where: str) -> None:
-        super().__init__(client, stream_id, context, where)
+    def __init__(self, client: NatsClient, stream_id: int, instance: str, context: Context, where: str,
+                 item_type: type | None) -> None:
+        super().__init__(client, stream_id, context, where, item_type)
         self.instance = instance
         self.seq = 0  # of the next frame
 
@@ -333,7 +334,7 @@ class NatsClient(RequestPlaneClient):
             self._outbox.put(control_subject(stream.instance), encode([kind, f"{self.prefix}.{stream_id}"]))
 
     async def open_stream(
-        self, transport: dict[str, str], endpoint: str, request: Any, context: Context
+        self, transport: dict[str, str], endpoint: str, request: Any, context: Context, item_type: type | None = None
     ) -> ResponseStream:
         instance = transport.get("nats")
         if instance is None:
@@ -352,7 +353,7 @@ class NatsClient(RequestPlaneClient):
         while True:
             if not await self._connection.wait_connected(max(deadline - time.monotonic(), 0.0)):
                 raise InstanceUnreachableError(f"{subject}: NATS at {self._connection.servers} is unreachable")
-            stream = await self._send_request(subject, instance, endpoint, payload, context)
+            stream = await self._send_request(subject, instance, endpoint, payload, context, item_type)
             try:
                 await stream.wait_accepted(max(deadline - time.monotonic(), 0.1))
                 return stream
@@ -365,11 +366,11 @@ class NatsClient(RequestPlaneClient):
             await asyncio.sleep(0.1)
 
     async def _send_request(
-        self, subject: str, instance: str, endpoint: str, payload: bytes, context: Context
+        self, subject: str, instance: str, endpoint: str, payload: bytes, context: Context, item_type: type | None
     ) -> NatsResponseStream:
         stream_id = self._next_id
         self._next_id += 1
-        stream = NatsResponseStream(self, stream_id, instance, context, f"{endpoint}@nats:{subject}")
+        stream = NatsResponseStream(self, stream_id, instance, context, f"{endpoint}@nats:{subject}", item_type)
         self.streams[stream_id] = stream
         try:
             await self._connection.nc.publish(subject, payload, reply=f"{self.prefix}.{stream_id}")

@@ -374,7 +374,7 @@ class TcpClient(RequestPlaneClient):
         return connected
 
     async def open_stream(
-        self, transport: dict[str, str], endpoint: str, request: Any, context: Context
+        self, transport: dict[str, str], endpoint: str, request: Any, context: Context, item_type: type | None = None
     ) -> ResponseStream:
         address = transport.get("tcp")
         if address is None:
@@ -385,7 +385,7 @@ class TcpClient(RequestPlaneClient):
         conn = await self._connection(address)
         stream_id = conn.next_id
         conn.next_id += 1
-        stream = FramedResponseStream(conn, stream_id, context, f"{endpoint}@{address}")
+        stream = FramedResponseStream(conn, stream_id, context, f"{endpoint}@{address}", item_type)
         conn.streams[stream_id] = stream
         conn.send(REQUEST, stream_id, payload)
         await stream.wait_accepted(self.request_timeout)

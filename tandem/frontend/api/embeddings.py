@@ -10,14 +10,24 @@ import time
 from typing import Any, Literal
 
 import msgspec
+from aiohttp import web
 
-from tandem.frontend import openai
-from tandem.llm.model_card import ModelRuntimeConfig
+from tandem.frontend.hints import PRIORITY_HEADER, routing_hints
+from tandem.frontend.protocol.errors import RequestError, fail, refuse_given
+from tandem.frontend.protocol.validation import decode_body
+from tandem.frontend.requests import (
+    EmbeddingsRequest,
+    EncodingFormat,
+    Endianness,
+    input_param,
+)
+from tandem.frontend.serving import Mount, Serving
+from tandem.llm.model_card import ModelRuntimeConfig, ModelType
+from tandem.llm.protocols import EmbeddingOutput, EmbeddingRequest
+from tandem.runtime import RemoteError, StreamIncompleteError
 
 MAX_INPUTS = 2048  # OpenAI's bound on the inputs of one request
 
-EncodingFormat = Literal["float", "base64"]
-Endianness = Literal["native", "little", "big"]
 
 _NO_TRUNCATION = "an input longer than the context is refused, never cut"
 # vLLM's extras that tandem does not honour: refused when given, never ignored.
@@ -51,20 +61,6 @@ class _EmbeddingsBody(msgspec.Struct, kw_only=True):
     mm_processor_kwargs: Any = None
 
 
-class EmbeddingsRequest(msgspec.Struct, kw_only=True):
-    """A checked embeddings request: its inputs as texts or token-id lists, one kind per request."""
-
-    model: str
-    texts: list[str] | None
-    token_ids: list[list[int]] | None
-    encoding_format: EncodingFormat
-    dimensions: int | None
-    add_special_tokens: bool
-    endianness: Endianness
-    single: bool  # the body's input was one text or one token list, not a list of them
-
-    def param(self, index: int) -> str:
-        return _input_param(self.single, index)
 
 
 _decoder = msgspec.json.Decoder(_EmbeddingsBody)
@@ -72,12 +68,12 @@ _decoder = msgspec.json.Decoder(_EmbeddingsBody)
 
 def parse_request(body: bytes) -> EmbeddingsRequest:
     """Decode and check a /v1/embeddings body; raises RequestError naming the field."""
-    raw: _EmbeddingsBody = openai.decode_body(_decoder, body)
-    openai.refuse_given(raw, _UNSERVED)
+    raw: _EmbeddingsBody = decode_body(_decoder, body)
+    refuse_given(raw, _UNSERVED)
     if not raw.model:
-        raise openai.fail("model", "'model' must be a non-empty string.")
+        raise fail("model", "'model' must be a non-empty string.")
     if raw.dimensions is not None and raw.dimensions < 1:
-        raise openai.fail("dimensions", f"'dimensions' must be at least 1 (got {raw.dimensions}).")
+        raise fail("dimensions", f"'dimensions' must be at least 1 (got {raw.dimensions}).")
     texts, ids, single = _inputs(raw.input)
     return EmbeddingsRequest(model=raw.model, texts=texts, token_ids=ids, encoding_format=raw.encoding_format,
                              dimensions=raw.dimensions, add_special_tokens=raw.add_special_tokens,
@@ -87,34 +83,31 @@ def parse_request(body: bytes) -> EmbeddingsRequest:
 def _inputs(value: Any) -> tuple[list[str] | None, list[list[int]] | None, bool]:
     """(texts, token-id lists, whether the body gave a single input) of an `input` field."""
     if value is None:
-        raise openai.fail("input", "Missing required parameter: 'input'.")
+        raise fail("input", "Missing required parameter: 'input'.")
     single = isinstance(value, str) or (isinstance(value, list) and bool(value) and _is_id(value[0]))
     items = [value] if single else value
     if not isinstance(items, list) or not items:
-        raise openai.fail("input", "'input' must be a non-empty string, list of strings, list of token ids or "
+        raise fail("input", "'input' must be a non-empty string, list of strings, list of token ids or "
                                    "list of token-id lists.")
     if len(items) > MAX_INPUTS:
-        raise openai.fail("input", f"at most {MAX_INPUTS} inputs may be embedded at once (got {len(items)}).")
+        raise fail("input", f"at most {MAX_INPUTS} inputs may be embedded at once (got {len(items)}).")
     texts = isinstance(items[0], str)
     for i, item in enumerate(items):
-        param = _input_param(single, i)
+        param = input_param(single, i)
         if texts:
             if not isinstance(item, str):
-                raise openai.fail(param, f"'{param}' must be a string, as the first input is.")
+                raise fail(param, f"'{param}' must be a string, as the first input is.")
         elif not isinstance(item, list):
-            raise openai.fail(param, f"'{param}' must be a list of token ids, as the first input is.")
+            raise fail(param, f"'{param}' must be a list of token ids, as the first input is.")
         else:
             for j, token in enumerate(item):
                 if not _is_id(token) or not 0 <= token < 2**32:
-                    raise openai.fail(f"{param}[{j}]", f"'{param}[{j}]' must be a token id (an integer >= 0).")
+                    raise fail(f"{param}[{j}]", f"'{param}[{j}]' must be a token id (an integer >= 0).")
         if not item:
-            raise openai.fail(param, f"'{param}' must not be empty.")
+            raise fail(param, f"'{param}' must not be empty.")
     return (items, None, single) if texts else (None, items, single)
 
 
-def _input_param(single: bool, index: int) -> str:
-    """How errors name an input: `input` for a single one, `input[i]` in a list."""
-    return "input" if single else f"input[{index}]"
 
 
 def _is_id(value: Any) -> bool:
@@ -126,15 +119,15 @@ def check_dimensions(dimensions: int | None, model: str, config: ModelRuntimeCon
     if dimensions is None:
         return
     if not config.matryoshka:
-        raise openai.fail("dimensions", f"model {model!r} does not support matryoshka representation: its "
+        raise fail("dimensions", f"model {model!r} does not support matryoshka representation: its "
                                         "vectors cannot be shortened; leave 'dimensions' out.")
     size = config.embedding_size
     if size is not None and not 1 <= dimensions <= size:
-        raise openai.fail("dimensions", f"model {model!r} supports 'dimensions' from 1 to {size} "
+        raise fail("dimensions", f"model {model!r} supports 'dimensions' from 1 to {size} "
                                         f"(got {dimensions}).")
     listed = config.matryoshka_dimensions
     if listed and dimensions not in listed:
-        raise openai.fail("dimensions", f"model {model!r} supports 'dimensions' of {listed} only "
+        raise fail("dimensions", f"model {model!r} supports 'dimensions' of {listed} only "
                                         f"(got {dimensions}).")
 
 
@@ -154,3 +147,38 @@ def response(request_id: str, model: str, request: EmbeddingsRequest, vectors: l
             for i, v in enumerate(vectors)]
     return {"id": f"embd-{request_id}", "object": "list", "created": int(time.time()), "model": model,
             "data": data, "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+
+
+def routes(serving: Serving) -> Mount:
+    async def embeddings(request: web.Request) -> web.StreamResponse:
+        body = await serving.body(request)
+        parsed = parse_request(body)
+        model = serving.model(parsed.model, ModelType.Embedding, "/v1/embeddings")
+        check_dimensions(parsed.dimensions, model.name, model.card.runtime_config)
+        pipeline = model.pipeline
+        preprocessor = serving.token_input(model, "/v1/embeddings")
+        token_ids = await preprocessor.embedding_inputs(parsed, len(body))
+        work = EmbeddingRequest(token_ids, model=model.name, dimensions=parsed.dimensions, mdc_sum=preprocessor.mdcsum)
+        hints = routing_hints(None, request.headers)
+        if hints is not None and hints.priority is not None:  # pooling runs no scheduler policy of the client's
+            raise RequestError(f"header {PRIORITY_HEADER} is not supported on /v1/embeddings", param=PRIORITY_HEADER)
+        pinned = serving.pinned(hints, pipeline, request)
+        async with serving.track(request, model.name, "embeddings", stream=False, generation=False) as t:
+            t.prompt_tokens, t.inputs = sum(map(len, token_ids)), len(token_ids)
+            outputs = t.outputs = pipeline.generate(work, t.context, t.attempt, pinned=pinned)
+            try:
+                output: EmbeddingOutput | None = await anext(outputs, None)
+            except Exception as e:  # routing, the worker's error, or an answer not in the contract's shape
+                return serving.failure(e, model.name, "embeddings")
+            if output is None:
+                return serving.failure(StreamIncompleteError("the worker answered with nothing"), model.name,
+                                       "embeddings")
+            if len(output.embeddings) != len(token_ids):
+                return serving.failure(RemoteError(f"the worker returned {len(output.embeddings)} vectors for "
+                                                   f"{len(token_ids)} inputs"), model.name, "embeddings")
+            t.status = "success"
+            answer = response(t.request_id, model.name, parsed, output.embeddings, t.prompt_tokens)
+            return web.Response(body=msgspec.json.encode(answer), content_type="application/json")
+        return t.gone()
+
+    return Mount([web.post("/v1/embeddings", embeddings)])

@@ -15,10 +15,24 @@ from http import HTTPStatus
 from typing import Any, Literal
 
 import msgspec
+from aiohttp import web
 
-from tandem.frontend import openai
-from tandem.frontend.answers import Answer, Ending, Outcome, Usage
+from tandem.frontend.hints import PRIORITY_HEADER
 from tandem.frontend.preprocess import Prepared
+from tandem.frontend.protocol.answer import Answer, Ending, Outcome, Usage
+from tandem.frontend.protocol.errors import RequestError, fail, refuse_given
+from tandem.frontend.protocol.sse import SSE_DONE, sse
+from tandem.frontend.protocol.validation import MAX_LOGPROBS, MAX_STOP, check_rules, check_wire, decode_body
+from tandem.frontend.requests import (
+    LOGPROBS_RULE,
+    SAMPLING_RULES,
+    CompletionRequest,
+    FieldNames,
+    Nvext,
+    SamplingFields,
+)
+from tandem.frontend.serving import Mount, Serving
+from tandem.llm.model_card import ModelType
 from tandem.llm.parsers import ParsedDelta
 from tandem.llm.postprocess import ProcessedDelta, TokenLogprob, TopLogprob
 from tandem.llm.protocols import FinishReason, GuidedDecoding
@@ -32,7 +46,11 @@ _SP = "sampling_params."
 MAX_CACHE_SALT = 128
 _CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
 # The names the shared pipeline's errors give the prompt and max_tokens on this route.
-NAMES = openai.FieldNames(prompt="token_ids", max_tokens="sampling_params.max_tokens")
+NAMES = FieldNames(prompt="token_ids", max_tokens="sampling_params.max_tokens")
+
+
+# The completion's sampling bounds, named `sampling_params.<field>` here.
+_SAMPLING_RULES = (*SAMPLING_RULES, LOGPROBS_RULE)
 
 
 class StreamOptions(msgspec.Struct):
@@ -49,7 +67,7 @@ class StructuredOutputs(msgspec.Struct, forbid_unknown_fields=True):
     grammar: str | None = None
 
 
-class SamplingParams(openai.SamplingFields, kw_only=True, forbid_unknown_fields=True):
+class SamplingParams(SamplingFields, kw_only=True, forbid_unknown_fields=True):
     """The fields of vLLM's SamplingParams that tandem honours; any other key is a 400 naming it. vLLM's
     `top_k` 0 disables it, as -1 does; `max_tokens` None: what the context leaves (vLLM's server default)."""
 
@@ -106,17 +124,17 @@ class GenerateRequest(msgspec.Struct, kw_only=True, frozen=True):
     output_mode: OutputMode
     return_token_ids: bool
 
-    def completion_request(self, model: str) -> openai.CompletionRequest:
+    def completion_request(self, model: str) -> CompletionRequest:
         """The completions request with a token prompt that the shared pipeline serves."""
         sp = self.sampling
-        return openai.CompletionRequest(
+        return CompletionRequest(
             model=model, prompt=self.token_ids, stream=self.stream, n=sp.n, max_tokens=sp.max_tokens,
             temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
             presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
             repetition_penalty=sp.repetition_penalty, seed=sp.seed, stop=self.stop, stop_token_ids=sp.stop_token_ids,
             ignore_eos=sp.ignore_eos, min_tokens=sp.min_tokens, include_stop_str_in_output=sp.include_stop_str_in_output,
             skip_special_tokens=sp.skip_special_tokens, logprobs=sp.logprobs, guided=self.guided,
-            ext=openai.Nvext(cache_salt=self.cache_salt), names=NAMES,
+            ext=Nvext(cache_salt=self.cache_salt), names=NAMES,
         )
 
 
@@ -125,19 +143,19 @@ _decoder = msgspec.json.Decoder(_Body)
 
 def parse_request(body: bytes) -> GenerateRequest:
     """Decode and check a /inference/v1/generate body; raises RequestError naming the field."""
-    raw: _Body = openai.decode_body(_decoder, body)
-    openai.refuse_given(raw, _UNSERVED)
+    raw: _Body = decode_body(_decoder, body)
+    refuse_given(raw, _UNSERVED)
     if raw.model == "":
-        raise openai.fail("model", "'model' must be a non-empty string (or left out when one model is served).")
+        raise fail("model", "'model' must be a non-empty string (or left out when one model is served).")
     _check_token_ids(raw.token_ids)
     if raw.priority != 0:
-        raise openai.fail("priority", f"priority {raw.priority} in the body is not supported (only 0): send it in "
-                                      f"the {openai.PRIORITY_HEADER} header.")
+        raise fail("priority", f"priority {raw.priority} in the body is not supported (only 0): send it in "
+                                      f"the {PRIORITY_HEADER} header.")
     _check_cache_salt(raw.cache_salt)
     sp = raw.sampling_params
     stop = _check_sampling(sp)
     if not sp.detokenize and raw.output_mode == "text":
-        raise openai.fail("output_mode", "output_mode 'text' requires sampling_params.detokenize to be true.")
+        raise fail("output_mode", "output_mode 'text' requires sampling_params.detokenize to be true.")
     stream = bool(raw.stream)
     options = raw.stream_options or StreamOptions()
     # As vLLM's: stream_options only matter when streaming, and continuous usage only with include_usage.
@@ -153,15 +171,15 @@ def parse_request(body: bytes) -> GenerateRequest:
 def _check_token_ids(ids: list[int]) -> None:
     """Ids a worker can take; the preprocessor checks them against the vocabulary."""
     if not ids:
-        raise openai.fail("token_ids", "'token_ids' must not be empty.")
+        raise fail("token_ids", "'token_ids' must not be empty.")
     for i, tid in enumerate(ids):
         if not 0 <= tid < _U32:
-            raise openai.fail(f"token_ids[{i}]", f"'token_ids[{i}]' must be a token id (an integer >= 0).")
+            raise fail(f"token_ids[{i}]", f"'token_ids[{i}]' must be a token id (an integer >= 0).")
 
 
 def _check_cache_salt(salt: str | None) -> None:
     if salt is not None and (not salt or len(salt) > MAX_CACHE_SALT or _CACHE_SALT_FORBIDDEN.intersection(salt)):
-        raise openai.fail("cache_salt", f"'cache_salt' must be a non-empty string of at most {MAX_CACHE_SALT} "
+        raise fail("cache_salt", f"'cache_salt' must be a non-empty string of at most {MAX_CACHE_SALT} "
                                         "characters without '@', '/', '\\' or NUL.")
 
 
@@ -169,26 +187,26 @@ def _check_sampling(sp: SamplingParams) -> list[str] | None:
     """Range and cross-field checks of sampling_params (named `sampling_params.<field>`); returns the stop
     strings as a list."""
     if sp.n is not None and sp.n != 1:
-        raise openai.fail(f"{_SP}n", f"{_SP}n must be 1: one sequence per request is supported (got {sp.n}).")
+        raise fail(f"{_SP}n", f"{_SP}n must be 1: one sequence per request is supported (got {sp.n}).")
     if sp.logprobs == -1:
-        raise openai.fail(f"{_SP}logprobs", f"{_SP}logprobs -1 (the whole vocabulary) is not supported: ask for "
-                                            f"at most {openai.MAX_LOGPROBS}.")
+        raise fail(f"{_SP}logprobs", f"{_SP}logprobs -1 (the whole vocabulary) is not supported: ask for "
+                                            f"at most {MAX_LOGPROBS}.")
     if sp.top_k == 0:
         sp.top_k = -1  # vLLM's 0 and -1 both disable top-k; tandem's pipeline spells it -1
-    openai.check_ranges(sp, openai.SAMPLING_RANGES, _SP)
+    check_rules(sp, _SAMPLING_RULES, _SP)
     if sp.min_tokens is not None and sp.max_tokens is not None and sp.min_tokens > sp.max_tokens:
-        raise openai.fail(f"{_SP}min_tokens", f"{_SP}min_tokens ({sp.min_tokens}) must not exceed "
+        raise fail(f"{_SP}min_tokens", f"{_SP}min_tokens ({sp.min_tokens}) must not exceed "
                                               f"{_SP}max_tokens ({sp.max_tokens}).")
     for i, tid in enumerate(sp.stop_token_ids or ()):
         if not 0 <= tid < _U32:
-            raise openai.fail(f"{_SP}stop_token_ids[{i}]", f"{_SP}stop_token_ids must be token ids >= 0 (got {tid}).")
+            raise fail(f"{_SP}stop_token_ids[{i}]", f"{_SP}stop_token_ids must be token ids >= 0 (got {tid}).")
     stop = [sp.stop] if isinstance(sp.stop, str) else sp.stop
     if stop is None:
         return None
-    if len(stop) > openai.MAX_STOP:
-        raise openai.fail(f"{_SP}stop", f"at most {openai.MAX_STOP} stop sequences are allowed (got {len(stop)}).")
+    if len(stop) > MAX_STOP:
+        raise fail(f"{_SP}stop", f"at most {MAX_STOP} stop sequences are allowed (got {len(stop)}).")
     if not sp.detokenize:  # as vLLM: stop strings are matched on the detokenized text
-        raise openai.fail(f"{_SP}stop", "stop strings require sampling_params.detokenize to be true.")
+        raise fail(f"{_SP}stop", "stop strings require sampling_params.detokenize to be true.")
     return [s for s in stop if s] or None  # an empty stop string would match at once: dropped
 
 
@@ -199,19 +217,19 @@ def _guided(so: StructuredOutputs | None) -> GuidedDecoding | None:
     param = f"{_SP}structured_outputs"
     given = [(mode, value) for mode in ("json", "regex", "choice", "grammar") if (value := getattr(so, mode)) is not None]
     if len(given) != 1:
-        raise openai.fail(param, f"'{param}' must give exactly one of json, regex, choice, grammar "
+        raise fail(param, f"'{param}' must give exactly one of json, regex, choice, grammar "
                                  f"(got {len(given)}).")
     mode, value = given[0]
     if mode == "json" and isinstance(value, str):  # the schema as a JSON string, as vLLM accepts it
         try:
             value = msgspec.json.decode(value)
         except msgspec.DecodeError:
-            raise openai.fail(f"{param}.json", f"'{param}.json' is not valid JSON.") from None
+            raise fail(f"{param}.json", f"'{param}.json' is not valid JSON.") from None
         if not isinstance(value, dict):
-            raise openai.fail(f"{param}.json", f"'{param}.json' must be a JSON schema object.")
+            raise fail(f"{param}.json", f"'{param}.json' must be a JSON schema object.")
     if mode == "choice" and not value:
-        raise openai.fail(f"{param}.choice", f"'{param}.choice' must list at least one choice.")
-    return GuidedDecoding(**{mode: openai.check_wire(value, f"{param}.{mode}")})
+        raise fail(f"{param}.choice", f"'{param}.choice' must list at least one choice.")
+    return GuidedDecoding(**{mode: check_wire(value, f"{param}.{mode}")})
 
 
 # -- the answer --------------------------------------------------------------------------------------
@@ -222,7 +240,7 @@ _ERROR_TYPES = {status.value: status.phrase for status in HTTPStatus} | {
     501: "NotImplementedError", 503: "ServiceUnavailableError"}
 
 
-def error_body(error: openai.RequestError) -> dict[str, Any]:
+def error_body(error: RequestError) -> dict[str, Any]:
     """vLLM's ErrorResponse: `code` is the HTTP status."""
     kind = _ERROR_TYPES.get(error.status, "Error")
     return {"error": {"message": error.message, "type": kind, "param": error.param, "code": error.status}}
@@ -232,7 +250,7 @@ def finish_reason(reason: str) -> str:
     """tandem's finish reason -> vLLM's: EOS and stops are `stop`, a cancelled request is `abort`."""
     if reason == FinishReason.CANCELLED:
         return "abort"
-    return openai.finish_reason(reason) or "stop"
+    return FinishReason(reason).openai
 
 
 def usage(counts: Usage) -> dict[str, Any]:
@@ -317,7 +335,7 @@ class GenerateAnswer(Answer):
             self.prompt_pending = False
         chunk["output_mode"] = self.request.output_mode
         chunk["choices"] = choices
-        return openai.sse(chunk)
+        return sse(chunk)
 
     def _running_usage(self, completion_tokens: int) -> dict[str, Any] | None:
         if not self.request.continuous_usage:
@@ -342,13 +360,13 @@ class GenerateAnswer(Answer):
             choice = self._choice([], finish_reason(ending.reason), ending.stop_reason, "", self._logprobs([]))
             events.append(self._chunk([choice], self._running_usage(ending.usage.completion_tokens)))
         if self.request.include_usage:
-            events.append(openai.sse({"request_id": self.id, "usage": usage(ending.usage),
+            events.append(sse({"request_id": self.id, "usage": usage(ending.usage),
                                       "output_mode": self.request.output_mode, "choices": []}))
-        events.append(openai.SSE_DONE)
+        events.append(SSE_DONE)
         return events
 
-    def failure(self, error: openai.RequestError) -> bytes:
-        return openai.sse(error_body(error)) + openai.SSE_DONE
+    def failure(self, error: RequestError) -> bytes:
+        return sse(error_body(error)) + SSE_DONE
 
     def collect(self, delta: ProcessedDelta, parsed: ParsedDelta | None) -> None:
         self.token_ids.extend(delta.token_ids)
@@ -364,5 +382,23 @@ class GenerateAnswer(Answer):
         return body
 
     @staticmethod
-    def error_body(error: openai.RequestError) -> dict[str, Any]:
+    def error_body(error: RequestError) -> dict[str, Any]:
         return error_body(error)
+
+
+def routes(serving: Serving) -> Mount:
+    async def generate_tokens(request: web.Request) -> web.StreamResponse:
+        """The token ids go to the workers as they are (no template)."""
+        body = await serving.body(request)
+        parsed = parse_request(body)
+        model = serving.model(serving.named_or_only(parsed.model), ModelType.Chat | ModelType.Completions, ROUTE)
+        serving.token_input(model, ROUTE)
+
+        def answer(request_id: str, prepared: Prepared) -> Answer:
+            return GenerateAnswer(parsed, model.name, request_id, prepared)
+
+        return await serving.serve(request, parsed.completion_request(model.name), len(body), model.pipeline,
+                                   "generate", answer)
+
+    # vLLM's error shape on its /inference routes: `code` is the HTTP status.
+    return Mount([web.post(ROUTE, generate_tokens)], "/inference/", error_body)

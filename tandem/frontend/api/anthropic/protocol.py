@@ -1,24 +1,18 @@
-"""Anthropic's Messages API (`POST /v1/messages`, `POST /v1/messages/count_tokens`): request bodies
-checked in Anthropic's terms and mapped onto a chat request, answers and errors in Anthropic's shapes.
+"""Anthropic's Messages API's requests, checked in Anthropic's terms and mapped onto a chat request, and its
+error shape.
 
-Requests: `system` becomes a leading system message, and a system message among `messages` stays where it
-was given; content blocks become chat messages (`tool_use` blocks the assistant's `tool_calls`, each
-`tool_result` a `tool` message, `thinking` blocks the assistant's `reasoning_content`; `redacted_thinking`
-is dropped, its text being opaque); client `tools` become function tools (Anthropic's versioned server
-tools are left out, with a warning header) and `tool_choice` tandem's none / auto / required / forced
-function; `context_management` clears old thinking as asked; `thinking` switches
-the chat template's `enable_thinking` and, on a model served with a reasoning parser, bounds the thinking
-with its `budget_tokens`; `output_config.format` is guided decoding. `cache_control` is accepted anywhere
-and ignored: tandem caches prompt prefixes by itself (and its router sends a request to the worker that
-holds most of it), so there are no cache breakpoints to set. Images and documents are refused by name:
-multimodal input is not served yet. Unknown top-level fields and beta names are accepted and logged once
-(`tolerant.py`).
-
-Answers: content blocks in the order the model writes them (`thinking`, `text`, `tool_use`), streamed
-as Anthropic's events. Usage follows Anthropic's split: `input_tokens` are the prompt tokens the engine
-computed, `cache_read_input_tokens` those it found in its prefix cache (their sum is the prompt).
+`system` becomes a leading system message, and a system message among `messages` stays where it was given;
+content blocks become chat messages (`tool_use` blocks the assistant's `tool_calls`, each `tool_result` a
+`tool` message, `thinking` blocks the assistant's `reasoning_content`; `redacted_thinking` is dropped, its
+text being opaque); client `tools` become function tools (Anthropic's versioned server tools are left out,
+with a warning header) and `tool_choice` tandem's none / auto / required / forced function;
+`context_management` clears old thinking as asked; `thinking` switches the chat template's `enable_thinking`
+and, on a model served with a reasoning parser, bounds the thinking with its `budget_tokens`;
+`output_config.format` is guided decoding. `cache_control` is accepted anywhere and ignored: tandem caches
+prompt prefixes by itself (and its router sends a request to the worker that holds most of it), so there are
+no cache breakpoints to set. Images and documents are refused by name: multimodal input is not served yet.
+Unknown top-level fields and beta names are accepted and logged once (`tolerant.py`).
 """
-
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -26,11 +20,11 @@ from typing import Any, Literal
 
 import msgspec
 
-from tandem.frontend import openai
-from tandem.frontend.answers import Answer, Ending, Outcome, Usage
-from tandem.frontend.tolerant import TolerantDecoder, left_out_header, notice
-from tandem.llm.parsers import ParsedDelta
-from tandem.llm.postprocess import ProcessedDelta
+from tandem.frontend.protocol.errors import RequestError, fail
+from tandem.frontend.protocol.validation import MAX_STOP, U32, Rule, check_rules, check_wire, decode_body
+from tandem.frontend.requests import ChatRequest, chat_request, tool_choice_fields
+from tandem.frontend.tolerant import TolerantDecoder, notice
+from tandem.llm.protocols import GuidedDecoding
 
 # Anthropic's error types by HTTP status (529 is its "overloaded"; tandem's busy answer is a 503).
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -38,7 +32,7 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
                 503: "overloaded_error", 529: "overloaded_error"}  # fmt: skip
 
 
-def error_body(error: openai.RequestError) -> dict[str, Any]:
+def error_body(error: RequestError) -> dict[str, Any]:
     """`{"type": "error", "error": {"type", "message"}}`; the message names the field at fault."""
     kind = _ERROR_TYPES.get(error.status) or ("invalid_request_error" if error.status < 500 else "api_error")
     message = error.message
@@ -182,12 +176,12 @@ class _MessagesBody(_CountBody, kw_only=True):
 
 _messages_reader = TolerantDecoder(_MessagesBody, "/v1/messages")
 _count_reader = TolerantDecoder(_CountBody, "/v1/messages/count_tokens")
-_RANGES: list[openai.Range] = [
-    ("max_tokens", lambda v: 1 <= v < 2**32, "max_tokens must be between 1 and 4294967295 (got {})"),
-    ("temperature", lambda v: 0.0 <= v <= 1.0, "temperature must be between 0 and 1 (got {})"),
-    ("top_p", lambda v: 0.0 < v <= 1.0, "top_p must be in (0, 1] (got {})"),
-    ("top_k", lambda v: 0 <= v < 2**32, "top_k must be between 0 and 4294967295 (got {})"),
-]
+RULES = (
+    Rule("max_tokens", "integer", 1, U32 - 1),
+    Rule("temperature", "number", 0, 1),
+    Rule("top_p", "number", 0, 1, exclusive_minimum=True),
+    Rule("top_k", "integer", 0, U32 - 1),
+)
 MIN_THINKING_BUDGET = 1024  # Anthropic's least budget_tokens
 # Claude Code's first system block: its version and a hash that changes with every request, which would
 # make every prompt differ from its first tokens on and defeat prefix caching and KV-aware routing.
@@ -222,11 +216,11 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     max_tokens: int | None
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]]
-    tool_fields: dict[str, Any]  # tool_choice / forced_function / guided, from openai.tool_choice_fields
+    tool_fields: dict[str, Any]  # tool_choice / forced_function / guided, from tool_choice_fields
     parallel_tool_calls: bool | None
     thinking: bool | None
     thinking_budget: int | None
-    guided: openai.GuidedDecoding | None = None
+    guided: GuidedDecoding | None = None
     stop: list[str] | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -235,11 +229,11 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     user: str | None = None
     left_out_tools: list[str] = []  # tools of the request not offered to the model (see `_tools`)
 
-    def chat(self, *, reasoning: bool) -> openai.ChatRequest:
+    def chat(self, *, reasoning: bool) -> ChatRequest:
         """The chat request; `reasoning`: the model is served with a reasoning parser, which is what
         bounds the thinking to its budget (without one, thinking is not told apart from the answer)."""
         template = None if self.thinking is None else {"enable_thinking": self.thinking}
-        return openai.chat_request(model=self.model, messages=self.messages, stream=self.stream,
+        return chat_request(model=self.model, messages=self.messages, stream=self.stream,
                                    max_tokens=self.max_tokens, tools=self.tools, tool_fields=self.tool_fields,
                                    parallel_tool_calls=self.parallel_tool_calls, guided=self.guided,
                                    max_thinking_tokens=self.thinking_budget if reasoning else None,
@@ -250,18 +244,18 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
 
 def parse_messages_request(body: bytes) -> MessagesRequest:
     """Decode and check a /v1/messages body; raises RequestError naming the field at fault."""
-    raw = _messages_reader.decode(body) or openai.decode_body(_messages_reader.lenient, body)
-    openai.check_ranges(raw, _RANGES)
-    if raw.stop_sequences is not None and len(raw.stop_sequences) > openai.MAX_STOP:
-        raise openai.fail("stop_sequences", f"at most {openai.MAX_STOP} stop sequences are allowed "
+    raw = _messages_reader.decode(body) or decode_body(_messages_reader.lenient, body)
+    check_rules(raw, RULES)
+    if raw.stop_sequences is not None and len(raw.stop_sequences) > MAX_STOP:
+        raise fail("stop_sequences", f"at most {MAX_STOP} stop sequences are allowed "
                                             f"(got {len(raw.stop_sequences)}).")
     if isinstance(raw.thinking, _Enabled) and raw.thinking.budget_tokens >= raw.max_tokens:
-        raise openai.fail("thinking.budget_tokens", f"budget_tokens ({raw.thinking.budget_tokens}) must be less "
+        raise fail("thinking.budget_tokens", f"budget_tokens ({raw.thinking.budget_tokens}) must be less "
                                                     f"than max_tokens ({raw.max_tokens}).")
     config = raw.output_config or _OutputConfig()
     guided = None
     if config.format is not None:
-        guided = openai.GuidedDecoding(json=openai.check_wire(config.format.schema, "output_config.format.schema"))
+        guided = GuidedDecoding(json=check_wire(config.format.schema, "output_config.format.schema"))
     return msgspec.structs.replace(
         _prompt(raw, guided), stream=raw.stream, max_tokens=raw.max_tokens, guided=guided,
         stop=[s for s in raw.stop_sequences or () if s] or None,  # an empty one would match at once
@@ -273,18 +267,18 @@ def parse_messages_request(body: bytes) -> MessagesRequest:
 
 def parse_count_tokens_request(body: bytes) -> MessagesRequest:
     """Decode and check a /v1/messages/count_tokens body (no max_tokens, no stream); raises RequestError."""
-    return _prompt(_count_reader.decode(body) or openai.decode_body(_count_reader.lenient, body), None)
+    return _prompt(_count_reader.decode(body) or decode_body(_count_reader.lenient, body), None)
 
 
-def _prompt(raw: _CountBody, guided: openai.GuidedDecoding | None) -> MessagesRequest:
+def _prompt(raw: _CountBody, guided: GuidedDecoding | None) -> MessagesRequest:
     """What both routes check and map: the fields that make the prompt (the rest left unset)."""
     if not raw.model:
-        raise openai.fail("model", "'model' must be a non-empty string.")
+        raise fail("model", "'model' must be a non-empty string.")
     if not raw.messages:
-        raise openai.fail("messages", "at least one message is required.")
+        raise fail("messages", "at least one message is required.")
     budget = raw.thinking.budget_tokens if isinstance(raw.thinking, _Enabled) else None
     if budget is not None and not MIN_THINKING_BUDGET <= budget < 2**32:  # engines count tokens in 32 bits
-        raise openai.fail("thinking.budget_tokens", f"budget_tokens must be between {MIN_THINKING_BUDGET} and "
+        raise fail("thinking.budget_tokens", f"budget_tokens must be between {MIN_THINKING_BUDGET} and "
                                                     f"4294967295 (got {budget}).")
     tools, left_out = _tools(raw.tools or [])
     tool_fields, parallel = _tool_choice(raw.tool_choice, tools, left_out, guided)
@@ -311,7 +305,7 @@ def _manage_context(messages: list[dict[str, Any]], config: _ContextManagement) 
         if isinstance(keep, str):  # "all"
             continue
         if keep is not None and (keep.type != "thinking_turns" or keep.value < 0):
-            raise openai.fail(f"context_management.edits[{i}].keep",
+            raise fail(f"context_management.edits[{i}].keep",
                               "keep must be 'all' or {'type': 'thinking_turns', 'value': N >= 0}.")
         turns = 1 if keep is None else keep.value
         thinking = [j for j, m in enumerate(messages) if "reasoning_content" in m]
@@ -400,12 +394,12 @@ def _result_text(result: _ToolResult, p: str) -> str:
     return f"Error: {text}" if result.is_error else text
 
 
-def _misplaced(block: _Block, param: str, where: str) -> openai.RequestError:
+def _misplaced(block: _Block, param: str, where: str) -> RequestError:
     kind = type(block).__struct_config__.tag
     if isinstance(block, _Image | _Document):
-        return openai.fail(param, f"{kind} blocks are not supported: multimodal input is not served yet "
+        return fail(param, f"{kind} blocks are not supported: multimodal input is not served yet "
                                   "(send text).")
-    return openai.fail(param, f"{kind} blocks are not allowed in {where}.")
+    return fail(param, f"{kind} blocks are not allowed in {where}.")
 
 
 def _tools(tools: list[_Tool]) -> tuple[dict[str, dict[str, Any]], list[str]]:
@@ -421,15 +415,15 @@ def _tools(tools: list[_Tool]) -> tuple[dict[str, dict[str, Any]], list[str]]:
             left_out.append(tool.name)
             continue
         if not tool.name:
-            raise openai.fail(f"{p}.name", "a tool name must be a non-empty string.")
+            raise fail(f"{p}.name", "a tool name must be a non-empty string.")
         if tool.name in functions:
-            raise openai.fail(f"{p}.name", f"tool names must be unique ({tool.name!r} is given twice).")
+            raise fail(f"{p}.name", f"tool names must be unique ({tool.name!r} is given twice).")
         if tool.input_schema is None:
-            raise openai.fail(f"{p}.input_schema", "Missing required parameter: 'input_schema'.")
+            raise fail(f"{p}.input_schema", "Missing required parameter: 'input_schema'.")
         if tool.input_schema.get("type") != "object":
-            raise openai.fail(f"{p}.input_schema.type", "input_schema must be a JSON schema of type 'object'.")
+            raise fail(f"{p}.input_schema.type", "input_schema must be a JSON schema of type 'object'.")
         function: dict[str, Any] = {"name": tool.name,
-                                    "parameters": openai.check_wire(tool.input_schema, f"{p}.input_schema")}
+                                    "parameters": check_wire(tool.input_schema, f"{p}.input_schema")}
         if tool.description is not None:
             function["description"] = tool.description
         functions[tool.name] = function
@@ -437,164 +431,19 @@ def _tools(tools: list[_Tool]) -> tuple[dict[str, dict[str, Any]], list[str]]:
 
 
 def _tool_choice(choice: _Auto | _AnyTool | _NamedTool | _NoTool | None, tools: dict[str, dict[str, Any]],
-                 left_out: list[str], guided: openai.GuidedDecoding | None) -> tuple[dict[str, Any], bool | None]:
+                 left_out: list[str], guided: GuidedDecoding | None) -> tuple[dict[str, Any], bool | None]:
     """The chat request's tool fields and parallel_tool_calls for Anthropic's tool_choice."""
     if isinstance(choice, _NamedTool) and choice.name in left_out:
-        raise openai.fail("tool_choice.name", f"tool_choice names tool {choice.name!r}, which tandem does not run.")
+        raise fail("tool_choice.name", f"tool_choice names tool {choice.name!r}, which tandem does not run.")
     if isinstance(choice, _NoTool) or not tools:
         if isinstance(choice, _AnyTool | _NamedTool):
-            raise openai.fail("tool_choice", f"tool_choice {type(choice).__struct_config__.tag!r} needs at least "
+            raise fail("tool_choice", f"tool_choice {type(choice).__struct_config__.tag!r} needs at least "
                                              "one tool in 'tools'.")
         return {"tool_choice": "none"}, None
     parallel = False if choice is not None and choice.disable_parallel_tool_use else None
     if isinstance(choice, _NamedTool) and choice.name not in tools:
-        raise openai.fail("tool_choice.name", f"tool_choice names tool {choice.name!r}, which is not in 'tools'.")
+        raise fail("tool_choice.name", f"tool_choice names tool {choice.name!r}, which is not in 'tools'.")
     mode = "required" if isinstance(choice, _AnyTool | _NamedTool) else "auto"
     forced = choice.name if isinstance(choice, _NamedTool) else None
     parameters = {name: f["parameters"] for name, f in tools.items()}
-    return openai.tool_choice_fields(parameters, mode, forced, parallel is not False, guided), parallel
-
-
-# -- answers ---------------------------------------------------------------------------------------
-
-# tandem's finish reasons (eos, length, stop, cancelled, content_filter, error) as Anthropic's stop_reason.
-_STOP_REASONS = {"length": "max_tokens", "content_filter": "refusal"}
-
-
-def stop_reason(outcome: Outcome, ending: Ending) -> tuple[str, str | None]:
-    """Anthropic's stop_reason and stop_sequence: an answer that ended by itself with tool calls is a
-    tool_use (a forced tool too, unlike OpenAI's finish_reason); a stop string is a stop_sequence."""
-    if ending.reason in ("eos", "stop") and (ending.called_tools or outcome.tool_calls):
-        return "tool_use", None
-    if ending.reason == "stop" and isinstance(ending.stop_reason, str):
-        return "stop_sequence", ending.stop_reason
-    return _STOP_REASONS.get(ending.reason, "end_turn"), None
-
-
-def message_usage(counts: Usage) -> dict[str, Any]:
-    """Anthropic's usage: `input_tokens` leaves out the prompt tokens read from the cache."""
-    cached = counts.cached_tokens
-    out: dict[str, Any] = {"input_tokens": counts.prompt_tokens - (cached or 0),
-                           "output_tokens": counts.completion_tokens}
-    if cached is not None:
-        out["cache_read_input_tokens"] = cached
-    if counts.reasoning_tokens is not None:
-        out["output_tokens_details"] = {"thinking_tokens": counts.reasoning_tokens}
-    return out
-
-
-def tool_input(arguments: str) -> dict[str, Any]:
-    """A call's arguments as tool_use's `input` object. Arguments that are no JSON object (a call cut off
-    by max_tokens, which stop_reason tells) give an empty input: Anthropic's input is always an object."""
-    try:
-        value = msgspec.json.decode(arguments)
-    except msgspec.DecodeError:
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
-def sse(event: dict[str, Any]) -> bytes:
-    """One server-sent event, named by its type as Anthropic's are."""
-    return openai.named_sse(event["type"], event)
-
-
-_EMPTY_BLOCKS: dict[str, dict[str, Any]] = {"text": {"type": "text", "text": ""},
-                                            "thinking": {"type": "thinking", "thinking": "", "signature": ""}}
-_DELTAS = {"text": "text_delta", "thinking": "thinking_delta"}
-
-
-class MessagesAnswer(Answer):
-    """`/v1/messages`: a Message object, or Anthropic's events: message_start, ping, then per content block
-    content_block_start / content_block_delta... / content_block_stop (a new kind of output closes the open
-    block), message_delta (stop reason, usage) and message_stop; `error` when the stream fails midway."""
-
-    error_body = staticmethod(error_body)
-
-    def __init__(self, model: str, message_id: str, input_tokens: int, left_out_tools: Sequence[str] = ()) -> None:
-        if left_out_tools:
-            self.headers = left_out_header(left_out_tools)
-        self.model = model
-        self.message_id = message_id
-        self.input_tokens = input_tokens
-        self._content: list[dict[str, Any]] = []  # the blocks so far, in the order they were written
-        self._parts: list[list[str]] = []  # each block's text, thinking or input JSON so far
-        self._open: str | None = None  # the type of the block being written
-        self._quiet = False  # a unary answer: blocks are kept, events not written
-
-    def _message(self, content: list[dict[str, Any]], stop: tuple[str | None, str | None],
-                 usage: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
-        return {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model,
-                "content": content, "stop_reason": stop[0], "stop_sequence": stop[1], "usage": usage}
-
-    def opening(self) -> list[bytes]:
-        start = self._message([], (None, None), {"input_tokens": self.input_tokens, "output_tokens": 0})
-        return [sse({"type": "message_start", "message": start}), sse({"type": "ping"})]
-
-    def delta(self, delta: ProcessedDelta, parsed: ParsedDelta | None) -> list[bytes]:
-        if parsed is None:  # no parser: the text is the answer
-            return self._write("text", delta.text)
-        events = self._write("thinking", parsed.reasoning) + self._write("text", parsed.content)
-        for call in parsed.tool_calls:
-            if call.id is not None:  # a call's first piece: its own block
-                events += self._start({"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
-            if call.arguments and self._open == "tool_use":
-                events.append(self._delta({"type": "input_json_delta", "partial_json": call.arguments}, call.arguments))
-        return events
-
-    def _write(self, kind: str, text: str) -> list[bytes]:
-        if not text:
-            return []
-        events = [] if self._open == kind else self._start(dict(_EMPTY_BLOCKS[kind]))
-        events.append(self._delta({"type": _DELTAS[kind], kind: text}, text))
-        return events
-
-    def _start(self, block: dict[str, Any]) -> list[bytes]:
-        events = self._stop()
-        self._content.append(block)
-        self._parts.append([])
-        self._open = block["type"]
-        if not self._quiet:
-            events.append(sse({"type": "content_block_start", "index": len(self._content) - 1,
-                               "content_block": block}))
-        return events
-
-    def _delta(self, delta: dict[str, Any], piece: str) -> bytes:
-        self._parts[-1].append(piece)
-        if self._quiet:
-            return b""
-        return sse({"type": "content_block_delta", "index": len(self._content) - 1, "delta": delta})
-
-    def _stop(self) -> list[bytes]:
-        if self._open is None:
-            return []
-        self._open = None
-        if self._quiet:
-            return []
-        events = []
-        if self._content[-1]["type"] == "thinking":
-            # Anthropic ends every thinking block with its signature; tandem's thinking has none to verify.
-            events.append(self._delta({"type": "signature_delta", "signature": ""}, ""))
-        events.append(sse({"type": "content_block_stop", "index": len(self._content) - 1}))
-        return events
-
-    def closing(self, outcome: Outcome, ending: Ending) -> list[bytes]:
-        reason, sequence = stop_reason(outcome, ending)
-        return [*self._stop(),
-                sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                     "usage": message_usage(ending.usage)}),
-                sse({"type": "message_stop"})]  # fmt: skip
-
-    def failure(self, error: openai.RequestError) -> bytes:
-        return sse(error_body(error))
-
-    def collect(self, delta: ProcessedDelta, parsed: ParsedDelta | None) -> None:
-        """The same blocks as a stream would have, in the order the model wrote them; no events."""
-        self._quiet = True
-        self.delta(delta, parsed)
-
-    def body(self, outcome: Outcome, ending: Ending) -> Any:
-        content = []
-        for block, parts in zip(self._content, self._parts, strict=True):
-            kind, text = block["type"], "".join(parts)
-            content.append(block | ({"input": tool_input(text)} if kind == "tool_use" else {kind: text}))
-        return self._message(content, stop_reason(outcome, ending), message_usage(ending.usage))
+    return tool_choice_fields(parameters, mode, forced, parallel is not False, guided), parallel

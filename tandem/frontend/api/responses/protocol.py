@@ -1,33 +1,31 @@
-"""OpenAI's Responses API (`POST /v1/responses`, `POST /v1/responses/input_tokens`): request bodies
-checked in the Responses API's terms and mapped onto a chat request (input items become chat
-messages, function tools chat tools, `text.format` guided decoding, `reasoning.effort` the chat
-template's `reasoning_effort`), and the answer as a Response object or its stream of events.
-
-Output items come in the order the model writes them: its thinking as a `reasoning` item (the text in
-`content` as `reasoning_text`), its text as a `message`, each tool call as a `function_call`. Errors
-are OpenAI's shape, as on the other OpenAI routes.
-"""
+"""The Responses API's requests: bodies checked in the Responses API's terms and mapped onto a chat request
+(input items become chat messages, function tools chat tools, `text.format` guided decoding,
+`reasoning.effort` the chat template's `reasoning_effort`)."""
 
 from __future__ import annotations
 
 import base64
-import time
-import uuid
 from typing import Any, TypeVar
 
 import msgspec
 
-from tandem.frontend import openai
-from tandem.frontend.answers import Answer, Ending, Outcome, Usage
-from tandem.frontend.response_store import ResponseStore, StoredResponse
-from tandem.frontend.tolerant import TolerantDecoder, left_out_header, notice
-from tandem.llm.parsers import ParsedDelta
-from tandem.llm.postprocess import ProcessedDelta
+from tandem.frontend.protocol.errors import fail, from_validation
+from tandem.frontend.protocol.validation import I64_MAX, Rule, check_rules, check_wire, decode_body
+from tandem.frontend.requests import (
+    FUNCTION_NAME,
+    REASONING_EFFORTS,
+    ChatRequest,
+    FieldNames,
+    chat_request,
+    tool_choice_fields,
+)
+from tandem.frontend.tolerant import TolerantDecoder, notice
+from tandem.llm.protocols import GuidedDecoding
 
 # -- requests --------------------------------------------------------------------------------------
 
 T = TypeVar("T", bound=msgspec.Struct)
-EFFORTS = ("none", *openai.REASONING_EFFORTS, "xhigh")
+EFFORTS = ("none", *REASONING_EFFORTS, "xhigh")
 # `include` values served: reasoning items always carry their text in `content`, so a client asking for
 # the encrypted form (to pass reasoning back without a stored response) needs nothing more.
 _INCLUDES = frozenset(("reasoning.encrypted_content",))
@@ -112,12 +110,12 @@ class _Body(msgspec.Struct, kw_only=True):
 
 _reader = TolerantDecoder(_Body, "/v1/responses")
 _UNUSED = ("client_metadata", "safety_identifier", "service_tier", "prompt_cache_retention", "stream_options")
-_NAMES = openai.FieldNames(prompt="input", max_tokens="max_output_tokens")
-_RANGES: list[openai.Range] = [
-    ("max_output_tokens", lambda v: 1 <= v, "max_output_tokens must be at least 1 (got {})"),
-    ("temperature", lambda v: 0.0 <= v <= 2.0, "temperature must be between 0 and 2 (got {})"),
-    ("top_p", lambda v: 0.0 < v <= 1.0, "top_p must be in (0, 1] (got {})"),
-]
+_NAMES = FieldNames(prompt="input", max_tokens="max_output_tokens")
+RULES = (
+    Rule("max_output_tokens", "integer", 1, I64_MAX),
+    Rule("temperature", "number", 0, 2),
+    Rule("top_p", "number", 0, 1, exclusive_minimum=True),
+)
 # Fields of the API that tandem does not serve: refused by name rather than ignored.
 _UNSERVED = (("background", "background responses are not supported: send the request and keep the connection"),
              ("conversation", "conversations objects are not supported: chain responses with previous_response_id"),
@@ -146,7 +144,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     effort: str | None
     summary: str | None
     text_format: dict[str, Any]
-    guided: openai.GuidedDecoding | None
+    guided: GuidedDecoding | None
     metadata: dict[str, str] | None
     user: str | None
     session_id: str | None = None  # prompt_cache_key: the session this turn belongs to
@@ -154,7 +152,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     left_out_tools: list[str] = []  # tools of the request not offered to the model (see `_tools`)
     namespaces: list[_Namespace] = []  # as given, for the echo
 
-    def chat(self, history: list[dict[str, Any]]) -> openai.ChatRequest:
+    def chat(self, history: list[dict[str, Any]]) -> ChatRequest:
         """The chat request: instructions, the earlier conversation (`previous_response_id`), the input."""
         system = [{"role": "system", "content": self.instructions}] if self.instructions else []
         tools = [{"type": "function", "function": _chat_function(t)} for t in self.tools]
@@ -163,7 +161,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
             sampling["chat_template_kwargs"] = {"enable_thinking": False}
         elif self.effort is not None:
             sampling["reasoning_effort"] = self.effort
-        return openai.chat_request(model=self.model, messages=[*system, *history, *self.input], stream=self.stream,
+        return chat_request(model=self.model, messages=[*system, *history, *self.input], stream=self.stream,
                                    max_tokens=self.max_output_tokens, tools=tools, tool_fields=self.tool_fields,
                                    parallel_tool_calls=self.parallel_tool_calls, guided=self.guided, names=_NAMES,
                                    session_id=self.session_id, **sampling)
@@ -208,30 +206,30 @@ def _chat_function(tool: _FunctionTool) -> dict[str, Any]:
 
 def parse_request(body: bytes) -> ResponsesRequest:
     """Decode and check a /v1/responses (or /v1/responses/input_tokens) body; raises RequestError."""
-    raw = _reader.decode(body) or openai.decode_body(_reader.lenient, body)
+    raw = _reader.decode(body) or decode_body(_reader.lenient, body)
     for name in _UNUSED:
         if getattr(raw, name) is not None:
             notice.once(f"/v1/responses field {name!r}", "accepted and not used (a hint to OpenAI's own service)")
     if not raw.model:
-        raise openai.fail("model", "'model' must be a non-empty string.")
-    openai.check_ranges(raw, _RANGES)
+        raise fail("model", "'model' must be a non-empty string.")
+    check_rules(raw, RULES)
     for name, why in _UNSERVED:
         value = getattr(raw, name)
         if value is not None and value is not False:  # (0 is not False here: max_tool_calls 0 is refused too)
-            raise openai.fail(name, why + ".")
+            raise fail(name, why + ".")
     if raw.truncation not in (None, "disabled"):
-        raise openai.fail("truncation", f"truncation {raw.truncation!r} is not supported: only 'disabled' (an input "
+        raise fail("truncation", f"truncation {raw.truncation!r} is not supported: only 'disabled' (an input "
                                         "longer than the context is refused)")
     for i, value in enumerate(raw.include or ()):
         if value not in _INCLUDES:
-            raise openai.fail(f"include[{i}]", f"include {value!r} is not supported (supported: {', '.join(_INCLUDES)}).")
+            raise fail(f"include[{i}]", f"include {value!r} is not supported (supported: {', '.join(_INCLUDES)}).")
     if raw.input is None:
-        raise openai.fail("input", "Missing required parameter: 'input'.")
+        raise fail("input", "Missing required parameter: 'input'.")
     if raw.input == "" or raw.input == []:
-        raise openai.fail("input", "'input' must not be empty.")
+        raise fail("input", "'input' must not be empty.")
     effort = raw.reasoning.effort if raw.reasoning else None
     if effort is not None and effort not in EFFORTS:
-        raise openai.fail("reasoning.effort", f"reasoning.effort must be one of {', '.join(EFFORTS)} (got {effort!r}).")
+        raise fail("reasoning.effort", f"reasoning.effort must be one of {', '.join(EFFORTS)} (got {effort!r}).")
     text_format, guided = _text_format(raw.text.format if raw.text else None)
     tools, namespaces, left_out = _tools(raw.tools or [])
     choice, tool_fields = _tool_choice(raw.tool_choice, tools, left_out, raw.parallel_tool_calls is not False, guided)
@@ -247,22 +245,22 @@ def parse_request(body: bytes) -> ResponsesRequest:
                             left_out_tools=left_out, namespaces=namespaces)
 
 
-def _text_format(fmt: _TextFormat | None) -> tuple[dict[str, Any], openai.GuidedDecoding | None]:
+def _text_format(fmt: _TextFormat | None) -> tuple[dict[str, Any], GuidedDecoding | None]:
     """`text.format` as the Response echoes it, and the guided decoding it asks for."""
     if fmt is None or fmt.type == "text":
         return {"type": "text"}, None
     if fmt.type == "json_object":
-        return {"type": "json_object"}, openai.GuidedDecoding(json={"type": "object"})
+        return {"type": "json_object"}, GuidedDecoding(json={"type": "object"})
     if fmt.type != "json_schema":
-        raise openai.fail("text.format.type", f"text.format.type must be text, json_object or json_schema "
+        raise fail("text.format.type", f"text.format.type must be text, json_object or json_schema "
                                               f"(got {fmt.type!r}).")
     if fmt.schema is None:
-        raise openai.fail("text.format.schema", "text.format json_schema requires a 'schema'.")
+        raise fail("text.format.schema", "text.format json_schema requires a 'schema'.")
     if not fmt.name:
-        raise openai.fail("text.format.name", "text.format json_schema requires a 'name'.")
+        raise fail("text.format.name", "text.format json_schema requires a 'name'.")
     echo = {"type": "json_schema", "name": fmt.name, "schema": fmt.schema, "strict": fmt.strict,
             "description": fmt.description}  # fmt: skip
-    return echo, openai.GuidedDecoding(json=openai.check_wire(fmt.schema, "text.format.schema"))
+    return echo, GuidedDecoding(json=check_wire(fmt.schema, "text.format.schema"))
 
 
 def _tools(raw: list[dict[str, Any]]) -> tuple[list[_FunctionTool], list[_Namespace], list[str]]:
@@ -291,28 +289,28 @@ def _tools(raw: list[dict[str, Any]]) -> tuple[list[_FunctionTool], list[_Namesp
     names = [flat_name(t.namespace, t.name) for t in tools]
     if len(set(names)) < len(names):
         twice = next(n for n in names if names.count(n) > 1)
-        raise openai.fail("tools", f"tool names must be unique ({twice!r} is given twice).")
+        raise fail("tools", f"tool names must be unique ({twice!r} is given twice).")
     return tools, namespaces, left_out
 
 
 def _function(item: dict[str, Any], param: str, namespace: str | None) -> _FunctionTool:
     tool = _convert(item, _FunctionTool, param)
-    if not openai.FUNCTION_NAME.match(tool.name):
-        raise openai.fail(f"{param}.name", f"'{param}.name' must be 1 to 64 letters, digits, '_', '.' or "
+    if not FUNCTION_NAME.match(tool.name):
+        raise fail(f"{param}.name", f"'{param}.name' must be 1 to 64 letters, digits, '_', '.' or "
                                            f"'-' (got {tool.name!r}).")
     tool.namespace = namespace
-    return openai.check_wire(tool, f"{param}.parameters")
+    return check_wire(tool, f"{param}.parameters")
 
 
 def _convert(item: dict[str, Any], shape: type[T], param: str) -> T:
     try:
         return msgspec.convert(item, shape)
     except msgspec.ValidationError as e:
-        raise openai.from_validation(e, param) from None
+        raise from_validation(e, param) from None
 
 
 def _tool_choice(raw: str | dict[str, Any] | None, tools: list[_FunctionTool], left_out: list[str], parallel: bool,
-                 guided: openai.GuidedDecoding | None) -> tuple[str | dict[str, Any], dict[str, Any]]:
+                 guided: GuidedDecoding | None) -> tuple[str | dict[str, Any], dict[str, Any]]:
     """The choice as echoed, and the chat request's tool fields."""
     forced = None
     if raw is None:
@@ -320,24 +318,24 @@ def _tool_choice(raw: str | dict[str, Any] | None, tools: list[_FunctionTool], l
         echo: str | dict[str, Any] = "auto"
     elif isinstance(raw, str):
         if raw not in ("none", "auto", "required"):
-            raise openai.fail("tool_choice", f"tool_choice must be none, auto, required or a function (got {raw!r}).")
+            raise fail("tool_choice", f"tool_choice must be none, auto, required or a function (got {raw!r}).")
         choice = echo = raw
     else:
         try:
             named = msgspec.convert(raw, _NamedFunction)
         except msgspec.ValidationError as e:
-            raise openai.from_validation(e, "tool_choice") from None
+            raise from_validation(e, "tool_choice") from None
         if named.type != "function":
-            raise openai.fail("tool_choice.type", f"only function tool choices are served (got {named.type!r}).")
+            raise fail("tool_choice.type", f"only function tool choices are served (got {named.type!r}).")
         name = flat_name(named.namespace, named.name or "")
         if name in left_out:
-            raise openai.fail("tool_choice.name", f"tool_choice names tool {name!r}, which tandem does not run.")
+            raise fail("tool_choice.name", f"tool_choice names tool {name!r}, which tandem does not run.")
         if name not in {flat_name(t.namespace, t.name) for t in tools}:
-            raise openai.fail("tool_choice.name", f"tool_choice names function {name!r}, which is not in 'tools'.")
+            raise fail("tool_choice.name", f"tool_choice names function {name!r}, which is not in 'tools'.")
         choice, forced = "required", name
         echo = {"type": "function", "name": named.name} | ({"namespace": named.namespace} if named.namespace else {})
     parameters = {flat_name(t.namespace, t.name): t.parameters for t in tools}
-    return echo, openai.tool_choice_fields(parameters, choice, forced, parallel, guided)
+    return echo, tool_choice_fields(parameters, choice, forced, parallel, guided)
 
 
 class _Part(msgspec.Struct):
@@ -393,7 +391,7 @@ def _reasoning_text(item: _Reasoned, param: str) -> str | None:
             try:
                 return base64.b64decode(item.encrypted_content[len(_OPAQUE_PREFIX) :], validate=True).decode()
             except ValueError:
-                raise openai.fail(f"{param}.encrypted_content", "encrypted_content is damaged.") from None
+                raise fail(f"{param}.encrypted_content", "encrypted_content is damaged.") from None
         notice.once("encrypted reasoning of another server", "left out of the conversation: it cannot be read")
     return _text(item.summary, f"{param}.summary") if item.summary else None
 
@@ -414,19 +412,19 @@ def input_messages(items: list[dict[str, Any]], param: str = "input") -> list[di
         kind = raw.get("type", "message")  # an "easy" input message has no type
         shape = _ITEMS.get(kind) if isinstance(kind, str) else None
         if shape is None:
-            raise openai.fail(f"{at}.type", f"input items of type {kind!r} are not supported (message, "
+            raise fail(f"{at}.type", f"input items of type {kind!r} are not supported (message, "
                                             "function_call, function_call_output and reasoning are).")
         try:
             item = msgspec.convert(raw, shape)
         except msgspec.ValidationError as e:
-            raise openai.from_validation(e, at) from None
+            raise from_validation(e, at) from None
         if isinstance(item, _Reasoned):
             thinking = _reasoning_text(item, at)
             continue
         message: dict[str, Any]
         if isinstance(item, _Message):
             if item.role not in _ROLES:
-                raise openai.fail(f"{at}.role", f"'{at}.role' must be one of {', '.join(_ROLES)} (got {item.role!r}).")
+                raise fail(f"{at}.role", f"'{at}.role' must be one of {', '.join(_ROLES)} (got {item.role!r}).")
             message = {"role": item.role, "content": _text(item.content, f"{at}.content")}
         elif isinstance(item, _FunctionCallOutput):
             message = {"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output, f"{at}.output")}
@@ -457,212 +455,8 @@ def _text(content: str | list[_Part], param: str) -> str:
         elif part.type in _TEXT_PARTS and part.text is not None:
             texts.append(part.text)
         elif part.type in _TEXT_PARTS:
-            raise openai.fail(f"{param}[{j}].text", f"'{param}[{j}].text' must be a string.")
+            raise fail(f"{param}[{j}].text", f"'{param}[{j}].text' must be a string.")
         else:
-            raise openai.fail(f"{param}[{j}].type", f"content parts of type {part.type!r} are not supported: only "
+            raise fail(f"{param}[{j}].type", f"content parts of type {part.type!r} are not supported: only "
                                                     "text is served (images, files and audio are not yet).")
     return "\n".join(texts)
-
-
-# -- answers ---------------------------------------------------------------------------------------
-
-
-class _Item:
-    """One output item while it is written."""
-
-    __slots__ = ("kind", "index", "id", "parts", "call_id", "name", "namespace", "opaque")
-
-    def __init__(self, kind: str, index: int, call_id: str | None = None, name: str | None = None,
-                 namespace: str | None = None, opaque: bool = False) -> None:  # fmt: skip
-        self.kind = kind  # reasoning, message or function_call
-        self.index = index
-        prefix = {"reasoning": "rs", "message": "msg", "function_call": "fc"}[kind]
-        self.id = f"{prefix}_{uuid.uuid4().hex}"
-        self.parts: list[str] = []  # its text, thinking or arguments so far
-        self.call_id = call_id
-        self.name = name
-        self.namespace = namespace  # a namespace tool's function: called back as (namespace, name)
-        self.opaque = opaque  # a reasoning item that carries encrypted_content
-
-    @property
-    def text(self) -> str:
-        return "".join(self.parts)
-
-    def json(self, status: str) -> dict[str, Any]:
-        """The item as the output lists it; `status` in_progress while it is added."""
-        text = self.text if status != "in_progress" else ""
-        if self.kind == "function_call":
-            call = {"id": self.id, "type": "function_call", "status": status, "call_id": self.call_id,
-                    "name": self.name, "arguments": text}  # fmt: skip
-            return call if self.namespace is None else {**call, "namespace": self.namespace}
-        if self.kind == "reasoning":
-            content = [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []
-            item = {"id": self.id, "type": "reasoning", "status": status, "summary": [], "content": content}
-            return {**item, "encrypted_content": opaque_reasoning(text)} if self.opaque else item
-        content = [_output_text(text)] if status != "in_progress" else []
-        return {"id": self.id, "type": "message", "status": status, "role": "assistant", "content": content}
-
-
-def _output_text(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-
-class ResponseAnswer(Answer):
-    """A Response object, or its events: response.created and response.in_progress; per output item
-    output_item.added, its content part, its deltas, their done events and output_item.done; then
-    response.completed (response.incomplete when max_output_tokens cut it; response.failed after an error
-    event when the request failed). A finished response is stored when the request asked for it."""
-
-    def __init__(self, request: ResponsesRequest, response_id: str, model: str, conversation: list[dict[str, Any]],
-                 store: ResponseStore) -> None:  # fmt: skip
-        self.request = request
-        self.id = response_id
-        self.model = model
-        self.created = int(time.time())
-        self.conversation = conversation  # the earlier turns and this input, for the store
-        self.store = store
-        self.sequence = 0
-        self.items: list[_Item] = []
-        self.open: _Item | None = None
-        self.quiet = False  # a unary answer: items are kept, events not written
-        self._echo = request.echo()  # the request's settings, the same in each Response the answer writes
-        if request.left_out_tools:
-            self.headers = left_out_header(request.left_out_tools)
-
-    def response(self, status: str, output: list[dict[str, Any]], usage: Usage | None = None,
-                 incomplete: str | None = None, error: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
-        return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
-                "background": False, "error": error,
-                "incomplete_details": {"reason": incomplete} if incomplete else None, "model": self.model,
-                "output": output, "usage": _usage(usage) if usage is not None else None,
-                **self._echo}  # fmt: skip
-
-    # -- streaming --
-    def _event(self, kind: str, **fields: Any) -> bytes:
-        if self.quiet:
-            return b""
-        event = {"type": kind, "sequence_number": self.sequence, **fields}
-        self.sequence += 1
-        return openai.named_sse(kind, event)
-
-    def opening(self) -> list[bytes]:
-        started = self.response("in_progress", [])
-        return [self._event("response.created", response=started), self._event("response.in_progress", response=started)]
-
-    def delta(self, delta: ProcessedDelta, parsed: ParsedDelta | None) -> list[bytes]:
-        if parsed is None:
-            return self._write("message", delta.text) if delta.text else []
-        events = self._write("reasoning", parsed.reasoning) if parsed.reasoning else []
-        if parsed.content:
-            events += self._write("message", parsed.content)
-        for call in parsed.tool_calls:
-            if call.id is not None:
-                events += self._close()
-                namespace, name = self.request.called(call.name or "")
-                item = self._add(_Item("function_call", len(self.items), call.id, name, namespace))
-                events.append(self._event("response.output_item.added", output_index=item.index,
-                                          item=item.json("in_progress")))
-            if call.arguments and self.open is not None:
-                self.open.parts.append(call.arguments)
-                events.append(self._event("response.function_call_arguments.delta", item_id=self.open.id,
-                                          output_index=self.open.index, delta=call.arguments))
-        return events
-
-    def _add(self, item: _Item) -> _Item:
-        self.items.append(item)
-        self.open = item
-        return item
-
-    def _write(self, kind: str, text: str) -> list[bytes]:
-        """Text into the open item of `kind`, opening one (and closing the one before) when needed."""
-        events: list[bytes] = []
-        item = self.open
-        if item is None or item.kind != kind:
-            events += self._close()
-            opaque = kind == "reasoning" and self.request.encrypted_reasoning
-            item = self._add(_Item(kind, len(self.items), opaque=opaque))
-            events.append(self._event("response.output_item.added", output_index=item.index,
-                                      item=item.json("in_progress")))
-            part = _output_text("") if kind == "message" else {"type": "reasoning_text", "text": ""}
-            events.append(self._event("response.content_part.added", item_id=item.id, output_index=item.index,
-                                      content_index=0, part=part))
-        item.parts.append(text)
-        if kind == "message":
-            events.append(self._event("response.output_text.delta", item_id=item.id, output_index=item.index,
-                                      content_index=0, delta=text, logprobs=[]))
-        else:
-            events.append(self._event("response.reasoning_text.delta", item_id=item.id, output_index=item.index,
-                                      content_index=0, delta=text))
-        return events
-
-    def _close(self, status: str = "completed") -> list[bytes]:
-        item = self.open
-        if item is None:
-            return []
-        self.open = None
-        at = {"item_id": item.id, "output_index": item.index}
-        if item.kind == "function_call":
-            events = [self._event("response.function_call_arguments.done", **at, name=item.name, arguments=item.text)]
-        elif item.kind == "message":
-            events = [self._event("response.output_text.done", **at, content_index=0, text=item.text, logprobs=[]),
-                      self._event("response.content_part.done", **at, content_index=0, part=_output_text(item.text))]
-        else:
-            part = {"type": "reasoning_text", "text": item.text}
-            events = [self._event("response.reasoning_text.done", **at, content_index=0, text=item.text),
-                      self._event("response.content_part.done", **at, content_index=0, part=part)]
-        events.append(self._event("response.output_item.done", output_index=item.index, item=item.json(status)))
-        return events
-
-    def closing(self, outcome: Outcome, ending: Ending) -> list[bytes]:
-        incomplete = _incomplete(ending)
-        status = "incomplete" if incomplete else "completed"
-        events = self._close(status)
-        done = self.response(status, [item.json(status) for item in self.items], ending.usage, incomplete)
-        self._keep(done, outcome)
-        events.append(self._event(f"response.{status}", response=done))
-        return events
-
-    def failure(self, error: openai.RequestError) -> bytes:
-        output = [item.json("incomplete") for item in self.items]
-        failed = self.response("failed", output, error={"code": "server_error", "message": error.message})
-        return (self._event("error", code="server_error", message=error.message, param=None)
-                + self._event("response.failed", response=failed))
-
-    # -- unary --
-    def collect(self, delta: ProcessedDelta, parsed: ParsedDelta | None) -> None:
-        """The same items as a stream would have, in the order the model wrote them; no events."""
-        self.quiet = True
-        self.delta(delta, parsed)
-
-    def body(self, outcome: Outcome, ending: Ending) -> Any:
-        incomplete = _incomplete(ending)
-        status = "incomplete" if incomplete else "completed"
-        self._close(status)
-        response = self.response(status, [item.json(status) for item in self.items], ending.usage, incomplete)
-        self._keep(response, outcome)
-        return response
-
-    def _keep(self, response: dict[str, Any], outcome: Outcome) -> None:
-        """Store the finished response and its conversation (when the request asked to)."""
-        if not self.request.store:
-            return
-        reply: dict[str, Any] = {"role": "assistant", "content": "".join(outcome.text) or None}
-        if outcome.tool_calls:
-            reply["tool_calls"] = outcome.tool_calls
-        if outcome.reasoning:
-            reply["reasoning_content"] = "".join(outcome.reasoning)
-        self.store.put(self.id, StoredResponse(response, [*self.conversation, reply]))
-
-
-def _incomplete(ending: Ending) -> str | None:
-    if ending.reason == "length":
-        return "max_output_tokens"
-    return "content_filter" if ending.reason == "content_filter" else None
-
-
-def _usage(usage: Usage) -> dict[str, Any]:
-    return {"input_tokens": usage.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": usage.cached_tokens or 0, "cache_write_tokens": 0},
-            "output_tokens": usage.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens or 0},
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens}  # fmt: skip
