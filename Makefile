@@ -15,8 +15,9 @@ $(STAMP): pyproject.toml scripts/install.sh
 run: install
 	$(TANDEM) run --model $(MODEL) $(RUN_ARGS)
 
-# Two pytest-xdist workers, each taking whole units (tests/plugins.py work_units): the real-vLLM tests on the
-# session's shared engines in one, every other module in its own. TEST_WORKERS=0 runs the suite in one process.
+# Two pytest-xdist workers, each taking whole units (tests/support/plugins.py work_units): the real-vLLM tests
+# on the session's shared engines in one, every other module in its own. TEST_WORKERS=0 runs the suite in one
+# process.
 TEST_WORKERS ?= 2
 test: install
 	$(VENV)/bin/python -m pytest -q --durations=25 -n $(TEST_WORKERS) $(PYTEST_ARGS)

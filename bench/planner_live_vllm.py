@@ -25,7 +25,7 @@ import yaml
 from _common import REPO, Proc, model_path
 
 sys.path.insert(0, REPO)
-from tests.load import Load  # noqa: E402
+from tests.support.load import Load  # noqa: E402
 
 ENGINE = ["--enforce-eager", "--dtype", "float32", "--kv-cache-memory-bytes", str(512 * 2**20),
           "--max-model-len", "2048"]

@@ -2,7 +2,7 @@
 long deleting it takes until every process has exited (the kubelet SIGKILLs what is left when a pod's grace
 period ends: 60 s for the frontend, 120 s for workers).
 
-The chart is rendered by Helm's engine and its pods run here the way tests/kubelet.py runs them (a network
+The chart is rendered by Helm's engine and its pods run here the way tests/support/kubelet.py runs them (a network
 namespace per pod; needs root). The processes import tandem from this checkout, and from
 `--baseline-tree` (a git worktree of an earlier commit) in the same run:
 
@@ -26,8 +26,8 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.k8s import render  # noqa: E402
-from tests.kubelet import Image, LocalCluster, venv_program  # noqa: E402
+from tests.support.k8s import render  # noqa: E402
+from tests.support.kubelet import Image, LocalCluster, venv_program  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 VARIANTS = {"tcp": ("agg.yaml", "mocker.yaml"), "nats": ("agg.yaml", "nats.yaml", "mocker.yaml")}

@@ -84,10 +84,10 @@ debian_binary() {
 }
 # etcd, for `--discovery-backend etcd` tests.
 debian_binary etcd-server etcd "the etcd tests"
-# Prometheus, for the planner's Prometheus traffic source (tests/test_planner_prometheus.py); the server alone,
+# Prometheus, for the planner's Prometheus traffic source (tests/planner/test_planner_prometheus.py); the server alone,
 # its web UI's JavaScript packages are not needed for the HTTP API.
 debian_binary prometheus prometheus "the planner's Prometheus tests"
-# The agent command-line clients the tests drive against tandem (tests/test_agent_clis.py), pinned, from npm.
+# The agent command-line clients the tests drive against tandem (tests/frontend/test_agent_clis.py), pinned, from npm.
 # Claude Code's install script puts its platform's native binary in place.
 AGENT_CLIS=("@anthropic-ai/claude-code@2.1.197" "@openai/codex@0.171.0")
 if command -v npm >/dev/null 2>&1; then

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import REPO
-from tests.engines import GPU_MEMORY_BUDGET, KV_CACHE_BYTES, MAX_ENGINES_AT_ONCE, engine_memory_args
-from tests.plugins import POOL_UNIT, engine_order, work_units
+from tests.support import REPO
+from tests.support.engines import GPU_MEMORY_BUDGET, KV_CACHE_BYTES, MAX_ENGINES_AT_ONCE, engine_memory_args
+from tests.support.plugins import POOL_UNIT, engine_order, work_units
 
 pytest_plugins = ["pytester"]
 
@@ -61,7 +61,7 @@ def test_skipped():
     pytest.skip("no such hardware")
 """
 CONFTEST = """
-from tests.plugins import SkipGuard
+from tests.support.plugins import SkipGuard
 
 def pytest_configure(config):
     config.pluginmanager.register(SkipGuard(), SkipGuard.NAME)

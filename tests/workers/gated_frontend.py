@@ -1,5 +1,5 @@
 """`tandem frontend` whose prompt preprocessing waits, for each request, until the file named by
-TANDEM_TEST_GATE exists (tests/test_frontend_offloop.py): a request can be held inside its tokenization
+TANDEM_TEST_GATE exists (tests/frontend/test_frontend_offloop.py): a request can be held inside its tokenization
 for as long as a test needs."""
 
 from __future__ import annotations
