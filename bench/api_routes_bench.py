@@ -6,6 +6,7 @@ OpenAI embeddings — in front of tandem's test engine, which answers at once.
     python bench/api_routes_bench.py --routes chat       # chat completions only
     python bench/api_routes_bench.py --routes chat,messages --modes stream --json routes.json
     python bench/api_routes_bench.py --routes chat,generate,embeddings,embeddings16
+    python bench/api_routes_bench.py --baseline-tree /tmp/base   # and each route against another commit
 
 The deployment is frontend_bench.py's: tandem's frontend + `python -m tandem.testing.engine` with file
 discovery and the TCP request plane, the frontend pinned to core 0, the engine and the load generator
@@ -481,13 +482,14 @@ def probe(url: str, names: list[str], modes: list[str], max_tokens: int) -> None
                          + "\n  ".join(problems))
 
 
-def run_once(index: int, names: list[str], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+def run_once(index: int, names: list[str], args: argparse.Namespace, tree: str = REPO) -> dict[str, dict[str, Any]]:
+    """One run on a fresh deployment of the code in `tree` (this checkout, or --baseline-tree)."""
     import uvloop
 
     workdir = tempfile.mkdtemp(prefix="routes-bench-")
     logdir = os.path.join(workdir, "logs")
     os.makedirs(logdir)
-    env = file_discovery_env(workdir, NAMESPACE, REPO)
+    env = file_discovery_env(workdir, NAMESPACE, tree)
     procs: list[Proc] = []
     results: dict[str, dict[str, Any]] = {}
     try:
@@ -652,6 +654,38 @@ def report(summary: dict[str, Any], names: list[str], modes: list[str], args: ar
     return lines
 
 
+def versus_tree(runs: list[dict[str, dict[str, Any]]], base_runs: list[dict[str, dict[str, Any]]],
+                names: list[str], modes: list[str]) -> dict[str, dict[str, float]]:
+    """Per level: this checkout's frontend CPU per request and requests/s over the baseline tree's, the
+    median of the ratios of runs made back to back (both error-free)."""
+    out = {}
+    for name in names:
+        for mode in filter(partial(_serves, name), modes):
+            for c in CONCURRENCIES:
+                key = _key(name, mode, c)
+                pairs = [(run[key], base[key]) for run, base in zip(runs, base_runs, strict=True)
+                         if not run[key]["errors"] and not base[key]["errors"] and base[key]["frontend_cpu_ms_per_req"] > 0]
+                if pairs:
+                    cpu = [a["frontend_cpu_ms_per_req"] / b["frontend_cpu_ms_per_req"] for a, b in pairs]
+                    out[key] = {"cpu": statistics.median(cpu), "min": min(cpu), "max": max(cpu),
+                                "rps": statistics.median(a["rps"] / b["rps"] for a, b in pairs), "runs": len(pairs)}
+    return out
+
+
+def report_versus_tree(versus: dict[str, dict[str, float]], names: list[str], modes: list[str], tree: str) -> list[str]:
+    lines = ["", f"vs the baseline tree {tree} (this checkout / baseline, runs back to back):", "",
+             "| route | mode |" + "".join(f" CPU/req c={c} | req/s c={c} |" for c in CONCURRENCIES),
+             "|---" * (2 + 2 * len(CONCURRENCIES)) + "|"]
+    for mode in modes:
+        for name in filter(lambda n: _serves(n, mode), names):
+            row = f"| {ROUTES[name].label} | {mode} |"
+            for c in CONCURRENCIES:
+                v = versus.get(_key(name, mode, c))
+                row += f" {v['cpu']:.3f}x ({v['min']:.2f}-{v['max']:.2f}) | {v['rps']:.3f}x |" if v else " n/a | n/a |"
+            lines.append(row)
+    return lines
+
+
 def plot(summary: dict[str, Any], names: list[str], modes: list[str], path: str) -> None:
     """Bars of the frontend's CPU per request, per route and concurrency (one panel per mode)."""
     import matplotlib
@@ -675,6 +709,30 @@ def plot(summary: dict[str, Any], names: list[str], modes: list[str], path: str)
     fig.savefig(path, dpi=110)
 
 
+def plot_versus(versus: dict[str, dict[str, float]], names: list[str], modes: list[str], path: str) -> None:
+    """Bars of this checkout's frontend CPU per request over the baseline tree's, per route and concurrency."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4), squeeze=False)
+    width = 0.8 / len(CONCURRENCIES)
+    for ax, mode in zip(axes[0], modes, strict=True):
+        shown = [n for n in names if _serves(n, mode)]
+        for i, c in enumerate(CONCURRENCIES):
+            values = [versus.get(_key(n, mode, c), {}).get("cpu", 0) for n in shown]
+            ax.bar([x + i * width for x in range(len(shown))], values, width, label=f"concurrency {c}")
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks([x + width * (len(CONCURRENCIES) - 1) / 2 for x in range(len(shown))])
+        ax.set_xticklabels([ROUTES[n].label for n in shown], rotation=20, ha="right", fontsize=8)
+        ax.set_ylabel("frontend CPU per request, this tree / baseline")
+        ax.set_title(f"{mode}ed" if mode == "stream" else mode)
+        ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--routes", default=",".join(ROUTES),
@@ -690,6 +748,9 @@ def main() -> None:
                         help="measure a level again if other processes used more than this %% of a core meanwhile")
     parser.add_argument("--attempts", type=int, default=3, help="measurements tried per level")
     parser.add_argument("--profile", default=None, help="write a cProfile of the frontend to this file (last run)")
+    parser.add_argument("--baseline-tree", default=None, metavar="WORKTREE",
+                        help="also run tandem from this tree (a git worktree of another commit), each run back to back "
+                             "with this checkout's, in alternating order, and report the ratios")
     parser.add_argument("--plot", default=None, metavar="PNG", help="also draw the CPU per request of each route")
     parser.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                         help="also write the results (every run, medians, ratios, errors) as JSON (stdout without PATH)")
@@ -703,11 +764,23 @@ def main() -> None:
     for name in names:
         if name not in BASELINES and ROUTES[name].baseline not in names:
             print(f"(no {ROUTES[name].baseline} in --routes: no ratio for {name})", file=sys.stderr)
-    args.runs = []
+    args.runs, base_runs = [], []
     for index in range(args.repeat):
+        if args.baseline_tree and index % 2:
+            base_runs.append(run_once(index, names, args, args.baseline_tree))
         args.runs.append(run_once(index, names, args))
+        if args.baseline_tree and not index % 2:
+            base_runs.append(run_once(index, names, args, args.baseline_tree))
     summary = summarize(args.runs, names, args.modes)
     print("\n" + "\n".join(report(summary, names, args.modes, args)))
+    if args.baseline_tree:
+        summary["baseline_tree"] = {"tree": args.baseline_tree, "runs": base_runs,
+                                    "versus": versus_tree(args.runs, base_runs, names, args.modes)}
+        print("\n".join(report_versus_tree(summary["baseline_tree"]["versus"], names, args.modes,
+                                             args.baseline_tree)))
+        if args.plot:
+            root, ext = os.path.splitext(args.plot)
+            plot_versus(summary["baseline_tree"]["versus"], names, args.modes, f"{root}-vs-baseline{ext}")
     if args.plot:
         plot(summary, names, args.modes, args.plot)
     write_json(args.json, {"routes": names, "modes": args.modes, "concurrencies": list(CONCURRENCIES),

@@ -232,6 +232,41 @@ async def test_typed_endpoint_answers_a_misshapen_request_with_400_naming_the_fi
     assert seen == [Count(2, "k")]
 
 
+async def test_items_decode_into_their_struct_and_a_misshapen_one_fails_the_stream(runtimes, namespace):
+    """With `item_type`, the caller gets each item as that Struct; an item that does not fit ends the stream
+    with the worker's error (500) and stops the handler, and the server goes on serving."""
+    import msgspec
+
+    class Item(msgspec.Struct):
+        i: int
+
+    stopped = asyncio.Event()
+
+    async def items(request, context):
+        try:
+            yield {"i": 0}
+            yield {"i": "one"} if request.get("bad") else {"i": 1}
+            await asyncio.sleep(30)
+            yield {"i": 2}
+        finally:
+            stopped.set()
+
+    runtime = await runtimes()
+    endpoint = await serve(runtime, namespace, items)
+    client = await (await runtimes()).endpoint(endpoint.path).client()
+    instance = (await client.wait_for_instances(1, timeout=5))[0]
+    got = []
+    with pytest.raises(RemoteError) as info:
+        async for item in await client.direct({"bad": True}, instance, item_type=Item):
+            got.append(item)
+    assert got == [Item(0)]
+    assert info.value.code == 500 and "not in the contract's shape" in str(info.value)
+    await asyncio.wait_for(stopped.wait(), 5)  # the handler was killed, not left to run
+    stream = await client.direct({"n": 1}, instance, item_type=Item)
+    assert [await anext(stream), await anext(stream)] == [Item(0), Item(1)]
+    await stream.aclose()
+
+
 async def test_engine_shutdown_marks_stream_incomplete(runtimes, namespace):
     async def leaving(request):
         yield {"i": 0}
