@@ -153,11 +153,14 @@ def hf_env_names() -> frozenset[str]:
 
 @functools.cache
 def frontend_paths() -> frozenset[str]:
-    """The GET routes the frontend's HTTP server adds (tandem/frontend/http.py)."""
-    tree = ast.parse((REPO / "tandem" / "frontend" / "http.py").read_text())
-    return frozenset(node.args[0].value for node in ast.walk(tree)
-                     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                     and node.func.attr == "add_get" and isinstance(node.args[0], ast.Constant))
+    """The GET routes the frontend's HTTP server and its APIs declare (`web.get(path, ...)` in tandem/frontend/)."""
+    paths = set()
+    for source in (REPO / "tandem" / "frontend").rglob("*.py"):
+        paths |= {node.args[0].value for node in ast.walk(ast.parse(source.read_text()))
+                  if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+                  and isinstance(node.func.value, ast.Name) and node.func.value.id == "web"
+                  and node.args and isinstance(node.args[0], ast.Constant)}
+    return frozenset(paths)
 
 
 def flag(args: list[str], name: str) -> str | None:
