@@ -110,8 +110,7 @@ async def test_taken_system_port_fails_start_and_releases_the_request_plane(name
     import pytest
 
     from tandem.runtime import ConfigError, DistributedRuntime
-
-    from .conftest import runtime_config
+    from tests.support.runtimes import runtime_config
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
