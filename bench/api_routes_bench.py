@@ -686,8 +686,9 @@ def report_versus_tree(versus: dict[str, dict[str, float]], names: list[str], mo
     return lines
 
 
-def plot(summary: dict[str, Any], names: list[str], modes: list[str], path: str) -> None:
-    """Bars of the frontend's CPU per request, per route and concurrency (one panel per mode)."""
+def _bars(value: Callable[[str], float], names: list[str], modes: list[str], ylabel: str, path: str,
+          line: float | None = None) -> None:
+    """Bars of `value(level key)` per route and concurrency, one panel per mode; `line`: a reference level."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -698,39 +699,29 @@ def plot(summary: dict[str, Any], names: list[str], modes: list[str], path: str)
     for ax, mode in zip(axes[0], modes, strict=True):
         shown = [n for n in names if _serves(n, mode)]
         for i, c in enumerate(CONCURRENCIES):
-            values = [summary["medians"].get(_key(n, mode, c), {}).get("frontend_cpu_ms_per_req", 0) for n in shown]
+            values = [value(_key(n, mode, c)) for n in shown]
             ax.bar([x + i * width for x in range(len(shown))], values, width, label=f"concurrency {c}")
+        if line is not None:
+            ax.axhline(line, color="black", linewidth=0.8)
         ax.set_xticks([x + width * (len(CONCURRENCIES) - 1) / 2 for x in range(len(shown))])
         ax.set_xticklabels([ROUTES[n].label for n in shown], rotation=20, ha="right", fontsize=8)
-        ax.set_ylabel("frontend CPU per request (ms)")
+        ax.set_ylabel(ylabel)
         ax.set_title(f"{mode}ed" if mode == "stream" else mode)
         ax.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def plot(summary: dict[str, Any], names: list[str], modes: list[str], path: str) -> None:
+    """Bars of the frontend's CPU per request, per route and concurrency (one panel per mode)."""
+    _bars(lambda key: summary["medians"].get(key, {}).get("frontend_cpu_ms_per_req", 0), names, modes,
+          "frontend CPU per request (ms)", path)
 
 
 def plot_versus(versus: dict[str, dict[str, float]], names: list[str], modes: list[str], path: str) -> None:
     """Bars of this checkout's frontend CPU per request over the baseline tree's, per route and concurrency."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4), squeeze=False)
-    width = 0.8 / len(CONCURRENCIES)
-    for ax, mode in zip(axes[0], modes, strict=True):
-        shown = [n for n in names if _serves(n, mode)]
-        for i, c in enumerate(CONCURRENCIES):
-            values = [versus.get(_key(n, mode, c), {}).get("cpu", 0) for n in shown]
-            ax.bar([x + i * width for x in range(len(shown))], values, width, label=f"concurrency {c}")
-        ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.set_xticks([x + width * (len(CONCURRENCIES) - 1) / 2 for x in range(len(shown))])
-        ax.set_xticklabels([ROUTES[n].label for n in shown], rotation=20, ha="right", fontsize=8)
-        ax.set_ylabel("frontend CPU per request, this tree / baseline")
-        ax.set_title(f"{mode}ed" if mode == "stream" else mode)
-        ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _bars(lambda key: versus.get(key, {}).get("cpu", 0), names, modes,
+          "frontend CPU per request, this tree / baseline", path, line=1.0)
 
 
 def main() -> None:
