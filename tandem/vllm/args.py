@@ -140,6 +140,7 @@ class Config:
     kv_events_endpoint: str | None = None  # where a subscriber on this host connects, e.g. tcp://127.0.0.1:20080
     nixl_side_channel: tuple[str, int] | None = None  # (host, port) of NIXL's handshake listener, if NIXL is used
     env_updates: dict[str, str] = field(default_factory=dict)  # variables build_config exported
+    dtype_note: str | None = None  # CPU: the dtype `--dtype auto` became, and why (logged at start)
 
     @property
     def block_size(self) -> int:

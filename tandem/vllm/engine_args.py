@@ -1,5 +1,6 @@
 """The values Dynamo forces on vLLM's engine args, and tandem's CPU defaults: prefix caching, the block size,
-the KV connector and KV event configs, NIXL's side channel (host and a claimed port), the thinking budget.
+the KV connector and KV event configs, NIXL's side channel (host and a claimed port), the thinking budget,
+the dtype of `--dtype auto` on CPU (`cpu_dtype.py`).
 
 `apply_engine_defaults` runs once `build_config` has parsed and validated the command line.
 """
@@ -11,6 +12,8 @@ import os
 import re
 import socket
 from typing import TYPE_CHECKING, Any
+
+from tandem.vllm.cpu_dtype import apply_cpu_dtype
 
 if TYPE_CHECKING:
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -90,6 +93,8 @@ def apply_engine_defaults(config: Config) -> None:
             config.env_updates["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_cores
     elif config.cpu_cores and not config.is_cpu:
         log.warning("--cpu-cores %s ignored: vLLM is not running on its CPU backend", config.cpu_cores)
+    if config.is_cpu:
+        apply_cpu_dtype(config)
     if config.is_cpu and "VLLM_USE_AOT_COMPILE" not in os.environ:
         # vllm-cpu 0.32 saves its AOT-compiled model but cannot load it back ("'function' object has no
         # attribute 'finalize_loading'"), so every start compiled again (2-4 min on a 2-core host). Without

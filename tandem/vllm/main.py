@@ -254,6 +254,8 @@ def _expose_engine_metrics(runtime: DistributedRuntime) -> None:
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(sys.argv[1:] if argv is None else argv)
     configure_logging()
+    if config.dtype_note:
+        log.info("%s", config.dtype_note)
     return run(lambda: worker(config))
 
 
