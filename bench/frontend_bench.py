@@ -447,6 +447,16 @@ def main() -> None:
     rows = [(key, label.format(streams=args.streams), better) for key, label, better in ROWS]
     print("\n".join(comparison_table(results, rows, "tandem advantage",
                                      lambda t, d, better: f"{d / t if better == 'low' else t / d:.3f}x")))
+    print("\nThe frontend's CPU per request (its own CPU time from /proc, µs), each run:")
+    for key in ("frontend_cpu_us_per_req_c1", "frontend_cpu_us_per_req_c64"):
+        for impl, runs in all_runs.items():
+            values = sorted(run[key] for run in runs)
+            print(f"  {key:30s} {impl:7s} median {statistics.median(values):7.1f}  runs {', '.join(f'{v:.0f}' for v in values)}")
+    if "tandem" in all_runs:
+        for other in (impl for impl in all_runs if impl != "tandem"):
+            print(f"  tandem / {other}, c=64, the ratio of each interleaved pair: " + ", ".join(
+                f"{t['frontend_cpu_us_per_req_c64'] / o['frontend_cpu_us_per_req_c64']:.3f}"
+                for t, o in zip(all_runs["tandem"], all_runs[other], strict=True)))
     print("\n" + json.dumps(results))
 
 

@@ -22,6 +22,7 @@ from tandem.router.kv_router import KvRouter, RouterMetrics
 from tandem.runtime import DistributedRuntime, RuntimeConfig, add_runtime_args, configure_logging, run
 from tandem.runtime.config import WILDCARDS, env_str
 from tandem.runtime.keys import frontend_key, parse_endpoint_path
+from tandem.runtime.logs import lean_records
 from tandem.runtime.options import (
     MIGRATION_LIMIT,
     ROUTER_MODES,
@@ -232,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # including a parser name that is not built
         parser.error(str(e))
     configure_logging()
+    lean_records()
     if frontend.num_processes > 1:
         return run(lambda: supervise(sys.argv[1:] if argv is None else argv, frontend.http_host, frontend.http_port,
                                      frontend.num_processes, replica_sync=frontend.router_mode is RouterMode.KV))

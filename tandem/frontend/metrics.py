@@ -1,8 +1,11 @@
-"""Frontend metrics with Dynamo's names (`dynamo_frontend_*`, labelled by model)."""
+"""Frontend metrics with Dynamo's names (`dynamo_frontend_*`, labelled by model); updated from the event loop
+only, so without prometheus_client's locks."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
+
+from tandem.runtime.loop_metrics import Counter, Gauge, Histogram
 
 PREFIX = "dynamo_frontend"
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -12,13 +15,13 @@ _TOKENS = (1, 8, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 131072)
 class FrontendMetrics:
     def __init__(self, registry: CollectorRegistry, instance_id: int | None = None) -> None:
         def counter(name: str, doc: str, labels: tuple[str, ...]) -> Counter:
-            return Counter(f"{PREFIX}_{name}", doc, labels, registry=registry)
+            return Counter(f"{PREFIX}_{name}", doc, labels, registry)
 
         def gauge(name: str, doc: str, labels: tuple[str, ...] = ("model",)) -> Gauge:
-            return Gauge(f"{PREFIX}_{name}", doc, labels, registry=registry)
+            return Gauge(f"{PREFIX}_{name}", doc, labels, registry)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(f"{PREFIX}_{name}", doc, ("model",), buckets=buckets, registry=registry)
+            return Histogram(f"{PREFIX}_{name}", doc, ("model",), registry, buckets)
 
         self.requests = counter("requests", "Requests handled", ("model", "endpoint", "request_type", "status"))
         self.inflight = gauge("inflight_requests", "Requests being handled now")
@@ -48,7 +51,7 @@ class FrontendMetrics:
         if instance_id is not None:
             # Which process wrote the page: one address may be served by several (--num-processes, a Service).
             Gauge("tandem_frontend_instance_info", "This frontend process: its discovery instance id", ("instance",),
-                  registry=registry).labels(f"{instance_id:x}").set(1)
+                  registry).labels(f"{instance_id:x}").set(1)
         self.model_gauges = {
             name: gauge(f"model_{name}", f"Model configuration: {name}")
             for name in ("total_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "context_length",

@@ -40,6 +40,7 @@ from tandem.runtime import Context, DistributedRuntime, RemoteError, StreamIncom
 log = logging.getLogger("tandem.frontend")
 
 SSE_BATCH = 16  # most SSE events held back for one write while the worker's outputs are already here
+BURST_SLICE = 4  # outputs of a burst handled before the stream lets other requests run
 # (request id, the prepared request) -> the request's answer in its route's format
 AnswerFactory = Callable[[str, Prepared], Answer]
 ErrorShape = Callable[[RequestError], dict[str, Any]]
@@ -188,6 +189,8 @@ class Serving:
         # preflight: refuse it. No Content-Type at all is read as JSON, as vLLM does.
         if request.headers.get("Content-Type") is not None and not _is_json(request.content_type):
             raise RequestError(f"Content-Type must be application/json (got {request.content_type!r})", status=415)
+        if request.content.is_eof():  # the whole body came with the headers (the common case): no timer
+            return await request.read()
         try:
             async with asyncio.timeout(self.config.body_read_timeout):
                 return await request.read()
@@ -320,16 +323,24 @@ class Serving:
         whether the request succeeded; a failure mid-stream ends the stream with the route's error event."""
         answer, attempt = exchange.answer, exchange.tracked.attempt
         # Events wait in `pending` while the worker's next output is already here, so a burst goes out
-        # in one write; the first content, and any event before a wait, go out at once.
+        # in few writes; the first content, and any event before a wait, go out at once. Every few outputs of
+        # a burst the stream steps back behind the other requests ready to run, so that one stream's burst
+        # never holds back other requests' first tokens for long.
         pending: list[bytes] = answer.opening()
         flushed = False
+        since_yield = 0
         try:
             async for delta, parsed in self._deltas(exchange):
                 pending.extend(answer.delta(delta, parsed))
-                if pending and (not flushed or not attempt.output_ready or len(pending) >= SSE_BATCH):
+                ready = attempt.output_ready
+                if pending and (not flushed or not ready or len(pending) >= SSE_BATCH):
                     await response.write(b"".join(pending))
                     pending.clear()
                     flushed = True
+                since_yield += 1
+                if ready and since_yield >= BURST_SLICE:
+                    since_yield = 0
+                    await asyncio.sleep(0)
         except STREAM_ERRORS as e:
             log.warning("request %s failed mid-stream: %s", exchange.tracked.request_id, e)
             pending.append(answer.failure(public_error(e)))
@@ -371,7 +382,8 @@ class Serving:
                     outcome.first_token_at = now
                     queued.dec()
                 elif outcome.last_token_at is not None:
-                    itl.observe((now - outcome.last_token_at) / len(delta.token_ids))
+                    n = len(delta.token_ids)  # the gap shared by the tokens that came together, as Dynamo counts it
+                    itl.observe((now - outcome.last_token_at) / n, n)
                 outcome.last_token_at = now
             outcome.completion_tokens = delta.completion_tokens
             if delta.error:

@@ -30,10 +30,27 @@ def _level(name: str) -> int:
         raise ValueError(f"DYN_LOG: unknown level {name!r}; use one of {', '.join(_LEVELS)}") from None
 
 
+class _Seconds:
+    """A record's time to the second, formatted once per second (a frontend logs a line per request)."""
+
+    def __init__(self) -> None:
+        self.second = -1
+        self.text = ""
+
+    def __call__(self, created: float) -> str:
+        second = int(created)
+        if second != self.second:
+            self.text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+            self.second = second
+        return self.text
+
+
+_second = _Seconds()
+
+
 class _TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-        line = f"{ts}.{int(record.msecs):03d}Z {record.levelname:<5} {record.name}: {record.getMessage()}"
+        line = f"{_second(record.created)}.{int(record.msecs):03d}Z {record.levelname:<5} {record.name}: {record.getMessage()}"
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
         return line
@@ -42,7 +59,7 @@ class _TextFormatter(logging.Formatter):
 class _JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         entry = {
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "time": f"{_second(record.created)}.{int(record.msecs):03d}Z",
             "level": record.levelname,
             "target": record.name,
             "message": record.getMessage(),
@@ -77,3 +94,11 @@ def configure_logging(spec: str | None = None, *, jsonl: bool | None = None) -> 
     root.setLevel(root_level)
     for logger_name, logger_level in per_logger.items():
         logging.getLogger(logger_name).setLevel(logger_level)
+
+
+def lean_records() -> None:
+    """Log records without their caller's file and line, thread and process, which tandem's formats do not
+    print: a process that logs a line per request (the frontend) skips a walk of the stack per line. Not for
+    processes whose libraries log with formats of their own (vLLM prints the file and line)."""
+    logging._srcfile = None  # type: ignore[attr-defined]
+    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False

@@ -185,7 +185,7 @@ async def _generate(pipeline: ModelPipeline, context: Context | None = None) -> 
 
 
 def _count(metrics: FrontendMetrics, outcome: str) -> float:
-    return metrics.remote_prefills.labels("m", outcome)._value.get()
+    return metrics.remote_prefills.labels("m", outcome).value
 
 
 async def test_prefill_then_decode(runtimes: Any, namespace: str, smollm2: str) -> None:
@@ -203,8 +203,8 @@ async def test_prefill_then_decode(runtimes: Any, namespace: str, smollm2: str) 
     # The decode stage does not count the prompt as load on the decode worker.
     assert workers.decode_prefill_load == [0]
     assert _count(metrics, "ok") == 1
-    assert metrics.prefill_seconds.labels("m")._sum.get() > 0
-    assert metrics.kv_transfer_seconds.labels("m")._sum.get() == pytest.approx(0.004)
+    assert metrics.prefill_seconds.labels("m").sum > 0
+    assert metrics.kv_transfer_seconds.labels("m").sum == pytest.approx(0.004)
     # Both routers freed the request.
     assert len(pipeline.prefill_router.sequences) == 0  # type: ignore[union-attr]
     assert len(pipeline.kv_router.sequences) == 0  # type: ignore[union-attr]
@@ -233,7 +233,7 @@ async def test_aggregated_requests_keep_prefill_load(runtimes: Any, namespace: s
     await _generate(pipeline)
     assert "prefill_result" not in workers.decode_requests[0]
     assert workers.decode_prefill_load == [len(PROMPT)]
-    assert metrics.remote_prefills.collect()[0].samples == []  # not a disaggregated model: nothing counted
+    assert not metrics.remote_prefills.children  # not a disaggregated model: nothing counted
 
 
 async def test_no_prefill_worker_under_enforce_disagg(runtimes: Any, namespace: str, smollm2: str) -> None:

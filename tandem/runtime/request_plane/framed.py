@@ -264,15 +264,20 @@ class FramedResponseStream(ResponseStream):
         if self._context.is_stopped():  # signalled before the stream existed: forward it now
             self._on_signal(self._context.is_killed())
         if not self.accepted.done():
+            # A timer rather than asyncio.timeout (a timer and a task-cancellation dance per request), and not
+            # wait_for: on Python 3.11 it returns when the acceptance and the caller's cancellation arrive
+            # together, and the request would go on running for a client that has left.
+            timer = asyncio.get_running_loop().call_later(timeout, self._not_accepted)
             try:
-                # Not wait_for: on Python 3.11 it returns when the acceptance and the caller's cancellation
-                # arrive together, and the request would go on running for a client that has left.
-                async with asyncio.timeout(timeout):
-                    await asyncio.shield(self.accepted)
-            except TimeoutError:
-                self._channel.send(KILL, self._id)
-                self.finish(_FAILED, InstanceUnreachableError(f"{self._where}: not accepted in time"))
+                await asyncio.shield(self.accepted)
             except asyncio.CancelledError:  # the caller went away: the request must not run on unseen
                 self._on_signal(True)
                 raise
+            finally:
+                timer.cancel()
         self.accepted.result()
+
+    def _not_accepted(self) -> None:
+        if self._state == _OPEN and not self.accepted.done():
+            self._channel.send(KILL, self._id)
+            self.finish(_FAILED, InstanceUnreachableError(f"{self._where}: not accepted in time"))

@@ -5,6 +5,7 @@ shapes. Unknown top-level fields are ignored, as OpenAI clients send extras."""
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from collections.abc import Iterable
@@ -13,6 +14,7 @@ from typing import Any
 import msgspec
 
 from tandem.frontend.protocol.errors import fail, from_validation
+from tandem.frontend.protocol.sse import TextEvents
 from tandem.frontend.protocol.validation import (
     I64_MAX,
     MAX_LOGPROBS,
@@ -336,6 +338,15 @@ class _Stream:
         self.include_usage = include_usage
         self._usage: None | msgspec.UnsetType = None if include_usage else msgspec.UNSET
 
+    def _plain(self, text: str) -> dict[str, Any]:
+        """The chunk of a plain text delta (no logprobs, not finished)."""
+        raise NotImplementedError
+
+    @functools.cached_property
+    def text_event(self) -> TextEvents:
+        """The SSE event of `_plain(text)`, the envelope encoded once per stream."""
+        return TextEvents(self._plain)
+
 
 class ChatStream(_Stream):
     """The chunks of one streamed chat completion in OpenAI's order: `start()` (role), `content()`
@@ -352,6 +363,8 @@ class ChatStream(_Stream):
 
     def content(self, text: str, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         return self._chunk({"content": text}, logprobs=logprobs)
+
+    _plain = content
 
     def reasoning(self, text: str, field: str, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         return self._chunk({field: text}, logprobs=logprobs)
@@ -377,6 +390,8 @@ class CompletionStream(_Stream):
 
     def finish(self, finish_reason: str) -> dict[str, Any]:
         return self.text("", finish_reason=finish_reason)
+
+    _plain = text
 
     def usage(self, usage: dict[str, Any]) -> dict[str, Any]:
         return completion_usage_chunk(self.id, self.created, self.model, usage)

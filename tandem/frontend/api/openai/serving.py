@@ -182,7 +182,9 @@ class ChatAnswer(_ChunkAnswer):
         chunks = self.chunks
         logprobs = chat_logprobs(delta.logprobs) if delta.logprobs else None
         if parsed is None:  # no parser: the text is content
-            return [sse(chunks.content(delta.text, logprobs))] if delta.text or logprobs else []
+            if logprobs:
+                return [sse(chunks.content(delta.text, logprobs))]
+            return [chunks.text_event(delta.text)] if delta.text else []
         events = []
         if parsed.reasoning:
             events.append(sse(chunks.reasoning(parsed.reasoning, self.reasoning_field, logprobs)))
@@ -217,7 +219,7 @@ class CompletionAnswer(_ChunkAnswer):
             return []
         logprobs = completion_logprobs(delta.logprobs, self.text_offset) if delta.logprobs else None
         self.text_offset += len(delta.text)
-        return [sse(self.chunks.text(delta.text, logprobs))]
+        return [sse(self.chunks.text(delta.text, logprobs)) if logprobs else self.chunks.text_event(delta.text)]
 
     def body(self, outcome: Outcome, ending: Ending) -> Any:
         chunks = self.chunks
