@@ -40,7 +40,6 @@ from tandem.runtime import Context, DistributedRuntime, RemoteError, StreamIncom
 log = logging.getLogger("tandem.frontend")
 
 SSE_BATCH = 16  # most SSE events held back for one write while the worker's outputs are already here
-BURST_SLICE = 4  # outputs of a burst handled before the stream lets other requests run
 # (request id, the prepared request) -> the request's answer in its route's format
 AnswerFactory = Callable[[str, Prepared], Answer]
 ErrorShape = Callable[[RequestError], dict[str, Any]]
@@ -323,24 +322,16 @@ class Serving:
         whether the request succeeded; a failure mid-stream ends the stream with the route's error event."""
         answer, attempt = exchange.answer, exchange.tracked.attempt
         # Events wait in `pending` while the worker's next output is already here, so a burst goes out
-        # in few writes; the first content, and any event before a wait, go out at once. Every few outputs of
-        # a burst the stream steps back behind the other requests ready to run, so that one stream's burst
-        # never holds back other requests' first tokens for long.
+        # in one write; the first content, and any event before a wait, go out at once.
         pending: list[bytes] = answer.opening()
         flushed = False
-        since_yield = 0
         try:
             async for delta, parsed in self._deltas(exchange):
                 pending.extend(answer.delta(delta, parsed))
-                ready = attempt.output_ready
-                if pending and (not flushed or not ready or len(pending) >= SSE_BATCH):
+                if pending and (not flushed or len(pending) >= SSE_BATCH or not attempt.output_ready):
                     await response.write(b"".join(pending))
                     pending.clear()
                     flushed = True
-                since_yield += 1
-                if ready and since_yield >= BURST_SLICE:
-                    since_yield = 0
-                    await asyncio.sleep(0)
         except STREAM_ERRORS as e:
             log.warning("request %s failed mid-stream: %s", exchange.tracked.request_id, e)
             pending.append(answer.failure(public_error(e)))
