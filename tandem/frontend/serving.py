@@ -322,7 +322,9 @@ class Serving:
         whether the request succeeded; a failure mid-stream ends the stream with the route's error event."""
         answer, attempt = exchange.answer, exchange.tracked.attempt
         # Events wait in `pending` while the worker's next output is already here, so a burst goes out
-        # in one write; the first content, and any event before a wait, go out at once.
+        # in one write; the first content, and any event before a wait, go out at once. Once its first token
+        # is out, a stream whose burst is here steps back once behind the requests ready to run, so a burst
+        # does not hold back the first tokens of the streams whose outputs came with it.
         pending: list[bytes] = answer.opening()
         flushed = False
         try:
@@ -331,7 +333,10 @@ class Serving:
                 if pending and (not flushed or len(pending) >= SSE_BATCH or not attempt.output_ready):
                     await response.write(b"".join(pending))
                     pending.clear()
-                    flushed = True
+                    if not flushed:
+                        flushed = True
+                        if attempt.output_ready:
+                            await asyncio.sleep(0)
         except STREAM_ERRORS as e:
             log.warning("request %s failed mid-stream: %s", exchange.tracked.request_id, e)
             pending.append(answer.failure(public_error(e)))
