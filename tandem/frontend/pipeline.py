@@ -83,11 +83,9 @@ def _output_type(request: Any) -> type:
     return TextChunk if isinstance(request, dict) else OUTPUT_OF[type(request)]
 
 
-def _finished(output: LLMEngineOutput | TextChunk | EmbeddingOutput) -> bool:
-    """Token engines set `finish_reason`; text engines stream OpenAI chunks with it per choice; an
-    embedding engine's one output is its whole answer."""
-    if isinstance(output, LLMEngineOutput):
-        return output.finish_reason is not None
+def _finished(output: TextChunk | EmbeddingOutput) -> bool:
+    """Text engines stream OpenAI chunks with `finish_reason` per choice; an embedding engine's one output is its
+    whole answer. (A token engine's output has its own `finish_reason`, read in the loop.)"""
     if isinstance(output, TextChunk):
         return any(choice.finish_reason for choice in output.choices)
     return True
@@ -300,17 +298,25 @@ class ModelPipeline:
                     self.metrics.migration(self.model.name, "new_request")
                     continue
                 try:
+                    arrived = False  # the worker's first token: its prompt is no longer prefill load
                     async for output in stream:
                         if decode_stage:
                             self._decode_stage_output(output, prefill_details)
-                        ids = output.token_ids if isinstance(output, LLMEngineOutput) else None
+                        if type(output) is not LLMEngineOutput:
+                            yield output
+                            if _finished(output):
+                                return
+                            continue
+                        ids = output.token_ids
                         if ids:
-                            prefill.done()
-                            if routed is not None:  # the KV router stops counting its prompt as load
-                                routed.tokens_arrived()
+                            if not arrived:
+                                arrived = True
+                                prefill.done()
+                                if routed is not None:  # the KV router stops counting its prompt as load
+                                    routed.tokens_arrived()
                             attempt.generated.extend(ids)
                         yield output
-                        if _finished(output):
+                        if output.finish_reason is not None:
                             return
                     if context.is_stopped():
                         return

@@ -340,12 +340,10 @@ class Serving:
         except STREAM_ERRORS as e:
             log.warning("request %s failed mid-stream: %s", exchange.tracked.request_id, e)
             pending.append(answer.failure(public_error(e)))
-            await response.write(b"".join(pending))
-            await response.write_eof()
+            await response.write_eof(b"".join(pending))  # the last events and the end of the body: one send
             return False
         pending.extend(answer.closing(exchange.tracked.outcome, _ending(exchange)))
-        await response.write(b"".join(pending))
-        await response.write_eof()
+        await response.write_eof(b"".join(pending))
         return True
 
     async def _unary(self, exchange: Exchange) -> tuple[web.Response, bool]:
