@@ -1,8 +1,11 @@
-"""Router indexer micro-benchmark: `find_matches` latency and KV event throughput of
-`tandem.router.indexer` on a synthetic index of shared-prefix conversations.
+"""Router indexer micro-benchmark: `find_matches` latency, KV event throughput and memory per
+indexed block of `tandem.router.indexer` on a synthetic index of shared-prefix conversations.
 
     .venv/bin/python bench/router_micro.py                       # 1M blocks, full matrix
     .venv/bin/python bench/router_micro.py --blocks 200000 --workers 64 --prompts 8192
+    # 32k-token prompts (2,048 blocks of 16), three rounds, against another checkout's indexer
+    .venv/bin/python bench/router_micro.py --workers 64 --prompts 32768 --block-sizes 16 --rounds 3 \
+        --baseline-tree /tmp/router-base
 
 Index: conversations of `prompt` tokens, each a shared system prompt (a quarter of the
 conversation, one of 16) followed by unique blocks, stored on `--holders` random workers; each
@@ -12,18 +15,31 @@ tree has about `--blocks` nodes (worker-blocks, counting each holder, are about 
 Queries are full conversations from the index (the worst case: the walk goes as deep as the
 deepest holder). Event throughput is measured through `KvIndexer.apply_event` on pre-built
 `RouterEvent`s (decoding excluded), with the garbage collector on as in the frontend.
+
+Each configuration's events are built once; every round applies them to a fresh index (one per
+indexer under test, alternated), times the queries and then the removals. `--baseline-tree` loads
+`tandem/router/indexer.py` of another checkout (e.g. a `git worktree` of an older commit) as a
+second indexer, so both are measured in one process on the same events; it imports this tree's
+`tandem.router.protocols`. Memory per indexed block: tracemalloc's traced bytes after building
+the index from freshly built events and dropping the events, minus before (the index keeps the
+hash ints it was given), per tree node and per worker-block; one build per indexer, untimed.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import random
 import resource
 import statistics
+import sys
 import time
+import tracemalloc
+from pathlib import Path
+from types import ModuleType
 
-from tandem.router.indexer import KvIndexer
+from tandem.router import indexer as current_indexer
 from tandem.router.protocols import KvBlock, RouterEvent, removed_event, stored_event
 
 SYSTEM_PROMPTS = 16
@@ -76,7 +92,7 @@ def event_blocks(events: list[RouterEvent]) -> int:
                for e in events)
 
 
-def apply_all(indexer: KvIndexer, events: list[RouterEvent]) -> float:
+def apply_all(indexer: current_indexer.KvIndexer, events: list[RouterEvent]) -> float:
     """Blocks per second applying `events`."""
     apply = indexer.apply_event
     start = time.perf_counter()
@@ -86,7 +102,7 @@ def apply_all(indexer: KvIndexer, events: list[RouterEvent]) -> float:
     return event_blocks(events) / elapsed
 
 
-def time_queries(indexer: KvIndexer, conversations: list[list[int]], queries: int,
+def time_queries(indexer: current_indexer.KvIndexer, conversations: list[list[int]], queries: int,
                  rng: random.Random) -> tuple[float, float, float]:
     """p50, p99 (µs) of find_matches, and the mean number of blocks matched."""
     find = indexer.tree.find_matches
@@ -102,6 +118,38 @@ def time_queries(indexer: KvIndexer, conversations: list[list[int]], queries: in
     return statistics.median(samples), samples[int(len(samples) * 0.99)], depth / queries
 
 
+def load_indexer(tree: Path) -> ModuleType:
+    """`tandem/router/indexer.py` of the checkout at `tree`, as a module of its own."""
+    spec = importlib.util.spec_from_file_location("baseline_indexer", tree / "tandem" / "router" / "indexer.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (dataclasses look their module up)
+    spec.loader.exec_module(module)
+    return module
+
+
+def index_memory(module: ModuleType, args: argparse.Namespace, workers: int, conv_blocks: int) -> int:
+    """Bytes the index holds once built: traced before and after, with the events built inside."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        stored, conversations, removed = build_events(
+            args.blocks, workers, conv_blocks, args.holders, args.batch, random.Random(args.seed))
+        indexer = module.KvIndexer()
+        for event in stored:
+            indexer.apply_event(event)
+        del stored, conversations, removed
+        gc.collect()
+        return tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--blocks", type=int, default=1_000_000, help="blocks (tree nodes) in the index")
@@ -111,34 +159,66 @@ def main() -> None:
     parser.add_argument("--holders", type=int, default=4, help="workers holding each conversation")
     parser.add_argument("--batch", type=int, default=32, help="blocks per stored/removed event")
     parser.add_argument("--queries", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=1, help="fresh index, queries and removals per round")
+    parser.add_argument("--baseline-tree", type=Path, help="another checkout whose indexer runs alongside")
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory builds")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
+    indexers: list[tuple[str, ModuleType]] = [("current", current_indexer)]
+    if args.baseline_tree:
+        indexers.insert(0, ("baseline", load_indexer(args.baseline_tree)))
     print(f"index: ~{args.blocks:,} blocks (tree nodes), {args.holders} holders per conversation, "
-          f"{args.batch} blocks per event\n")
-    print("| prompt tokens | block size | blocks/prompt | workers | tree nodes | worker-blocks | matched | "
-          "find_matches p50 µs | p99 µs | store blocks/s | remove blocks/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          f"{args.batch} blocks per event, {args.queries:,} queries and {args.rounds} round(s) per row"
+          + (f"; baseline: {args.baseline_tree}" if args.baseline_tree else "") + "\n")
+    print("| prompt tokens | block size | blocks/prompt | workers | indexer | round | tree nodes | worker-blocks | "
+          "matched | find_matches p50 µs | p99 µs | store blocks/s | remove blocks/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    summary: list[str] = []
     for prompt in args.prompts:
         for block_size in args.block_sizes:
             conv_blocks = prompt // block_size
             for workers in args.workers:
-                rng = random.Random(args.seed)
                 stored, conversations, removed = build_events(
-                    args.blocks, workers, conv_blocks, args.holders, args.batch, rng)
-                indexer = KvIndexer()
-                store_rate = apply_all(indexer, stored)
-                nodes = indexer.tree.num_blocks()
-                worker_blocks = sum(indexer.tree.num_blocks(w) for w in indexer.tree.workers())
+                    args.blocks, workers, conv_blocks, args.holders, args.batch, random.Random(args.seed))
+                runs: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name, _ in indexers}
+                shape = ""
+                for round_ in range(1, args.rounds + 1):
+                    for name, module in indexers:
+                        indexer = module.KvIndexer()
+                        store_rate = apply_all(indexer, stored)
+                        nodes = indexer.tree.num_blocks()
+                        worker_blocks = sum(indexer.tree.num_blocks(w) for w in indexer.tree.workers())
+                        gc.collect()
+                        p50, p99, depth = time_queries(indexer, conversations, args.queries,
+                                                       random.Random(args.seed + round_))
+                        remove_rate = apply_all(indexer, removed)
+                        runs[name].append((p50, p99, store_rate, remove_rate))
+                        shape = f"{nodes:,} | {worker_blocks:,}"
+                        print(f"| {prompt} | {block_size} | {conv_blocks} | {workers} | {name} | {round_} | "
+                              f"{shape} | {depth:.0f} | {p50:.1f} | {p99:.1f} | {store_rate:,.0f} | "
+                              f"{remove_rate:,.0f} |", flush=True)
+                        del indexer
+                        gc.collect()
+                del stored, removed, conversations
                 gc.collect()
-                p50, p99, depth = time_queries(indexer, conversations, args.queries, rng)
-                remove_rate = apply_all(indexer, removed)
-                print(f"| {prompt} | {block_size} | {conv_blocks} | {workers} | {nodes:,} | {worker_blocks:,} | {depth:.0f} | "
-                      f"{p50:.1f} | {p99:.1f} | {store_rate:,.0f} | {remove_rate:,.0f} |", flush=True)
-                del indexer, stored, removed, conversations
-                gc.collect()
+                for name, module in indexers:
+                    memory = ""
+                    if not args.no_memory:
+                        nodes, worker_blocks = (int(x.replace(",", "")) for x in shape.split(" | "))
+                        used = index_memory(module, args, workers, conv_blocks)
+                        memory = f" | {used / 2**20:,.0f} | {used / nodes:,.0f} | {used / worker_blocks:,.0f}"
+                    p50s, p99s, stores, removes = zip(*runs[name], strict=True)
+                    summary.append(f"| {prompt} | {block_size} | {workers} | {name} | {median(p50s):.1f} | "
+                                   f"{median(p99s):.1f} | {max(p99s):.1f} | {median(stores):,.0f} | "
+                                   f"{median(removes):,.0f}{memory} |")
+    print(f"\nmedian of {args.rounds} round(s); memory from tracemalloc (one build per indexer)\n")
+    print("| prompt tokens | block size | workers | indexer | p50 µs | p99 µs | worst p99 µs | store blocks/s | "
+          "remove blocks/s" + ("" if args.no_memory else " | index MiB | bytes/tree node | bytes/worker-block") + " |")
+    print("|---|---|---|---|---|---|---|---|---" + ("" if args.no_memory else "|---|---|---") + "|")
+    print("\n".join(summary))
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"\npeak RSS {peak_mib:,.0f} MiB (index plus the pre-built events)")
+    print(f"\npeak RSS {peak_mib:,.0f} MiB (indices plus the pre-built events)")
 
 
 if __name__ == "__main__":

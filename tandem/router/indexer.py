@@ -7,8 +7,11 @@ the root and scores each worker by the number of consecutive prefix blocks it ho
 `ApproxIndexer` indexes the router's own routing decisions when workers publish no events.
 
 Performance notes (this runs on the frontend's event loop): workers are bits of an int mask over
-a dense worker index, so the match walk is one dict lookup and one int `&` per block, and workers
-dropping out (rare) are the only per-worker work. Nodes are int ids into flat lists, and each
+a dense worker index. A node's children are split into plain ones (held by every worker holding
+the node) and boundary ones (`RadixTree`), so the match walk is one dict lookup per block down
+plain edges and compares masks only at the few boundary edges; workers dropping out (rare) are the
+only per-worker work. Nodes holding equal masks share one int object (`RadixTree._share`), which
+saves memory and lets updates reuse a computed mask. Nodes are int ids into flat lists, and each
 node's children a dict of ints: the index holds no container the garbage collector tracks per
 node (a tree of 1M node objects made each full collection pause the loop for ~0.5 s).
 """
@@ -20,7 +23,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import islice
+from itertools import repeat
+from operator import length_hint
 
 from tandem.router.protocols import RouterEvent
 
@@ -54,6 +58,9 @@ ROOT = 0  # node id of the root
 # Children of every leaf: shared, never mutated (saves a dict per leaf).
 _NO_CHILDREN: dict[int, int] = {}
 
+# Distinct mask values kept shared (`RadixTree._share`) before the table starts over.
+_MAX_SHARED_MASKS = 1 << 14
+
 
 class RadixTree:
     """Global prefix index: nodes keyed by the router's local block hash (tokens_hash) under their
@@ -61,7 +68,12 @@ class RadixTree:
 
     A worker holds a node while any of its engine hashes there is stored. A node nobody holds
     stays while it has children, so a re-stored middle block reconnects the chain below it;
-    childless empty nodes are dropped (their ids are reused)."""
+    childless empty nodes are dropped (their ids are reused).
+
+    A node's children are split: those held by every worker holding the node (a superset mask)
+    are its plain children (`_children`), the others its boundary children (`_boundary`). Going
+    down a plain edge nobody drops out of a match, so `find_matches` only looks at masks where it
+    crosses a boundary edge; every mask change re-places the edges it can flip (`_restep`)."""
 
     def __init__(self) -> None:
         # per node id: workers holding it (bit mask), parent, local hash, children {local hash: id}
@@ -71,6 +83,9 @@ class RadixTree:
         self._children: list[dict[int, int]] = [_NO_CHILDREN]
         self._free_ids: list[int] = []
         self._num_nodes = 0
+        self._shared: dict[int, int] = {}  # mask value -> the one object nodes hold for it
+        # node -> {local hash: id} of its boundary children (see the class notes), only where there are any
+        self._boundary: dict[int, dict[int, int]] = {}
         # (worker index, node) -> extra engine hashes the worker holds there beyond the first (rare)
         self._aliases: dict[tuple[int, int], int] = {}
         self._index: dict[WorkerKey, int] = {}  # worker -> bit index
@@ -118,45 +133,100 @@ class RadixTree:
                 return 0
             node = found
         bit = 1 << idx
-        children, masks = self._children, self._masks
+        children, masks, free_ids, boundary = self._children, self._masks, self._free_ids, self._boundary
+        restep = self._restep
+        before = after = None  # the last mask taken from and the mask it became
+        gained = False  # whether `node` took the worker's bit in this call
         for block_hash, local_hash in blocks:
             siblings = children[node]
-            child = siblings.get(local_hash)
-            if child is None:
-                child = self._new_node(node, local_hash)
-                if siblings is _NO_CHILDREN:
+            child = found = siblings.get(local_hash)
+            if child is None and node in boundary:
+                child = boundary[node].get(local_hash)
+            if child is None:  # a new node (inline: most stored blocks in a busy index are new)
+                self._num_nodes += 1
+                if free_ids:
+                    child = free_ids.pop()
+                    masks[child] = 0
+                    self._parents[child] = node
+                    self._locals[child] = local_hash
+                    children[child] = _NO_CHILDREN
+                else:
+                    child = len(masks)
+                    masks.append(0)
+                    self._parents.append(node)
+                    self._locals.append(local_hash)
+                    children.append(_NO_CHILDREN)
+                above = masks[node]
+                if above and above != bit:  # the new node (the worker alone) misses one of its parent's
+                    boundary.setdefault(node, {})[local_hash] = child
+                elif siblings is _NO_CHILDREN:
                     children[node] = {local_hash: child}
                 else:
                     siblings[local_hash] = child
+            # The split of `node`'s children: when `node` took the bit, its other plain children lacking
+            # it now miss one of its workers; `child`'s edge flips only if `child` took the bit and `node`
+            # did not (both taking it changes nothing). `child`'s own children wait for the next block.
+            if gained and len(siblings) > (found is not None):
+                for other in [other for other in children[node].values() if other != child]:
+                    restep(other)
             previous = lookup.get(block_hash)
+            took = False
             if previous != child:  # (a re-stored block needs nothing)
                 mask = masks[child]
                 if mask & bit:  # a second engine hash for a block the worker holds
                     key = (idx, child)
                     self._aliases[key] = self._aliases.get(key, 0) + 1
                 else:
-                    masks[child] = mask | bit
+                    if mask is not before:
+                        before, after = mask, self._share(mask | bit)
+                    masks[child] = after
+                    took = True
+                    if not gained:
+                        restep(child)
                 if previous is not None:  # the engine reused a hash for another chain
-                    self._release(idx, previous)
+                    self._release(idx, (previous,))
                 lookup[block_hash] = child
             node = child
+            gained = took
+        if gained:
+            for other in list(children[node].values()):
+                restep(other)
         return len(blocks)
 
-    def _new_node(self, parent: int, local_hash: int) -> int:
-        self._num_nodes += 1
-        if self._free_ids:
-            node = self._free_ids.pop()
-            self._masks[node] = 0
-            self._parents[node] = parent
-            self._locals[node] = local_hash
-            self._children[node] = _NO_CHILDREN
-        else:
-            node = len(self._masks)
-            self._masks.append(0)
-            self._parents.append(parent)
-            self._locals.append(local_hash)
-            self._children.append(_NO_CHILDREN)
-        return node
+    def _restep(self, node: int) -> None:
+        """Put `node` with its parent's plain children if it has every worker of the parent, else
+        with its boundary children."""
+        parent = self._parents[node]
+        local = self._locals[node]
+        above = self._masks[parent]
+        plain = self._children[parent]
+        if self._masks[node] & above == above:
+            if local not in plain:
+                steps = self._boundary[parent]
+                del steps[local]
+                if not steps:
+                    del self._boundary[parent]
+                if plain is _NO_CHILDREN:
+                    self._children[parent] = {local: node}
+                else:
+                    plain[local] = node
+        elif local in plain:
+            del plain[local]
+            if not plain:
+                self._children[parent] = _NO_CHILDREN
+            self._boundary.setdefault(parent, {})[local] = node
+
+    def _share(self, mask: int) -> int:
+        """The one object held for the value `mask`: a chain of nodes held by the same workers
+        then holds one object (less memory, and `store` / `_release` reuse the mask computed for
+        the block before). Sharing is only an optimisation: the table starts over when it grows."""
+        shared = self._shared
+        held = shared.get(mask)
+        if held is None:
+            if len(shared) >= _MAX_SHARED_MASKS:
+                shared.clear()
+            held = shared[mask] = mask
+        return held
 
     def remove(self, worker: WorkerKey, block_hashes: Sequence[int]) -> int:
         """Remove the worker's blocks `block_hashes` (unknown ones are ignored); returns how many
@@ -164,38 +234,63 @@ class RadixTree:
         idx = self._index.get(worker)
         if idx is None:
             return 0
-        lookup = self._lookups[idx]
-        removed = 0
-        for block_hash in block_hashes:
-            node = lookup.pop(block_hash, None)
-            if node is not None:
-                self._release(idx, node)
-                removed += 1
-        return removed
+        nodes = [node for node in map(self._lookups[idx].pop, block_hashes, repeat(None)) if node is not None]
+        self._release(idx, nodes)
+        return len(nodes)
 
-    def _release(self, idx: int, node: int) -> None:
-        """One of worker `idx`'s block hashes at `node` is gone: take the worker off the node
-        unless another one remains, then drop the nodes left empty and childless."""
-        if self._aliases:
-            key = (idx, node)
-            count = self._aliases.get(key)
-            if count is not None:
-                if count == 1:
-                    del self._aliases[key]
+    def _release(self, idx: int, nodes: Iterable[int]) -> None:
+        """One of worker `idx`'s block hashes at each of `nodes` is gone: take the worker off the
+        node unless another one remains, then drop the nodes left empty and childless."""
+        masks, children, aliases, boundary = self._masks, self._children, self._aliases, self._boundary
+        parents, locals_ = self._parents, self._locals
+        keep = ~(1 << idx)
+        before = after = None  # the last mask taken from and the mask it became
+        lost = []  # the nodes the worker is off now
+        freed = set()
+        for node in nodes:
+            if aliases:
+                key = (idx, node)
+                count = aliases.get(key)
+                if count is not None:
+                    if count == 1:
+                        del aliases[key]
+                    else:
+                        aliases[key] = count - 1
+                    continue
+            mask = masks[node]
+            if mask is not before:
+                before, after = mask, self._share(mask & keep)
+            masks[node] = after
+            lost.append(node)
+            while node != ROOT and not masks[node] and not children[node] and node not in boundary:
+                parent, local = parents[node], locals_[node]
+                siblings = children[parent]
+                if local in siblings:
+                    del siblings[local]
+                    if not siblings:
+                        children[parent] = _NO_CHILDREN
                 else:
-                    self._aliases[key] = count - 1
-                return
-        masks, children = self._masks, self._children
-        masks[node] &= ~(1 << idx)
-        while node != ROOT and not masks[node] and not children[node]:
-            parent = self._parents[node]
-            siblings = children[parent]
-            del siblings[self._locals[node]]
-            if not siblings:
-                children[parent] = _NO_CHILDREN
-            self._free_ids.append(node)
-            self._num_nodes -= 1
-            node = parent
+                    steps = boundary[parent]
+                    del steps[local]
+                    if not steps:
+                        del boundary[parent]
+                freed.add(node)
+                self._free_ids.append(node)
+                self._num_nodes -= 1
+                node = parent
+        if not lost:
+            return
+        # The split: a node off the bit may now miss a worker of its parent, unless the parent is off
+        # it too; its plain children keep every worker it has, its boundary children may not miss any.
+        off = set(lost)
+        for node in lost:
+            if freed and node in freed:
+                continue
+            if parents[node] not in off:
+                self._restep(node)
+            if node in boundary:
+                for child in [child for child in boundary[node].values() if child not in off]:
+                    self._restep(child)
 
     def clear(self, worker: WorkerKey) -> None:
         """Remove every block of `worker` (one dp rank); the worker stays known."""
@@ -203,8 +298,7 @@ class RadixTree:
         if idx is None:
             return
         lookup = self._lookups[idx]
-        for node in lookup.values():
-            self._release(idx, node)
+        self._release(idx, list(lookup.values()))
         lookup.clear()
 
     def remove_worker(self, worker_id: int) -> None:
@@ -259,12 +353,30 @@ class RadixTree:
         if early_exit and active & (active - 1) == 0:
             matched = 1
         else:
-            matched = len(local_hashes)
-            for depth, local_hash in enumerate(islice(local_hashes, 1, None), 1):
-                node = children[node].get(local_hash)  # type: ignore[assignment]
-                if node is None:
+            # The walk is the hot loop (a 32k-token prompt is 2,048 blocks): one list and one dict
+            # subscript per block, down plain edges only, where nobody drops out. A block not among
+            # the plain children is a KeyError: then it is a boundary child, where the masks are
+            # compared, or the end of the match. The depth comes from the iterator's remaining length.
+            if type(local_hashes) is not list and type(local_hashes) is not tuple:
+                local_hashes = list(local_hashes)
+            total = matched = len(local_hashes)
+            boundary = self._boundary
+            blocks = iter(local_hashes)
+            next(blocks)
+            while True:
+                try:
+                    for local_hash in blocks:
+                        node = children[node][local_hash]
+                    break
+                except KeyError:
+                    pass
+                steps = boundary.get(node)
+                child = None if steps is None else steps.get(local_hash)
+                depth = total - length_hint(blocks) - 1
+                if child is None:
                     matched = depth
                     break
+                node = child
                 still = masks[node] & active
                 if still != active:
                     # workers dropping out score the depth reached so far

@@ -3,9 +3,14 @@ operation sequences, KvIndexer event ids and gap recovery, ApproxIndexer TTL and
 
 from __future__ import annotations
 
+import array
+import random
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tandem.router import indexer as indexer_module
 from tandem.router.indexer import ApproxIndexer, EventGap, KvIndexer, RadixTree, WorkerKey
 from tandem.router.protocols import (
     KvBlock,
@@ -146,6 +151,23 @@ def test_two_engine_hashes_for_one_block() -> None:
     assert tree.num_blocks() == 0
 
 
+def test_freed_nodes_reused_under_the_same_parent() -> None:
+    """Ids freed by a removal and reused by another chain under the same parent, held by the same
+    worker (the same mask object), are not reached through the old local hashes."""
+    tree = RadixTree()
+    tree.store(A, None, chain((1, 2, 3, 4, 5)))
+    assert tree.find_matches([1, 2, 3, 4, 5]).scores == {A: 5}
+    tree.remove(A, [engine_hash((1, 2, 3, 4, 5)), engine_hash((1, 2, 3, 4)), engine_hash((1, 2, 3))])
+    assert tree.num_blocks() == 2
+    tree.store(A, engine_hash((1, 2)), chain((1, 2, 6, 7, 8))[2:])  # the freed ids again
+    assert tree.num_blocks() == 5
+    assert tree.find_matches([1, 2, 3, 4, 5]).scores == {A: 2}
+    assert tree.find_matches([1, 2, 6, 7, 8]).scores == {A: 5}
+    tree.store(B, None, chain((1, 2, 6, 7)))
+    assert tree.find_matches([1, 2, 6, 7, 8]).scores == {A: 5, B: 4}
+    assert tree.find_matches((1, 2, 6, 7, 8), early_exit=True).scores == {A: 5, B: 4}
+
+
 def test_apply_router_events() -> None:
     tree = RadixTree()
     blocks = [KvBlock(h, local) for h, local in chain((1, 2))]
@@ -253,6 +275,7 @@ def test_radix_tree_matches_naive_reference(ops: list[tuple], queries: list[tupl
             tree.remove_worker(op[1])
             naive.remove_worker(op[1])
         assert tree.num_blocks() == naive.num_nodes()
+        assert_children_split(tree)
     for query in queries:
         expected = naive.scores(list(query))
         result = tree.find_matches(list(query))
@@ -263,6 +286,93 @@ def test_radix_tree_matches_naive_reference(ops: list[tuple], queries: list[tupl
         early = tree.find_matches(list(query), early_exit=True).scores
         assert early.keys() == expected.keys()
         assert all(early[w] <= expected[w] for w in early)
+
+
+def assert_children_split(tree: RadixTree) -> None:
+    """Each child is with its parent's plain children exactly when it has every worker of the parent
+    (the walk looks at no mask down a plain edge), else with its boundary children."""
+    masks = tree._masks
+    for parent, plain in enumerate(tree._children):
+        for local, child in plain.items():
+            assert masks[child] & masks[parent] == masks[parent]
+            assert tree._parents[child] == parent and tree._locals[child] == local
+    for parent, steps in tree._boundary.items():
+        assert steps
+        for local, child in steps.items():
+            assert masks[child] & masks[parent] != masks[parent]
+            assert tree._parents[child] == parent and tree._locals[child] == local
+            assert local not in tree._children[parent]
+
+
+def early_exit_scores(scores: dict[WorkerKey, int]) -> dict[WorkerKey, int]:
+    """`find_matches(early_exit=True)` for the full `scores`: the walk stops at the first depth where at
+    most one worker is left, and that worker scores one block more than the depth."""
+    depth = 0
+    while len(left := [w for w, s in scores.items() if s > depth]) > 1:
+        depth += 1
+    return {w: (depth + 1 if w in left else s) for w, s in scores.items()}
+
+
+@pytest.mark.parametrize("seed,shared_masks", [(0, None), (1, None), (2, 3), (3, 1)])
+def test_find_matches_at_scale_matches_reference(seed: int, shared_masks: int | None,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Long chains over 70 workers (masks wider than a machine word) with branches, stores in chunks below
+    their parent, removals of ranges, reused engine hashes, clears and departures: scores, tree sizes and
+    frequencies equal the naive reference's, with and without early exit, for lists, tuples and other
+    sequences. `shared_masks` shrinks the table of shared mask objects so it starts over often."""
+    if shared_masks is not None:
+        monkeypatch.setattr(indexer_module, "_MAX_SHARED_MASKS", shared_masks)
+    rng = random.Random(seed)
+    workers = [(w, rank) for w in range(35) for rank in range(2)]
+    prefixes = [tuple(rng.randint(1, 4) for _ in range(rng.randint(3, 30))) for _ in range(4)]
+    conversations = [rng.choice(prefixes) + tuple(rng.randint(1, 4) for _ in range(rng.randint(0, 120)))
+                     for _ in range(12)]
+    tree, naive = RadixTree(), NaiveIndex()
+    for step in range(400):
+        worker, path = rng.choice(workers), rng.choice(conversations)
+        op = rng.random()
+        if op < 0.55:  # a prefix, stored in chunks each below the last
+            path = path[: rng.randint(1, len(path))]
+            blocks, start = chain(path), 0
+            while start < len(path):
+                end = min(len(path), start + rng.randint(1, 40))
+                parent = blocks[start - 1][0] if start else None
+                tree.store(worker, parent, blocks[start:end])
+                naive.store(worker, parent, blocks[start:end])
+                start = end
+        elif op < 0.8:  # a range of the chain's blocks, in order or backwards
+            start = rng.randrange(len(path))
+            hashes = [h for h, _ in chain(path)[start:start + rng.randint(1, 30)]]
+            if rng.random() < 0.5:
+                hashes.reverse()
+            tree.remove(worker, hashes)
+            naive.remove(worker, hashes)
+        elif op < 0.85:  # engine hashes from a small pool: moved blocks and second hashes
+            raw = [(rng.randint(0, 9), local) for local in path[: rng.randint(1, 8)]]
+            tree.store(worker, None, raw)
+            naive.store(worker, None, raw)
+        elif op < 0.93:
+            tree.clear(worker)
+            naive.clear(worker)
+        else:
+            tree.remove_worker(worker[0])
+            naive.remove_worker(worker[0])
+        if step % 20 == 19:
+            assert tree.num_blocks() == naive.num_nodes()
+            assert_children_split(tree)
+            for query in [*rng.sample(conversations, 3), rng.choice(conversations)[: rng.randint(1, 40)],
+                          (*rng.choice(prefixes), 9, 1)]:
+                expected = naive.scores(list(query))
+                sequence = rng.choice([list, tuple, lambda q: array.array("Q", q)])(query)
+                result = tree.find_matches(sequence)
+                assert result.scores == expected
+                assert result.tree_sizes == {w: len(naive.blocks[w]) for w in expected}
+                depth = max(expected.values(), default=0)
+                assert result.frequencies == [sum(s > d for s in expected.values()) for d in range(depth)]
+                early = tree.find_matches(sequence, early_exit=True)
+                assert early.scores == early_exit_scores(expected)
+                depth = max(early.scores.values(), default=0)
+                assert early.frequencies == [sum(s > d for s in early.scores.values()) for d in range(depth)]
 
 
 # -- KvIndexer -------------------------------------------------------------------------------------
