@@ -53,6 +53,14 @@ class HistogramValue:
         self.counts[bisect.bisect_left(self.bounds, value)] += count
         self.sum += value * count
 
+    def cumulative(self) -> list[tuple[str, int]]:
+        """(le, observations up to it) per bucket, +Inf last: the exposition's buckets."""
+        total, out = 0, []
+        for le, count in zip((*(floatToGoString(b) for b in self.bounds), "+Inf"), self.counts, strict=True):
+            total += count
+            out.append((le, total))
+        return out
+
 
 V = TypeVar("V", CounterValue, GaugeValue, HistogramValue)
 S = TypeVar("S", CounterValue, GaugeValue)
@@ -119,11 +127,6 @@ class Histogram(_Family[HistogramValue]):
 
     def collect(self) -> Iterator[Metric]:
         family = HistogramMetricFamily(self.name, self.doc, labels=self.labelnames)
-        les = [*(floatToGoString(b) for b in self.bounds), "+Inf"]
         for values, child in self.children.items():
-            cumulative, buckets = 0, []
-            for le, count in zip(les, child.counts, strict=True):
-                cumulative += count
-                buckets.append((le, cumulative))
-            family.add_metric(values, buckets, child.sum)
+            family.add_metric(values, child.cumulative(), child.sum)
         yield family

@@ -7,7 +7,6 @@ into Prometheus families when scraped. Each served endpoint carries the labels `
 
 from __future__ import annotations
 
-import bisect
 import time
 from collections.abc import Callable, Iterator
 
@@ -15,13 +14,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
+from tandem.runtime.loop_metrics import HistogramValue
+
 PREFIX = "dynamo_component"
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
 class EndpointStats:
     __slots__ = ("labels", "requests", "errors", "cancellations", "incomplete", "request_bytes",
-                 "response_bytes", "bucket_counts", "duration_sum", "inflight")
+                 "response_bytes", "duration", "inflight")
 
     def __init__(self, labels: dict[str, str], inflight: Callable[[], int]) -> None:
         self.labels = labels
@@ -31,16 +32,14 @@ class EndpointStats:
         self.incomplete = 0
         self.request_bytes = 0
         self.response_bytes = 0
-        self.bucket_counts = [0] * (len(DURATION_BUCKETS) + 1)
-        self.duration_sum = 0.0
+        self.duration = HistogramValue(DURATION_BUCKETS)
         self.inflight = inflight
 
     def record(self, request_bytes: int, response_bytes: int, seconds: float, outcome: str) -> None:
         self.requests += 1
         self.request_bytes += request_bytes
         self.response_bytes += response_bytes
-        self.duration_sum += seconds
-        self.bucket_counts[bisect.bisect_left(DURATION_BUCKETS, seconds)] += 1
+        self.duration.observe(seconds)
         if outcome == "error":
             self.errors += 1
         elif outcome == "cancelled":
@@ -78,15 +77,12 @@ class RuntimeCollector(Collector):
             for attr, family in families.items():
                 _add(family, labels, getattr(stats, attr))
             _add(inflight, labels, stats.inflight())
-            cumulative, buckets = 0, []
-            for bound, count in zip((*DURATION_BUCKETS, float("inf")), stats.bucket_counts, strict=True):
-                cumulative += count
-                buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+            buckets = stats.duration.cumulative()
             duration.samples.extend(
                 Sample(f"{duration.name}_bucket", {**labels, "le": le}, value) for le, value in buckets
             )
-            duration.samples.append(Sample(f"{duration.name}_count", labels, cumulative))
-            duration.samples.append(Sample(f"{duration.name}_sum", labels, stats.duration_sum))
+            duration.samples.append(Sample(f"{duration.name}_count", labels, buckets[-1][1]))
+            duration.samples.append(Sample(f"{duration.name}_sum", labels, stats.duration.sum))
         yield from families.values()
         yield inflight
         yield duration

@@ -53,7 +53,7 @@ def choose_cpu_dtype(requested: str, model_dtype: str | None, flags: Collection[
         return DtypeChoice(None, "a quantized model: its method chooses the activation dtype")
     if arch not in NATIVE_BF16 or flags is None:
         return DtypeChoice(None, f"the instruction sets of this {arch} CPU are not known")
-    model = _DTYPE_NAMES.get((model_dtype or "").lower().removeprefix("torch."))
+    model = _dtype_name(model_dtype)
     bf16 = [f for f in NATIVE_BF16[arch] if f in flags]
     fp16 = [f for f in NATIVE_FP16[arch] if f in flags]
     if model == "float16" and fp16:
@@ -71,6 +71,11 @@ def choose_cpu_dtype(requested: str, model_dtype: str | None, flags: Collection[
         return DtypeChoice(None, f"{why}, but float32 weights would take over {FLOAT32_MEMORY_SHARE:.0%} of "
                                  "the engine's memory")
     return DtypeChoice("float32", f"{why}, so float32 computes faster")
+
+
+def _dtype_name(value: str | None) -> str | None:
+    """A config's dtype by its canonical name ("torch.bfloat16", "bf16" -> "bfloat16"); None if unknown."""
+    return _DTYPE_NAMES.get((value or "").lower().removeprefix("torch."))
 
 
 def cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str] | None:
@@ -120,7 +125,7 @@ def _float32_fits(folder: str | None, model_dtype: str | None, memory_share: flo
     size = sum(os.path.getsize(f) for f in files)
     if not size:
         return True
-    float32 = size * 4 // _BYTES.get(_DTYPE_NAMES.get((model_dtype or "").lower(), ""), 4)
+    float32 = size * 4 // _BYTES.get(_dtype_name(model_dtype) or "", 4)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return float32 <= FLOAT32_MEMORY_SHARE * memory_share * ram
 
