@@ -290,13 +290,15 @@ class Deployment:
     `tandem run --prefill-workers P --decode-workers D`, Dynamo two `dynamo.mocker` processes with
     `--disaggregation-mode prefill|decode` (endpoints `NS.prefill.generate` / `NS.backend.generate`).
     tandem only: `engine_kind="vllm"` runs real vLLM workers (`engine` then goes to every worker),
-    `run_args` are extra `tandem run` flags, `ready_timeout` bounds the start."""
+    `run_args` are extra `tandem run` flags, `ready_timeout` bounds the start. `one_process`: tandem's
+    `workers` mockers run in one process (`--num-workers`), as Dynamo's always do, rather than one
+    process each."""
 
     def __init__(self, impl: str, engine: list[str], workdir: str, dynamo_python: str, *, workers: int = 4,
                  router_mode: str = "round-robin", model_name: str = MODEL_NAME,
                  frontend_args: list[str] | None = None, prefill_workers: int = 0, decode_workers: int = 0,
                  engine_kind: str = "mocker", run_args: list[str] | None = None,
-                 ready_timeout: float = 180, tree: str | None = None) -> None:
+                 ready_timeout: float = 180, tree: str | None = None, one_process: bool = False) -> None:
         self.impl = impl
         disagg = prefill_workers > 0 or decode_workers > 0
         if disagg and (prefill_workers < 1 or decode_workers < 1):
@@ -325,8 +327,12 @@ class Deployment:
         try:
             if tandem_side:
                 env["PYTHONPATH"] = tree or REPO  # `tandem run` and the processes it starts run that code
+                if one_process and (disagg or engine_kind != "mocker"):
+                    raise ValueError("one_process is for an aggregated mocker deployment")
                 shape = (["--prefill-workers", str(prefill_workers), "--decode-workers", str(decode_workers)]
-                         if disagg else ["--workers", str(WORKERS)])
+                         if disagg else ["--workers", "1" if one_process else str(WORKERS)])
+                if one_process:
+                    engine = [*engine, "--num-workers", str(WORKERS)]
                 launcher = Proc("tandem-run", [sys.executable, "-m", "tandem", "run", "--engine", engine_kind, "--model", model, "--model-name",
                                                MODEL_NAME, *shape, "--router-mode", router_mode,
                                                "--http-port", str(port), "--namespace", namespace,
@@ -361,10 +367,11 @@ class Deployment:
                 self.frontend_pid = frontend.pid
                 self.engine_pids = [m.pid for m in mockers]
                 self.launcher_pid = None
-            if len(self.engine_pids) != (WORKERS if tandem_side else 2 if disagg else 1):
-                raise RuntimeError(f"expected {WORKERS} worker processes, found {self.engine_pids}")
+            processes = 1 if one_process else WORKERS if tandem_side else 2 if disagg else 1
+            if len(self.engine_pids) != processes:
+                raise RuntimeError(f"expected {processes} worker processes, found {self.engine_pids}")
             wait_serving(self.url, self.procs, MODEL_NAME)
-            if not tandem_side:  # `tandem run` itself waits for every worker before printing its URL
+            if not tandem_side or one_process:  # `tandem run` itself waits for the processes it starts
                 self._wait_workers(WORKERS)
         except BaseException:
             self.stop()
@@ -380,7 +387,9 @@ class Deployment:
         while time.monotonic() < deadline:
             try:
                 instances = httpx.get(f"{self.url}/health", timeout=5).json().get("instances", [])
-                seen = sum(1 for i in instances if isinstance(i, dict) and i.get("endpoint") == "generate")
+                # Dynamo lists {"endpoint": ...} objects, tandem the ids of the instances serving requests.
+                seen = sum(1 for i in instances
+                           if isinstance(i, int) or isinstance(i, dict) and i.get("endpoint") == "generate")
                 if seen >= WORKERS:
                     return
             except (httpx.HTTPError, ValueError):

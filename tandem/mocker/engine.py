@@ -9,6 +9,7 @@ import logging
 import math
 import random
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -106,6 +107,33 @@ class SyntheticTokens:
         return logprobs
 
 
+class Outputs:
+    """One request's outputs, in order, as the engine hands them out; None means the request is gone.
+    A deque and one waiter: the engine puts one output per request per step, so this sits on the
+    mocker's hottest path, where asyncio.Queue's bookkeeping (bounds, task counts) buys nothing."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: deque[StepOutput | None] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, item: StepOutput | None) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> StepOutput | None:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
+
+
 class MockEngine:
     """Runs `scheduler.step()` back to back while there is work, sleeping each step's simulated
     duration divided by the speedup ratios, then hands each request its new token."""
@@ -125,7 +153,7 @@ class MockEngine:
         self._busy_before = 0.0  # busy time of the finished busy periods
         self._busy_since: float | None = None  # start of the current busy period (time.monotonic)
         self._reported_blocks: int | None = None
-        self._outputs: dict[str, asyncio.Queue[StepOutput | None]] = {}
+        self._outputs: dict[str, Outputs] = {}
         self._work = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -140,14 +168,13 @@ class MockEngine:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    def submit(self, request: SimRequest) -> asyncio.Queue[StepOutput | None]:
+    def submit(self, request: SimRequest) -> Outputs:
         """Queue a request; its outputs arrive on the returned queue (None = the request is gone).
         Raises ValueError when it can never fit this engine."""
         if request.request_id in self._outputs:
             raise ValueError(f"request id {request.request_id} is already running")
         self.scheduler.add(request)
-        queue: asyncio.Queue[StepOutput | None] = asyncio.Queue()
-        self._outputs[request.request_id] = queue
+        queue = self._outputs[request.request_id] = Outputs()
         self._work.set()
         return queue
 

@@ -36,7 +36,7 @@ KvEvent = KvCacheEventData | Literal["cleared"]
 """What `on_event` receives: the `data` of a router `KvCacheEvent`."""
 
 
-@dataclass
+@dataclass(slots=True)
 class _CachedBlock:
     seq_hash: int
     local_hash: int
@@ -44,8 +44,9 @@ class _CachedBlock:
     refs: int = 0
     children: int = 0  # cached blocks whose parent is this one
     released_at: int = 0  # tick at which refs last dropped to 0 (LRU key)
-    # Free copies (see the module doc): release tick -> registration order.
-    spare: dict[int, int] = field(default_factory=dict)
+    # Free copies (see the module doc): release tick -> registration order; None until it has one
+    # (copies are rare, blocks are not).
+    spare: dict[int, int] | None = None
 
 
 @dataclass
@@ -166,16 +167,19 @@ class KvManager:
         if not self.enable_prefix_caching:
             return
         seq = self._seqs[seq_id]
+        registered = seq.registered
+        start = len(registered)
+        if num_full - start > seq.private:
+            raise ValueError(f"sequence {seq_id!r} has no block {start + seq.private} to register")
+        cached = self._cached
+        events = self._on_event is not None  # the blocks of an event are built only when someone listens
         run: list[KvBlock] = []  # freshly stored blocks, consecutive
         run_parent: int | None = None
-        for i in range(len(seq.registered), num_full):
-            if seq.private == 0:
-                raise ValueError(f"sequence {seq_id!r} has no block {i} to register")
+        parent = seq_hashes[start - 1] if start else None
+        for i in range(start, num_full):
             h = seq_hashes[i]
-            parent = seq_hashes[i - 1] if i else None
-            seq.private -= 1
-            seq.registered.append(h)
-            block = self._cached.get(h)
+            registered.append(h)
+            block = cached.get(h)
             if block is not None:  # computed again: a copy, as vLLM keeps it (both stay in the pool)
                 self._num_copies += 1
                 self._copies.setdefault(h, []).append((self._num_copies, seq_id, i))
@@ -185,14 +189,17 @@ class KvManager:
                 if run:
                     self._emit(KvCacheEventData(stored=KvStored(run_parent, run)))
                     run = []
-                continue
-            self._num_private -= 1
-            self._cached[h] = _CachedBlock(h, local_hashes[i], parent, refs=1)
-            if parent is not None:
-                self._cached[parent].children += 1
-            if not run:
-                run_parent = parent
-            run.append(KvBlock(block_hash=h, tokens_hash=local_hashes[i]))
+            else:
+                self._num_private -= 1
+                cached[h] = _CachedBlock(h, local_hashes[i], parent, refs=1)
+                if parent is not None:
+                    cached[parent].children += 1
+                if events:
+                    if not run:
+                        run_parent = parent
+                    run.append(KvBlock(block_hash=h, tokens_hash=local_hashes[i]))
+            parent = h
+        seq.private -= max(0, num_full - start)
         if run:
             self._emit(KvCacheEventData(stored=KvStored(run_parent, run)))
 
@@ -210,6 +217,8 @@ class KvManager:
                 order = self._take_copy(h, seq_id, i)
                 self._num_private -= 1
                 self._tick += 1
+                if block.spare is None:
+                    block.spare = {}
                 block.spare[self._tick] = order
                 self._num_spare += 1
                 heapq.heappush(self._leaves, (self._tick, h))
@@ -224,8 +233,9 @@ class KvManager:
     def clear(self) -> None:
         """Drop every inactive block and free copy (the worker's clear_kv_blocks); active blocks stay."""
         for h, block in list(self._cached.items()):
-            self._num_spare -= len(block.spare)
-            block.spare.clear()
+            if block.spare:
+                self._num_spare -= len(block.spare)
+            block.spare = None
             if block.refs == 0 and h in self._copies:
                 self._adopt_copy(block)
             elif block.refs == 0:
@@ -259,23 +269,24 @@ class KvManager:
             block = self._cached.get(h)
             if block is None:
                 continue
-            if released_at in block.spare:  # a free copy: the hash stays with the cached block
-                del block.spare[released_at]
+            spare = block.spare
+            if spare and released_at in spare:  # a free copy: the hash stays with the cached block
+                del spare[released_at]
                 self._num_spare -= 1
                 return None
             if block.refs or block.released_at != released_at:
                 continue  # stale
             held = self._copies.get(h)
-            if block.spare or held:
+            if spare or held:
                 # The hash stays: the oldest registered copy stands in for the evicted block (the one
                 # vLLM's next prefix hit finds), a held one taken over by its sequence, a free one at
                 # its own release tick.
-                if held and (not block.spare or held[0][0] < min(block.spare.values())):
+                if held and (not spare or held[0][0] < min(spare.values())):
                     self._adopt_copy(block)
-                else:
-                    tick = min(block.spare, key=block.spare.__getitem__)
+                elif spare:
+                    tick = min(spare, key=spare.__getitem__)
                     block.released_at = tick
-                    del block.spare[tick]
+                    del spare[tick]
                     self._num_spare -= 1
                 return None
             if block.children:

@@ -54,19 +54,22 @@ class DroppingPublisher:
 
 class LagCollector(Collector):
     """Each engine's simulated time against the wall time it was busy: a benchmark whose mockers fall behind
-    their timing model (too fast a speedup for the host) measures the host, not the policy under test."""
+    their timing model (too fast a speedup for the host) measures the host, not the policy under test. One per
+    process, on the first worker's system port: the engines of every worker in the process share its event
+    loop, and so its lag."""
 
-    def __init__(self, engines: list[MockEngine]) -> None:
-        self.engines = engines
+    def __init__(self, engines: list[tuple[int, int, MockEngine]]) -> None:
+        self.engines = engines  # (worker instance id, data-parallel rank, engine)
 
     def collect(self) -> Iterator[Metric]:
+        labels = ["worker", "dp_rank"]
         simulated = CounterMetricFamily("tandem_mocker_simulated_seconds", "Wall time the timing model gives the "
-                                        "steps run so far, at the speedup", labels=["dp_rank"])
+                                        "steps run so far, at the speedup", labels=labels)
         busy = CounterMetricFamily("tandem_mocker_busy_seconds", "Wall time spent with work to do; above the "
-                                   "simulated time when the mocker falls behind", labels=["dp_rank"])
-        for rank, engine in enumerate(self.engines):
-            simulated.add_metric([str(rank)], engine.simulated_seconds)
-            busy.add_metric([str(rank)], engine.busy_seconds)
+                                   "simulated time when the mocker falls behind", labels=labels)
+        for worker_id, rank, engine in self.engines:
+            simulated.add_metric([f"{worker_id:x}", str(rank)], engine.simulated_seconds)
+            busy.add_metric([f"{worker_id:x}", str(rank)], engine.busy_seconds)
         yield simulated
         yield busy
 
@@ -131,7 +134,6 @@ async def start_worker(config: MockerConfig, runtime: DistributedRuntime, tokeni
         reports.recorder.start()
         runtime.add_shutdown_hook(reports.recorder.stop)
         engines.append(engine)
-    runtime.registry.register(LagCollector(engines))
     embedding = bool(config.model_type & ModelType.Embedding)
     embedding_size = hidden_size_of(config.model_path) if embedding else 0
     handler = (EmbeddingMocker if embedding else MockerHandler)(config, engines, SyntheticTokens(tokenizer, config.seed),
@@ -163,8 +165,12 @@ async def worker(config: MockerConfig) -> int:
     try:
         if config.startup_time > 0:
             await asyncio.sleep(config.startup_time)
+        ranked: list[tuple[int, int, MockEngine]] = []
         for runtime in runtimes:
-            engines.extend(await start_worker(config, runtime, tokenizer))
+            started = await start_worker(config, runtime, tokenizer)
+            ranked += [(runtime.instance_id, rank, engine) for rank, engine in enumerate(started)]
+            engines.extend(started)
+        runtimes[0].registry.register(LagCollector(ranked))
         await asyncio.gather(*(runtime.wait_closed() for runtime in runtimes))
         return 0
     finally:

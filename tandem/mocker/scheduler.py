@@ -87,7 +87,7 @@ class SimRequest:
     """Disaggregated decode: the prompt's KV arrived from a prefill worker."""
 
 
-@dataclass
+@dataclass(slots=True)
 class StepOutput:
     request_id: str
     token_id: int
@@ -134,8 +134,9 @@ class SchedulerLoad:
     """Cumulative tokens found in the prefix cache / tokens looked up, over admissions."""
 
 
-@dataclass(eq=False)  # compared by identity
+@dataclass(eq=False, slots=True)  # compared by identity
 class _Seq:
+    id: str
     req: SimRequest
     tokens: list[int]
     num_computed: int = 0
@@ -144,10 +145,10 @@ class _Seq:
     cached_tokens: int | None = None
     local_hashes: list[int] = field(default_factory=list)
     seq_hashes: list[int] = field(default_factory=list)
-
-    @property
-    def id(self) -> str:
-        return self.req.request_id
+    # Tokens the blocks it holds have room for, and its full blocks handed to the prefix cache: a
+    # decoding request needs a new block (and registers one) only every block_size tokens.
+    capacity: int = 0
+    num_registered: int = 0
 
     @property
     def in_prefill(self) -> bool:
@@ -242,7 +243,7 @@ class Scheduler:
                 f"request {rid!r}: prompt of {len(request.prompt)} tokens exceeds max_num_batched_tokens "
                 f"({cfg.max_num_batched_tokens}) and chunked prefill is disabled"
             )
-        seq = _Seq(request, list(request.prompt), kv_transferred=request.prefilled)
+        seq = _Seq(rid, request, list(request.prompt), kv_transferred=request.prefilled)
         self._requests[rid] = seq
         self._waiting.append(seq)
 
@@ -323,12 +324,16 @@ class Scheduler:
     def _allocate_or_preempt(self, seq: _Seq, n: int, batch: _Batch, preempted: list[str]) -> bool:
         """Blocks for `n` more tokens of running `seq`, preempting victims until they fit; False if
         `seq` itself was preempted."""
-        while not self.kv.allocate(seq.id, seq.num_computed + n):
+        needed = seq.num_computed + n
+        if needed <= seq.capacity:
+            return True
+        while not self.kv.allocate(seq.id, needed):
             victim = self._running[-1] if self.config.preemption_mode == "lifo" else self._running[0]
             self._preempt(victim, batch)
             preempted.append(victim.id)
             if victim is seq:
                 return False
+        seq.capacity = self.kv.num_blocks_of(seq.id) * self.config.block_size
         return True
 
     def _schedule_waiting(self, batch: _Batch) -> None:
@@ -358,6 +363,8 @@ class Scheduler:
                 break
             if not self.kv.allocate(seq.id, cached + n, prefix, reserve=reserve):
                 break
+            seq.capacity = self.kv.num_blocks_of(seq.id) * bs
+            seq.num_registered = cached_blocks
             self._waiting.popleft()
             self._running.append(seq)
             if not seq.kv_transferred:
@@ -384,14 +391,16 @@ class Scheduler:
         seq.num_computed += n
         if self.config.enable_prefix_caching:
             num_full = seq.num_computed // self.config.block_size
-            seq.ensure_hashes(num_full, self.config.block_size)
-            self.kv.register(seq.id, num_full, seq.seq_hashes, seq.local_hashes)
+            if num_full > seq.num_registered:
+                seq.ensure_hashes(num_full, self.config.block_size)
+                self.kv.register(seq.id, num_full, seq.seq_hashes, seq.local_hashes)
+                seq.num_registered = num_full
 
     def _preempt(self, seq: _Seq, batch: _Batch) -> None:
         self._running.remove(seq)
         self.kv.free(seq.id)
         batch.undo(seq)
-        seq.num_computed = 0
+        seq.num_computed = seq.capacity = seq.num_registered = 0
         self._waiting.appendleft(seq)
 
     def _sample(self, seq: _Seq) -> StepOutput:

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tandem.router.hashing import XXH3_SEED, local_block_hashes, sequence_hashes
-from tests.support.deployment import MODEL, Deployment
+from tests.support.deployment import MODEL, Deployment, metric_sum
 from tests.support.ports import free_port
 
 BLOCK = 16
@@ -225,13 +225,23 @@ def test_roles_and_kv_events(smollm2: str) -> None:
 
 
 def test_num_workers_are_separate_instances(tmp_path: Path, smollm2: str) -> None:
+    """Three workers in one process; the first one's system port reports the lag of all three engines
+    (they share the process's event loop)."""
+    system_port = free_port()
     deployment = Deployment(tmp_path, smollm2, engine_module="tandem.mocker",
-                            engines=[[*MOCKER, "--num-workers", "3"]], instances=3)
+                            engines=[[*MOCKER, "--num-workers", "3"]], instances=3,
+                            engine_env={"DYN_SYSTEM_PORT": str(system_port)})
     try:
-        assert len(set(httpx.get(f"{deployment.url}/health").json()["instances"])) == 3
+        instances = set(httpx.get(f"{deployment.url}/health").json()["instances"])
+        assert len(instances) == 3
         client = deployment.client()
         replies = [client.completions.create(model=MODEL, prompt=f"hi {i}", max_tokens=2) for i in range(6)]
         assert all(r.usage.completion_tokens == 2 for r in replies)
+        page = httpx.get(f"http://127.0.0.1:{system_port}/metrics").text
+        for instance in instances:
+            worker = f"{instance:x}"
+            assert metric_sum(page, "tandem_mocker_simulated_seconds_total", worker=worker) > 0  # each served two
+            assert metric_sum(page, "tandem_mocker_busy_seconds_total", worker=worker) > 0
     finally:
         deployment.stop()
 
@@ -331,8 +341,6 @@ def test_parsers_go_through_the_card(tmp_path: Path, smollm2: str) -> None:
 def test_lag_against_the_timing_model_is_reported(mocker: Deployment) -> None:
     """The system port shows the time the timing model gave the steps run and the wall time spent busy:
     a benchmark discards runs where the second outgrows the first (the host could not keep up)."""
-    from tests.support.deployment import metric_sum
-
     def read() -> tuple[float, float]:
         text = httpx.get(f"{mocker.system_url}/metrics").text  # type: ignore[attr-defined]
         return (metric_sum(text, "tandem_mocker_simulated_seconds_total"),
