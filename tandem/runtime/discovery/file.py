@@ -46,8 +46,6 @@ class FileStore(KeyValueStore):
         self._owned_lock = threading.Lock()
         self._watches: list[Watch] = []
         self._watch_state: dict[int, dict[str, tuple[int, int]]] = {}  # id(watch) -> key -> (inode, size)
-        self._stop = threading.Event()
-        self._keeper: threading.Thread | None = None
         self._poller: asyncio.Task[None] | None = None
 
     # -- paths -------------------------------------------------------------------------------
@@ -170,19 +168,7 @@ class FileStore(KeyValueStore):
     # -- lease emulation (a thread, so a busy event loop does not let our keys expire) --------
     async def start(self) -> None:
         os.makedirs(self.root, exist_ok=True)
-        self._keeper = threading.Thread(target=self._keep_alive, name="tandem-file-kv", daemon=True)
-        self._keeper.start()
-
-    def _keep_alive(self) -> None:
-        touch_every = max(self.ttl / 3, 0.05)
-        reap_every = max(min(self.ttl / 10, 0.5), 0.05)
-        next_touch = 0.0
-        while not self._stop.wait(reap_every if next_touch else 0):
-            now = time.time()
-            if now >= next_touch:
-                self._touch_owned()
-                next_touch = now + touch_every
-            self._reap(now)
+        _Keeper.join(self)
 
     def _touch_owned(self) -> None:
         with self._owned_lock:
@@ -199,20 +185,6 @@ class FileStore(KeyValueStore):
                     self._write_file(path, value, exclusive=False)
                 except OSError as e:
                     log.error("cannot re-create discovery key %s: %s", key, e)
-
-    def _reap(self, now: float) -> None:
-        for dirpath, _, filenames in os.walk(self.root):
-            for name in filenames:
-                if name.endswith(_KEEP):
-                    continue
-                path = os.path.join(dirpath, name)
-                expiry = now - _TMP_MAX_AGE if name.startswith(_TMP) else now
-                try:
-                    if os.stat(path).st_mtime < expiry:
-                        os.unlink(path)
-                        log.debug("reaped expired discovery file %s", path)
-                except FileNotFoundError:
-                    pass
 
     # -- watches -----------------------------------------------------------------------------
     async def watch_prefix(self, prefix: str) -> Watch:
@@ -261,7 +233,7 @@ class FileStore(KeyValueStore):
                         watch._push(WatchEvent("put", key, value))
 
     async def close(self) -> None:
-        self._stop.set()
+        keeper = _Keeper.leave(self)
         for watch in list(self._watches):
             watch.close()
         if self._poller is not None:
@@ -270,8 +242,73 @@ class FileStore(KeyValueStore):
             owned = [k for k, (_, leased) in self._owned.items() if leased]
         for key in owned:
             await self.delete(key)
-        if self._keeper is not None:
-            self._keeper.join(timeout=2)
+        if keeper is not None:
+            keeper.join(timeout=2)
+
+
+class _Keeper:
+    """The lease thread of one discovery directory, shared by every store of this process on it: it
+    pushes each store's expiries every TTL/3 and deletes expired files. A process holding many workers
+    (the mocker's --num-workers) would otherwise run a thread per worker, each walking the whole
+    directory twice a second (32 workers: 16% of a core, idle)."""
+
+    _by_root: dict[str, _Keeper] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.stores: dict[FileStore, float] = {}  # store -> when its keys are due for a touch
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="tandem-file-kv", daemon=True)
+
+    @classmethod
+    def join(cls, store: FileStore) -> None:
+        with cls._lock:
+            keeper = cls._by_root.get(store.root)
+            if keeper is None:
+                keeper = cls._by_root[store.root] = _Keeper(store.root)
+                keeper.thread.start()
+            keeper.stores[store] = 0.0
+
+    @classmethod
+    def leave(cls, store: FileStore) -> threading.Thread | None:
+        """Stop keeping `store`'s keys; returns the thread to wait for when it was the last store."""
+        with cls._lock:
+            keeper = cls._by_root.get(store.root)
+            if keeper is None or keeper.stores.pop(store, None) is None or keeper.stores:
+                return None
+            del cls._by_root[store.root]
+            keeper.stop.set()
+            return keeper.thread
+
+    def _run(self) -> None:
+        reap_every = 0.0  # the first pass at once
+        while not self.stop.wait(reap_every):
+            with self._lock:
+                due = list(self.stores.items())
+            now = time.time()
+            for store, next_touch in due:
+                if now >= next_touch:
+                    store._touch_owned()
+                    with self._lock:
+                        if store in self.stores:
+                            self.stores[store] = now + max(store.ttl / 3, 0.05)
+            self._reap(now)
+            reap_every = max(min(min((s.ttl for s, _ in due), default=10.0) / 10, 0.5), 0.05)
+
+    def _reap(self, now: float) -> None:
+        for dirpath, _, filenames in os.walk(self.root):
+            for name in filenames:
+                if name.endswith(_KEEP):
+                    continue
+                path = os.path.join(dirpath, name)
+                expiry = now - _TMP_MAX_AGE if name.startswith(_TMP) else now
+                try:
+                    if os.stat(path).st_mtime < expiry:
+                        os.unlink(path)
+                        log.debug("reaped expired discovery file %s", path)
+                except FileNotFoundError:
+                    pass
 
 
 def _read(path: str) -> bytes | None:
