@@ -7,6 +7,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -118,6 +119,26 @@ async def test_file_keep_alive_keeps_keys_past_the_ttl(tmp_path):
     await _until_gone(_dead_peers_key(tmp_path / "kv", 0.6))  # reaped: the live key's first expiry has passed too
     assert await store.get("v1/instances/ns/c/e/1") == b"alive"
     await store.close()
+
+
+async def test_file_stores_of_a_process_share_one_lease_thread(tmp_path):
+    """Many workers in one process (the mocker's --num-workers): one thread keeps all their keys alive."""
+    def keepers() -> int:
+        return sum(1 for t in threading.enumerate() if t.name == "tandem-file-kv")
+
+    before = keepers()
+    stores = [FileStore(str(tmp_path / "kv"), ttl=0.6) for _ in range(3)]
+    for i, store in enumerate(stores):
+        await store.start()
+        await store.put(f"v1/instances/ns/c/e/{i}", b"alive")
+    assert keepers() == before + 1
+    await stores[0].close()
+    await asyncio.sleep(1.2)  # two TTLs: the other stores' keys are still pushed forward
+    assert await stores[1].get("v1/instances/ns/c/e/0") is None  # the closed store's key went with it
+    assert [await stores[1].get(f"v1/instances/ns/c/e/{i}") for i in (1, 2)] == [b"alive", b"alive"]
+    for store in stores[1:]:
+        await store.close()
+    assert keepers() == before  # the last one out stopped the thread
 
 
 async def test_file_key_reaped_while_alive_is_recreated(tmp_path):

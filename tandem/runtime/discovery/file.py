@@ -257,6 +257,7 @@ class _Keeper:
 
     def __init__(self, root: str) -> None:
         self.root = root
+        self.pid = os.getpid()  # a forked child inherits the registry, not the thread
         self.stores: dict[FileStore, float] = {}  # store -> when its keys are due for a touch
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="tandem-file-kv", daemon=True)
@@ -265,7 +266,7 @@ class _Keeper:
     def join(cls, store: FileStore) -> None:
         with cls._lock:
             keeper = cls._by_root.get(store.root)
-            if keeper is None:
+            if keeper is None or keeper.pid != os.getpid():
                 keeper = cls._by_root[store.root] = _Keeper(store.root)
                 keeper.thread.start()
             keeper.stores[store] = 0.0
