@@ -217,11 +217,11 @@ def run_once(impl: str, regime: str, args: argparse.Namespace) -> dict[str, floa
         workdir = run.workdir
         # tandem's mockers in one process report their lag on the first worker's system port (in real
         # time only: at a speedup of 1e6 every step is late by design).
-        lag_url = (f"http://127.0.0.1:{free_port()}" if impl != "dynamo" and args.one_process and regime == "engine"
-                   else None)
+        lag_port = free_port() if impl != "dynamo" and args.one_process and regime == "engine" else None
+        lag_url = f"http://127.0.0.1:{lag_port}" if lag_port else None
         deployment = run.deployment = Deployment(impl, ["--speedup-ratio", f"{spec['speedup']:g}", *ENGINE_FLAGS], workdir,
                                 args.dynamo_python, workers=args.workers, one_process=args.one_process,
-                                run_args=["--system-port-base", lag_url.rsplit(":", 1)[1]] if lag_url else None,
+                                run_args=["--system-port-base", str(lag_port)] if lag_port else None,
                                 tree=args.baseline_tree if impl == "base" else None)
         with _quota(args.frontend_cpu if regime == "frontend" else 0) as quota:
             if quota is not None:
@@ -307,9 +307,9 @@ def run_checked(impl: str, regime: str, args: argparse.Namespace) -> dict[str, f
               f"  others {result['others_cpu_pct']:4.1f}%", file=sys.stderr, flush=True)
         if result["others_cpu_pct"] <= args.max_others and not lagging:
             break
-        print(f"  (discarded: {'the mocker lagged its timing model by ' if lagging else 'other processes used '}"
-              f"{result['mocker_lag_pct'] if lagging else result['others_cpu_pct']:.1f}"
-              f"{'%' if lagging else '% of a core meanwhile'})", file=sys.stderr)
+        reason = (f"the mocker lagged its timing model by {result['mocker_lag_pct']:.1f}%" if lagging
+                  else f"other processes used {result['others_cpu_pct']:.0f}% of a core meanwhile")
+        print(f"  (discarded: {reason})", file=sys.stderr)
     if not kept:
         raise SystemExit(f"{impl}/{regime}: every run failed")
     best = min(kept, key=lambda r: (r.get("mocker_lag_pct", 0.0) > args.max_lag, r["others_cpu_pct"]))

@@ -24,6 +24,8 @@ import statistics
 import sys
 import time
 
+from _common import pct
+
 from tandem.mocker.engine import MockEngine
 from tandem.mocker.perf_model import PolynomialPerfModel
 from tandem.mocker.scheduler import Scheduler, SchedulerConfig, SimRequest
@@ -31,13 +33,6 @@ from tandem.mocker.scheduler import Scheduler, SchedulerConfig, SimRequest
 WORKLOADS = {"prefill": (3000, 4), "decode": (128, 256)}
 # Dynamo 1.6.1's mocker defaults, as bench/mocker_compare.py passes them.
 CONFIG = {"block_size": 64, "num_blocks": 16384, "max_num_seqs": 256, "max_num_batched_tokens": 8192}
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q / 100 * len(values)))]
 
 
 async def run(workers: int, workload: str, args: argparse.Namespace) -> dict[str, float]:
@@ -89,6 +84,8 @@ async def run(workers: int, workload: str, args: argparse.Namespace) -> dict[str
     sim = sum(e.simulated_seconds for e in engines) - sim0
     busy = sum(e.busy_seconds for e in engines) - busy0
     measuring = False
+    ttft.sort()
+    itl.sort()
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -100,8 +97,8 @@ async def run(workers: int, workload: str, args: argparse.Namespace) -> dict[str
         "cpu_pct": cpu / (wall1 - wall0) * 100,
         "cpu_us_per_req": cpu / max(done, 1) * 1e6, "cpu_us_per_step": cpu / max(steps, 1) * 1e6,
         "lag_pct": (busy / sim - 1) * 100 if sim else 0.0,
-        "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
-        "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
+        "ttft_p50_ms": pct(ttft, 0.5), "ttft_p99_ms": pct(ttft, 0.99),
+        "itl_p50_ms": pct(itl, 0.5), "itl_p99_ms": pct(itl, 0.99),
     }
 
 
