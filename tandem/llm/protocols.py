@@ -94,6 +94,20 @@ class PrefillResult(msgspec.Struct, omit_defaults=True):
     prompt_tokens_details: PromptTokensDetails | None = None  # the prefill worker's cache hits
 
 
+class MediaItem(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True, rename={"url": "Url"}):
+    """One image or video of a request, as Dynamo's frontend sends it: `{"Url": "https://..." | "data:..."}`."""
+
+    url: str
+
+
+class MultiModalData(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    """The media of a token-input request, in prompt order. A modality not named here fails the request's
+    decoding (a 400) rather than being dropped."""
+
+    image_url: list[MediaItem] = msgspec.field(default_factory=list)
+    video_url: list[MediaItem] = msgspec.field(default_factory=list)
+
+
 class PreprocessedRequest(msgspec.Struct, omit_defaults=True):
     model: str = ""  # a canary health request may name none
     token_ids: list[int] = msgspec.field(default_factory=list)
@@ -108,7 +122,7 @@ class PreprocessedRequest(msgspec.Struct, omit_defaults=True):
     prefill_result: PrefillResult | None = None
     extra_args: dict[str, Any] | None = None
     prompt_embeds: str | None = None  # base64 of a torch.save'd tensor, instead of token_ids
-    multi_modal_data: dict[str, Any] | None = None  # refused by every worker until multimodal serving exists
+    multi_modal_data: MultiModalData | None = None  # the images; the prompt holds one placeholder token each
 
     @property
     def dp_rank(self) -> int | None:

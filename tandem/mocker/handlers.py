@@ -39,6 +39,8 @@ class MockerHandler:
         if request.priority:  # the client's 400, never a priority silently dropped
             raise InvalidRequestError(f"priority {request.priority} (x-dynamo-request-priority) is not supported: "
                                       "the mocker schedules first come, first served")
+        if request.multi_modal_data is not None:
+            raise InvalidRequestError("multi_modal_data: the mocker does not simulate images yet")
         try:
             sim = self._sim_request(request, context.id())
             engine = self._engine(request)

@@ -34,7 +34,12 @@ class RemoteError(TandemError):
 
 
 class InvalidRequestError(TandemError):
-    """A request does not have the shape its endpoint takes; the caller gets a 400 naming the field."""
+    """A request does not have the shape its endpoint takes; the caller gets a 400 naming the field (or the
+    `code` given: 413 for a part over a size limit)."""
+
+    def __init__(self, message: str, code: int = 400) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class MessageTooLargeError(TandemError):

@@ -64,6 +64,7 @@ from tandem.runtime import (
     configure_logging,
     run,
 )
+from tandem.runtime.errors import InvalidRequestError
 from tandem.runtime.options import MIGRATION_LIMIT, add_options, apply_options
 from tandem.worker.config import (
     BLOCK_SIZE,
@@ -155,6 +156,8 @@ class TestEngine:
                                                    active_prefill_tokens=0))
 
     async def generate(self, request: PreprocessedRequest, context: Context) -> AsyncIterator[LLMEngineOutput]:
+        if request.multi_modal_data is not None:
+            raise InvalidRequestError("multi_modal_data: the test engine takes no images")
         args = self.args
         token_ids = request.token_ids
         stop = request.stop_conditions

@@ -69,8 +69,8 @@ CPU_BLOCK_MULTIPLE = 32  # vLLM's CPU attention backend takes only multiples of 
 # cache and leaves room for a second engine on the same host.
 CPU_GPU_MEMORY_UTILIZATION = 0.3
 
-# Dynamo's multimodal worker flags (flag, env var, takes a value): understood, and refused until tandem
-# serves multimodal models, rather than accepted and ignored.
+# Dynamo's multimodal role flags (flag, env var, takes a value): understood, and refused until tandem splits
+# encode, prefill and decode of multimodal requests, rather than accepted and ignored.
 NOT_BUILT_FLAGS: tuple[tuple[str, str, bool], ...] = (
     ("--multimodal-processor", "DYN_VLLM_MULTIMODAL_PROCESSOR", False),
     ("--ec-processor", "DYN_VLLM_EC_PROCESSOR", False),
@@ -83,7 +83,6 @@ NOT_BUILT_FLAGS: tuple[tuple[str, str, bool], ...] = (
     ("--ec-storage-path", "DYN_VLLM_EC_STORAGE_PATH", True),
     ("--ec-extra-config", "DYN_VLLM_EC_EXTRA_CONFIG", True),
     ("--ec-consumer-mode", "DYN_VLLM_EC_CONSUMER_MODE", False),
-    ("--enable-multimodal", "DYN_VLLM_ENABLE_MULTIMODAL", False),
     ("--mm-prompt-template", "DYN_VLLM_MM_PROMPT_TEMPLATE", True),
     ("--frontend-decoding", "DYN_VLLM_FRONTEND_DECODING", False),
     ("--omni", "DYN_VLLM_OMNI", False),
@@ -131,7 +130,9 @@ class Config:
     sleep_mode_level: int = 1
     dyn_tool_call_parser: str | None = None
     dyn_reasoning_parser: str | None = None
+    enable_multimodal: bool = False  # take images with the token prompt
     # tandem
+    allow_private_media_urls: bool = False  # fetch image URLs of private, loopback and link-local hosts
     cpu_cores: str | None = None  # cores this engine's threads bind to ("0", "2-3"); CPU only
     is_cpu: bool = False
     # Derived from the engine args
@@ -184,6 +185,9 @@ class Config:
                 f"--block-size {block_size} is not supported on CPU: vLLM's CPU attention backend needs a "
                 f"multiple of {CPU_BLOCK_MULTIPLE} (e.g. {CPU_BLOCK_SIZE} or 64)"
             )
+        if self.enable_multimodal and (self.is_prefill_worker or self.is_decode_worker):
+            raise ValueError("--enable-multimodal with --is-prefill-worker or --is-decode-worker: disaggregated "
+                             "serving of images is not built yet in tandem; serve images from an aggregated worker")
         if self.is_cpu and self.engine_args.enable_sleep_mode:
             raise ValueError(
                 "--enable-sleep-mode is not supported by vLLM's CPU backend; sleep/wake on CPU only "
@@ -238,6 +242,13 @@ _DYNAMO_OPTIONS = (
            "1: offload weights to CPU, 2: discard weights, 3: discard all", kind=int),
     *PARSER_OPTIONS,
     DURABLE_KV_EVENTS,
+    Option("enable_multimodal", ("--enable-multimodal",), ("DYN_VLLM_ENABLE_MULTIMODAL",),
+           "take images with the token prompt (a vision-language model, aggregated)", kind=bool),
+)
+_MEDIA_OPTIONS = (
+    Option("allow_private_media_urls", ("--allow-private-media-urls",), ("TANDEM_ALLOW_PRIVATE_MEDIA_URLS",),
+           "fetch image URLs whose host is a private, loopback or link-local address (refused by default: "
+           "a client could otherwise make the worker reach internal services)", kind=bool),
 )
 _CPU_OPTIONS = (
     Option("cpu_cores", ("--cpu-cores",), ("TANDEM_CPU_CORES",),
@@ -277,13 +288,15 @@ def build_dynamo_parser() -> argparse.ArgumentParser:
     g.add_argument("--version", action="version", version=f"Tandem Backend VLLM {__version__}{vllm_version}")
 
     mm = parser.add_argument_group(
-        "Dynamo vLLM Multimodal Options", "not built yet in tandem: each is refused, naming it, with exit status 2")
+        "Dynamo vLLM Multimodal Role Options",
+        "encode / prefill / decode roles, not built yet in tandem: each is refused, naming it, with exit status 2")
     for flag, env, takes_value in NOT_BUILT_FLAGS:
         if takes_value:
             mm.add_argument(flag, default=env_str(env), help=f"[env {env}]")
         else:
             mm.add_argument(flag, action="store_true", default=env_bool(env), help=f"[env {env}]")
 
+    add_options(parser.add_argument_group("tandem Multimodal Options"), _MEDIA_OPTIONS, Config)
     add_options(parser.add_argument_group("tandem CPU Options"), _CPU_OPTIONS, Config)
     return parser
 
@@ -370,8 +383,9 @@ def build_config(argv: list[str] | None = None, *, is_cpu: bool | None = None, a
     model = ns.model
     refused = [flag for flag, _, _ in NOT_BUILT_FLAGS if getattr(dyn, flag[2:].replace("-", "_"))]
     if refused:
-        raise ValueError(f"{', '.join(refused)}: multimodal serving (processor, encoder and decoder roles, the EC "
-                         "connector, vLLM-Omni) is not built yet in tandem")
+        raise ValueError(f"{', '.join(refused)}: multimodal serving in separate roles (processor, encoder and decoder "
+                         "roles, the EC connector, vLLM-Omni) is not built yet in tandem; an aggregated worker takes "
+                         "images with --enable-multimodal")
 
     # Validated first, with vLLM's parsed namespace standing in for the engine args (same attribute names):
     # the model is resolved (and the default model possibly converted) only for a valid command line.
@@ -382,7 +396,7 @@ def build_config(argv: list[str] | None = None, *, is_cpu: bool | None = None, a
         connector=list(dyn.connector),
         is_cpu=is_cpu,
     )
-    apply_options(config, _DYNAMO_OPTIONS + _CPU_OPTIONS, dyn)
+    apply_options(config, _DYNAMO_OPTIONS + _MEDIA_OPTIONS + _CPU_OPTIONS, dyn)
     config.namespace = config.runtime.namespace
     config.component = config.disaggregation_mode.default_component
     _choose_runner(config, ns, connector_given=dyn.connector != list(DEFAULT_CONNECTORS))

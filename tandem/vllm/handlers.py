@@ -15,6 +15,7 @@ from vllm.inputs import TextPrompt, TokensPrompt
 from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 from tandem.llm import prompt_embeds
+from tandem.llm.images import ImageError, ImageLimits, ImageLoader
 from tandem.llm.protocols import (
     CompletionUsage,
     DisaggregatedParams,
@@ -22,6 +23,7 @@ from tandem.llm.protocols import (
     EmbeddingRequest,
     FinishReason,
     LLMEngineOutput,
+    MultiModalData,
     PreprocessedRequest,
     RankedLogprob,
     TextRequest,
@@ -171,6 +173,7 @@ class BaseWorkerHandler:
         self.lora = lora
         self.disagg_metrics = disagg_metrics
         self.pending_prompts = pending_prompts or PendingPrompts()  # this engine's prefill queue, in tokens
+        self._images: ImageLoader | None = None  # made on the first request with images
         self.on_sleep: Callable[[], Awaitable[None]] | None = None  # leave / rejoin discovery, set by main
         self.on_wake: Callable[[], Awaitable[None]] | None = None
 
@@ -201,12 +204,32 @@ class BaseWorkerHandler:
             if salt is not None:
                 embeds["cache_salt"] = salt
             return embeds, int(tensor.shape[0])
-        if request.multi_modal_data:
-            raise ValueError("this worker does not take multimodal data: multimodal serving is not built yet in tandem")
         tokens = TokensPrompt(prompt_token_ids=request.token_ids)
         if salt is not None:
             tokens["cache_salt"] = salt
         return tokens, len(request.token_ids)
+
+    async def _multimodal_prompt(self, request: PreprocessedRequest, media: MultiModalData) -> tuple[Any, int]:
+        """The token prompt with its images, fetched and decoded here; the engine expands each image's one
+        placeholder token into the image's tokens. The images' content digests are their identities in the
+        engine's prefix cache, so the same image shares cached blocks across requests and another does not."""
+        if not self.config.enable_multimodal:
+            raise InvalidRequestError("Received multimodal data but multimodal processing is not enabled: start the "
+                                      "worker with --enable-multimodal")
+        if media.video_url:
+            raise InvalidRequestError("multi_modal_data.video_url: video input is not supported yet")
+        if not media.image_url:
+            raise InvalidRequestError("multi_modal_data: no image_url items")
+        try:
+            if self._images is None:
+                self._images = ImageLoader(ImageLimits(allow_private=self.config.allow_private_media_urls))
+            images = await self._images.load_all([item.url for item in media.image_url])
+        except ImageError as e:
+            raise InvalidRequestError(f"multi_modal_data.image_url: {e}", e.status) from None
+        tokens, prompt_len = self._prompt(request)
+        tokens["multi_modal_data"] = {"image": [loaded.image for loaded in images]}
+        tokens["multi_modal_uuids"] = {"image": [loaded.digest for loaded in images]}
+        return tokens, prompt_len
 
     def _lora_request(self, request: PreprocessedRequest) -> Any:
         """The LoRARequest of the adapter the request names; None for the base model. An adapter this worker
@@ -225,10 +248,15 @@ class BaseWorkerHandler:
     ) -> AsyncIterator[LLMEngineOutput]:
         """Run one request on the engine and yield its outputs, new tokens only. A `remote_prefill`
         request's first output also reports its KV wait as `kv_transfer_ms`."""
+        media = request.multi_modal_data
         try:
-            # Loading a tensor of thousands of embeddings takes a while: not on the event loop.
-            prompt, prompt_len = (await asyncio.to_thread(self._prompt, request) if request.prompt_embeds is not None
-                                  else self._prompt(request))
+            if request.prompt_embeds is not None:
+                # Loading a tensor of thousands of embeddings takes a while: not on the event loop.
+                prompt, prompt_len = await asyncio.to_thread(self._prompt, request)
+            elif media is not None:
+                prompt, prompt_len = await self._multimodal_prompt(request, media)
+            else:
+                prompt, prompt_len = self._prompt(request)
         except InvalidRequestError:
             raise  # the client's 400
         except Exception as e:
@@ -254,6 +282,8 @@ class BaseWorkerHandler:
                         yield LLMEngineOutput.failed("No outputs from vLLM engine")
                         return
                     output = result.outputs[0]
+                    if first and media is not None and result.prompt_token_ids:
+                        prompt_len = len(result.prompt_token_ids)  # with each image's tokens
                     new_ids = list(output.token_ids)
                     generated += len(new_ids)
                     if new_ids:

@@ -18,6 +18,7 @@ from tandem.llm.model_card import ModelInput, ModelRuntimeConfig, ModelType
 from tandem.models.resolve import loaded_model_folder
 from tandem.router.protocols import KV_METRICS_TOPIC
 from tandem.runtime import DistributedRuntime, configure_logging, run
+from tandem.runtime.config import ConfigError
 from tandem.vllm.args import Config, dump_config, parse_args
 from tandem.vllm.bos_token import bos_token_id_of
 from tandem.vllm.checkpoint_restore import get_checkpoint_config
@@ -52,6 +53,8 @@ def setup_vllm_engine(config: Config, stat_loggers: list[Any] | None = None) -> 
 
     defaults = engine_args.create_model_config().get_diff_sampling_param()
     vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+    if config.enable_multimodal:
+        _image_token_id(vllm_config.model_config)  # before the engine starts: a text-only model is refused now
     engine = AsyncLLM.from_vllm_config(
         vllm_config=vllm_config, usage_context=UsageContext.OPENAI_API_SERVER, stat_loggers=stat_loggers or None,
         enable_log_requests=False, disable_log_stats=False,
@@ -198,6 +201,7 @@ async def _serve(config: Config, runtime: DistributedRuntime, shutdown_event: as
                 data_parallel_size=vllm_config.parallel_config.data_parallel_size,
                 tool_call_parser=config.dyn_tool_call_parser, reasoning_parser=config.dyn_reasoning_parser,
                 enable_prompt_embeds=config.engine_args.enable_prompt_embeds,
+                image_token_id=_image_token_id(model_config) if config.enable_multimodal else None,
                 **_embedding_config(model_config, embedding),
             ),
         )
@@ -219,6 +223,18 @@ def _embedding_config(model_config: Any, embedding: bool) -> dict[str, Any]:
         return {}
     return {"embedding_size": model_config.embedding_size, "matryoshka": bool(model_config.is_matryoshka),
             "matryoshka_dimensions": model_config.matryoshka_dimensions}
+
+
+def _image_token_id(model_config: Any) -> int:
+    """The placeholder token of an image in the prompt of the vision-language model the engine loaded."""
+    hf_config = model_config.hf_config
+    token_id = getattr(hf_config, "image_token_id", None)
+    if token_id is None:
+        token_id = getattr(hf_config, "image_token_index", None)  # LLaVA's name for it
+    if not model_config.is_multimodal_model or token_id is None:
+        raise ConfigError(f"--enable-multimodal: {model_config.model} is not a vision-language model this worker "
+                          "can give images to (its config names no image token)")
+    return int(token_id)
 
 
 def _offset_port(endpoint: str, dp_rank: int) -> str:

@@ -16,6 +16,7 @@ import httpx
 import msgspec
 import pytest
 
+from tandem.runtime.errors import RemoteError
 from tests.support.deployment import MODEL, Deployment, metric_sum
 from tests.support.engines import wait_until
 from tests.support.ports import free_port
@@ -217,6 +218,18 @@ def test_the_mocker_refuses_a_priority(disaggregated: Disaggregated) -> None:
     r = disaggregated.ask(**{"x-dynamo-request-priority": "2"})
     assert r.status_code == 400 and "x-dynamo-request-priority" in r.json()["error"]["message"], r.text
     assert disaggregated.ask(**{"x-dynamo-request-priority": "0"}).status_code == 200  # vLLM's default: served
+
+
+@pytest.mark.parametrize("component", ["backend", "prefill"])
+def test_the_mocker_and_the_test_engine_refuse_images(disaggregated: Disaggregated, engine: Deployment,
+                                                      component: str) -> None:
+    """Neither simulates images yet: a request with some is refused by name, not answered as text."""
+    request = {"model": MODEL, "token_ids": [1, 2, 3], "stop_conditions": {"max_tokens": 2},
+               "multi_modal_data": {"image_url": [{"Url": "data:image/png;base64,"}]}}
+    for deployment, path in ((disaggregated.deployment, f"{component}.generate"), (engine, "backend.generate")):
+        with pytest.raises(RemoteError, match="^multi_modal_data: the (mocker|test engine)") as caught:
+            deployment.call(path, request)
+        assert caught.value.code == 400
 
 
 def test_an_embedding_request_refuses_a_priority(tmp_path: Path, smollm2: str) -> None:

@@ -12,7 +12,8 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from tandem.runtime import DistributedRuntime, RuntimeConfig
+from tandem.llm.model_card import ModelDeploymentCard
+from tandem.runtime import DistributedRuntime, RuntimeConfig, keys
 from tests.support.processes import TandemProcess
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -168,6 +169,19 @@ class Deployment:
         return await DistributedRuntime.create(RuntimeConfig(
             discovery_backend=self.discovery, file_kv_root=self.env["DYN_FILE_KV"], tcp_host="127.0.0.1",
             graceful_shutdown_grace_period=0, **self.planes))  # type: ignore[arg-type]
+
+    def cards(self) -> list[ModelDeploymentCard]:
+        """The model cards the deployment's workers registered."""
+
+        async def read() -> list[ModelDeploymentCard]:
+            runtime = await self.runtime()
+            try:
+                values = (await runtime.store.get_prefix(keys.models_prefix(self.namespace))).values()
+                return [ModelDeploymentCard.from_json(value) for value in values]
+            finally:
+                await runtime.shutdown()
+
+        return asyncio.run(read())
 
     def call(self, path: str, request: object, instance: int | None = None) -> list:
         """Call a worker endpoint (`ns.component.endpoint` without the namespace) through the runtime: on

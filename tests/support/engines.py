@@ -17,6 +17,8 @@ import contextlib
 import itertools
 import os
 import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -27,6 +29,7 @@ from pathlib import Path
 import httpx
 import openai
 
+from tests.support import REPO
 from tests.support.deployment import MODEL, VLLM_TEST_ARGS, Deployment, metric_sum
 from tests.support.launcher import children
 from tests.support.ports import free_port
@@ -204,6 +207,11 @@ DISAGG_ARGS = ("--max-model-len", "2048", "--enable-lora", "--max-lora-rank", "8
 # matryoshka so that `dimensions` can be tested on a real engine.
 EMBEDDING_ARGS = ("--embedding-worker", "--max-model-len", "1024", "--hf-overrides", '{"is_matryoshka": true}')
 
+# The tiny vision-language model (tests/support/vision_model.py) taking images; its tests fetch images from
+# their own HTTP server on loopback.
+VISION_ARGS = ("--enable-multimodal", "--allow-private-media-urls", "--max-model-len", "1024", "--connector", "none",
+               "--limit-mm-per-prompt", '{"image": 4}')
+
 # Keyed by name: the configurations real-vLLM tests share. "aggregated": two plain workers (one per core)
 # with LoRA, prompt embeddings, prefix caching, KV events and two parsers; "disaggregated": a prefill
 # and a decode worker with NIXL and LoRA; "embedding": one embedding worker.
@@ -212,6 +220,7 @@ GROUPS: dict[str, tuple[EngineSpec, ...]] = {
     "disaggregated": (EngineSpec(("--is-prefill-worker",), 0, DISAGG_ARGS),
                       EngineSpec(("--is-decode-worker",), 1, DISAGG_ARGS)),
     "embedding": (EngineSpec((), 0, EMBEDDING_ARGS),),
+    "vision": (EngineSpec((), 0, VISION_ARGS),),
 }
 GROUP_ENV: dict[str, Callable[[EnginePool], dict[str, str]]] = {
     # Adapters load from under DYN_LORA_PATH only; a fixed hash seed keeps vLLM's block hashes stable.
@@ -219,6 +228,7 @@ GROUP_ENV: dict[str, Callable[[EnginePool], dict[str, str]]] = {
                                 "PYTHONHASHSEED": "0"},
     "disaggregated": lambda pool: {"DYN_LORA_ENABLED": "true", "DYN_LORA_PATH": str(pool.lora_root)},
     "embedding": lambda pool: {},
+    "vision": lambda pool: {},
 }
 
 
@@ -230,11 +240,13 @@ class EnginePool:
         self.model_path = model_path
         self.lora_root = lora_root  # adapters load from under it only (DYN_LORA_PATH)
         self.groups: dict[str, EngineGroup] = {}
+        self._vision_model: str | None = None
 
     def group(self, name: str) -> EngineGroup:
         group = self.groups.get(name)
         if group is None:
-            group = self.groups[name] = EngineGroup(name, self._root(name), self.model_path, GROUPS[name],
+            model_path = self.vision_model() if name == "vision" else self.model_path
+            group = self.groups[name] = EngineGroup(name, self._root(name), model_path, GROUPS[name],
                                                     GROUP_ENV[name](self))
         try:
             group.ensure_started()
@@ -242,6 +254,15 @@ class EnginePool:
             group.stop()
             raise
         return group
+
+    def vision_model(self) -> str:
+        """The tiny vision-language model's folder, built on first use (a few seconds, random weights)."""
+        if self._vision_model is None:
+            folder = self._root("vision-model")
+            subprocess.run([sys.executable, "-m", "tests.support.vision_model", str(folder), self.model_path],
+                           check=True, cwd=REPO, timeout=300)
+            self._vision_model = str(folder)
+        return self._vision_model
 
     def release(self, name: str) -> None:
         group = self.groups.pop(name, None)

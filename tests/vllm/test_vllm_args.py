@@ -289,6 +289,19 @@ def test_underscore_spelling_of_dynamo_flags() -> None:
     assert config.engine_args.max_model_len == 256
 
 
+def test_enable_multimodal_is_taken_by_an_aggregated_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = build("--enable-multimodal")
+    assert config.enable_multimodal and not config.allow_private_media_urls
+    assert not build().enable_multimodal
+    monkeypatch.setenv("DYN_VLLM_ENABLE_MULTIMODAL", "1")
+    monkeypatch.setenv("TANDEM_ALLOW_PRIVATE_MEDIA_URLS", "1")
+    config = build()
+    assert config.enable_multimodal and config.allow_private_media_urls
+    for role in ("--is-prefill-worker", "--is-decode-worker"):
+        with pytest.raises(ValueError, match="disaggregated serving of images is not built yet"):
+            build("--enable-multimodal", role)
+
+
 @pytest.mark.parametrize(("flag", "env", "takes_value"), NOT_BUILT_FLAGS)
 def test_multimodal_flags_are_refused_until_built(monkeypatch: pytest.MonkeyPatch, flag: str, env: str,
                                                   takes_value: bool) -> None:

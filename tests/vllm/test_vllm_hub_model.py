@@ -8,7 +8,6 @@ listing, file resolution), serving the prepared SmolLM2 folder as `acme/tiny-cha
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import os
@@ -22,9 +21,8 @@ from urllib.parse import unquote, urlparse
 
 import pytest
 
-from tandem.llm.model_card import ModelDeploymentCard, file_checksums
+from tandem.llm.model_card import file_checksums
 from tandem.models.resolve import loaded_model_folder, resolve_model
-from tandem.runtime import keys
 from tests.support.deployment import Deployment
 from tests.support.engines import ENGINE_TIMEOUT, engine_memory_args, on_cpu
 
@@ -170,7 +168,7 @@ def test_vllm_worker_serves_a_hub_id_it_downloaded(hub: FakeHub, smollm2: str, t
                               "uni", "--max-model-len", "512", "--max-num-seqs", "4")
         assert {"config.json", "model.safetensors", "tokenizer.json"} <= hub.downloaded()
 
-        card = _registered_card(deployment)
+        [card] = deployment.cards()
         snapshot = home / "hub" / "models--acme--tiny-chat" / "snapshots" / COMMIT
         assert card.display_name == REPO and card.source_path == str(snapshot)
         expected = file_checksums(smollm2)
@@ -184,15 +182,3 @@ def test_vllm_worker_serves_a_hub_id_it_downloaded(hub: FakeHub, smollm2: str, t
         assert "Paris" in (reply.choices[0].message.content or "")
     finally:
         deployment.stop()
-
-
-def _registered_card(deployment: Deployment) -> ModelDeploymentCard:
-    async def read() -> ModelDeploymentCard:
-        runtime = await deployment.runtime()
-        try:
-            [value] = (await runtime.store.get_prefix(keys.models_prefix(deployment.namespace))).values()
-            return ModelDeploymentCard.from_json(value)
-        finally:
-            await runtime.shutdown()
-
-    return asyncio.run(read())

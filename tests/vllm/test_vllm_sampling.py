@@ -3,15 +3,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+from types import SimpleNamespace
 
 import msgspec
+import pytest
 from vllm.sampling_params import RequestOutputKind
 
 from tandem.frontend.api.openai.protocol import parse_completion_request
 from tandem.frontend.preprocess import output_options, sampling_options, stop_conditions
 from tandem.llm.protocols import PreprocessedRequest
-from tandem.vllm.handlers import build_sampling_params
+from tandem.runtime import Context
+from tandem.runtime.errors import InvalidRequestError
+from tandem.vllm.handlers import DecodeWorkerHandler, build_sampling_params
 
 PROMPT_IDS = [1, 2, 3, 4]
 EOS = [2, 0]
@@ -63,3 +68,20 @@ def test_ignore_eos_keeps_eos_out_of_the_stop_ids() -> None:
     params = build_sampling_params(_through_the_wire({"model": "m", "prompt": "x", "ignore_eos": True},
                                                      eos_hidden=None), {}, model_max_len=2048)
     assert params.ignore_eos is True and not set(params.stop_token_ids or []) & set(EOS)
+
+
+def test_images_without_enable_multimodal_are_a_400() -> None:
+    """As Dynamo's worker: multimodal data is refused, naming the flag, unless the worker was started with it;
+    the engine is never called."""
+    handler = DecodeWorkerHandler(None, None, SimpleNamespace(served_model_name="m", enable_multimodal=False),
+                                  default_sampling_params={}, model_max_len=2048, shutdown_event=asyncio.Event())
+    request = msgspec.convert({"token_ids": [1, 2], "multi_modal_data": {"image_url": [{"Url": "data:image/png;base64,"}]}},
+                              PreprocessedRequest)
+
+    async def run() -> list:
+        return [item async for item in handler.generate(request, Context("r1"))]
+
+    with pytest.raises(InvalidRequestError, match="multimodal processing is not enabled: start the worker with "
+                                                  "--enable-multimodal") as caught:
+        asyncio.run(run())
+    assert caught.value.code == 400

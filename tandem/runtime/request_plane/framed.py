@@ -102,7 +102,7 @@ async def serve_stream(
             outcome = "ok"
     except InvalidRequestError as e:
         log.warning("%s: rejected request %s: %s", endpoint, context.id(), e)
-        sink.send(ERROR, stream_id, error_payload(str(e), 400))
+        sink.send(ERROR, stream_id, error_payload(str(e), e.code))
     except EngineShutdown:
         sink.send(INCOMPLETE, stream_id)
         outcome = "incomplete"

