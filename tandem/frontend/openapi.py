@@ -227,16 +227,29 @@ _NAMED_CHOICE = {"type": "object", "required": ["type", "function"],
                                              "properties": {"name": {"type": "string"}}}}}  # fmt: skip
 _MESSAGE_FIELDS = {"name": _STRING, "tool_call_id": _STRING,
                    "tool_calls": _nullable({"type": "array", "items": {"type": "object"}})}
-# Every message has content, except an assistant message that carries tool calls instead.
-_MESSAGE = {"anyOf": [
-    {"type": "object", "required": ["role", "content"],
-     "properties": {"role": {"enum": ["system", "developer", "user", "tool"]}, "content": _CONTENT,
-                    **_MESSAGE_FIELDS}},
-    {"type": "object", "required": ["role"],
-     "properties": {"role": {"const": "assistant"}, "content": _nullable(_CONTENT), **_MESSAGE_FIELDS},
-     "anyOf": [{"required": ["content"], "properties": {"content": _CONTENT}},
-               {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}}]},
-]}
+_IMAGE_PART = {"type": "object", "required": ["type", "image_url"],
+               "properties": {"type": {"const": "image_url"},
+                              "image_url": {"type": "object", "required": ["url"],
+                                            "properties": {"url": {"type": "string", "minLength": 1},
+                                                           "detail": {"enum": ["auto", "low", "high"]}}}}}
+_CHAT_CONTENT = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": [_TEXT_PART, _IMAGE_PART]}}]}
+
+
+def _message(content: dict[str, Any]) -> dict[str, Any]:
+    """Every message has content, except an assistant message that carries tool calls instead."""
+    return {"anyOf": [
+        {"type": "object", "required": ["role", "content"],
+         "properties": {"role": {"enum": ["system", "developer", "user", "tool"]}, "content": content,
+                        **_MESSAGE_FIELDS}},
+        {"type": "object", "required": ["role"],
+         "properties": {"role": {"const": "assistant"}, "content": _nullable(content), **_MESSAGE_FIELDS},
+         "anyOf": [{"required": ["content"], "properties": {"content": content}},
+                   {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}}]},
+    ]}
+
+
+_MESSAGE = _message(_CONTENT)  # text only: the token-counting routes
+_CHAT_MESSAGE = _message(_CHAT_CONTENT)  # chat takes images too (a model that does not refuses them, 400)
 
 
 # -- the Responses API ------------------------------------------------------------------------------
@@ -660,7 +673,7 @@ def openapi_spec(models: list[str], *, anthropic: bool = True) -> dict[str, Any]
                     "allOf": [*_CROSS_FIELD, _requires("top_logprobs", "logprobs", True)],
                     "properties": {
                         **_sampling(model),
-                        "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
+                        "messages": {"type": "array", "minItems": 1, "items": _CHAT_MESSAGE},
                         **schemas(CHAT_RULES),
                         "logprobs": _BOOL,
                         "tools": _nullable({"type": "array", "items": _TOOL}),

@@ -18,6 +18,7 @@ from tandem.frontend.requests import (
     ChatRequest,
     CompletionRequest,
     EmbeddingsRequest,
+    ImagePart,
     Nvext,
     TokenizeRequest,
 )
@@ -33,6 +34,8 @@ from tandem.llm.parsers import (
 )
 from tandem.llm.postprocess import OutputProcessor
 from tandem.llm.protocols import (
+    MediaItem,
+    MultiModalData,
     OutputOptions,
     PreprocessedRequest,
     RoutingHints,
@@ -106,6 +109,8 @@ class Preprocessor:
         # Prompts may hold at most this many tokens: the context minus one generated token.
         self.max_prompt_tokens = (self.context_length or UNKNOWN_CONTEXT_TOKENS) - 1
         self.takes_prompt_embeds = config.enable_prompt_embeds
+        self.image_token_id = config.image_token_id  # None: the model takes no images
+        self.max_images = config.max_images
         self.hidden_size = hidden_size_of(model.folder) if self.takes_prompt_embeds else 0
 
     async def prepare(self, request: ChatRequest | CompletionRequest, body_size: int,
@@ -121,9 +126,13 @@ class Preprocessor:
         else:
             render: Any = (partial(self.chat_prompt, request) if isinstance(request, ChatRequest)
                            else partial(self._completion, request))
+            if isinstance(request, ChatRequest) and request.images:
+                self._check_images(request.images)
             prompt_ids, prompt = await asyncio.to_thread(render) if body_size > OFF_LOOP_PROMPT_BYTES else render()
             prompt_len = len(prompt_ids)
         preprocessed = self.worker_request(request, prompt_ids, routing, prompt_len)
+        if isinstance(request, ChatRequest) and request.images:
+            preprocessed.multi_modal_data = self._images_of(request.images, prompt_ids)
         parser = self.chat_parser(request, prompt) if isinstance(request, ChatRequest) else None
         if parser is not None and preprocessed.output_options.skip_special_tokens is None and \
                 needs_special_tokens(self.parsers.tool_call, self.parsers.reasoning):
@@ -131,6 +140,23 @@ class Preprocessor:
         processor = OutputProcessor(self.tokenizer, prompt_ids, preprocessed.stop_conditions,
                                     preprocessed.sampling_options, preprocessed.output_options)
         return Prepared(preprocessed, processor, prompt_len, parser, prompt)
+
+    def _check_images(self, images: list[ImagePart]) -> None:
+        if self.image_token_id is None:
+            raise RequestError(f"model {self.model!r} does not take images", param=images[0].param)
+        if self.max_images is not None and len(images) > self.max_images:
+            raise RequestError(f"at most {self.max_images} images per request (got {len(images)})",
+                               param=images[self.max_images].param)
+
+    def _images_of(self, images: list[ImagePart], prompt_ids: list[int]) -> MultiModalData:
+        """The images for the worker, once the template has put one placeholder token where each goes (text
+        that spells the placeholder itself would add one: refused, not passed on as an image that is not there)."""
+        placed = prompt_ids.count(self.image_token_id)  # type: ignore[arg-type]
+        if placed != len(images):
+            raise RequestError(f"the prompt holds {placed} image placeholders for {len(images)} images: the "
+                               "model's chat template must place each image part, and the text must not hold "
+                               "the placeholder", param="messages")
+        return MultiModalData(image_url=[MediaItem(image.url) for image in images])
 
     async def count_prompt_tokens(self, request: ChatRequest, body_size: int) -> int:
         """The tokens of the request's templated prompt (the token-counting routes)."""

@@ -213,6 +213,16 @@ CHAT_NAMES = FieldNames()
 COMPLETION_NAMES = FieldNames(prompt="prompt")
 
 
+class ImagePart(msgspec.Struct, frozen=True):
+    """An image of a chat request: its URL (http(s) or data:), and where it was, for the errors that name it."""
+
+    url: str
+    param: str
+
+
+IMAGE_DETAILS = ("auto", "low", "high")
+
+
 class ChatRequest(ChatBody, _Derived, kw_only=True):
     """A validated chat request. `messages` are plain dicts for the chat template, with text-part
     lists joined into one string; `max_tokens` already holds max_completion_tokens when given;
@@ -223,6 +233,7 @@ class ChatRequest(ChatBody, _Derived, kw_only=True):
     stream: bool = False
     stop: list[str] | None = None
     messages: list[dict[str, Any]] = []
+    images: list[ImagePart] = []  # in prompt order; each message part is {"type": "image"} for the template
     ext: Nvext = msgspec.field(default_factory=Nvext)
     guided: GuidedDecoding | None = None
     forced_function: str | None = None
@@ -263,8 +274,11 @@ AnyRequest = ChatRequest | CompletionRequest
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def check_messages(messages: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
-    """Chat messages as the chat template takes them: roles checked, text-part lists joined into one string."""
+def check_messages(messages: list[dict[str, Any]] | None,
+                   images: list[ImagePart] | None = None) -> list[dict[str, Any]]:
+    """Chat messages as the chat template takes them: roles checked, text-part lists joined into one string.
+    With `images` (a list the images are appended to, in order), `image_url` parts are taken: a message
+    with one keeps its parts, `{"type": "text", "text": ...}` and `{"type": "image"}`, for the template."""
     if messages is None:
         raise fail("messages", "Missing required parameter: 'messages'.")
     if not messages:
@@ -278,7 +292,7 @@ def check_messages(messages: list[dict[str, Any]] | None) -> list[dict[str, Any]
             raise fail(f"{p}.role", f"'{p}.role' {what}.")
         content = msg.get("content")
         if isinstance(content, list):
-            msg = {**msg, "content": _join_parts(content, f"{p}.content")}
+            msg = {**msg, "content": _content_parts(content, f"{p}.content", images)}
         elif content is None:
             if not (role == "assistant" and msg.get("tool_calls")):
                 raise fail(f"{p}.content", f"'{p}.content' is required for a {role} message.")
@@ -318,17 +332,41 @@ def _check_tool_calls(calls: Any, param: str) -> None:
             raise from_validation(e, f"{param}[{j}]") from None
 
 
-def _join_parts(parts: list[Any], param: str) -> str:
-    # Chat templates mostly expect string content; joining text parts with "\n" is what vLLM does.
-    texts = []
+def _content_parts(parts: list[Any], param: str, images: list[ImagePart] | None) -> str | list[dict[str, Any]]:
+    # Chat templates mostly expect string content; joining text parts with "\n" is what vLLM does. A message
+    # with images keeps its parts in order, as vision-language models' templates take them.
+    texts: list[str] = []
+    template_parts: list[dict[str, Any]] = []
+    taken = "text and image_url" if images is not None else "text"
     for j, part in enumerate(parts):
-        if not isinstance(part, dict) or part.get("type") != "text":
-            raise fail(f"{param}[{j}].type", f"'{param}[{j}]': only text content parts are supported.")
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "image_url" and images is not None:
+            images.append(ImagePart(_image_url(part, f"{param}[{j}]"), f"{param}[{j}]"))
+            template_parts.append({"type": "image"})
+            continue
+        if kind != "text":
+            what = f"{kind} content parts are not supported" if isinstance(kind, str) else "a content part needs a type"
+            raise fail(f"{param}[{j}].type", f"'{param}[{j}]': {what}; only {taken} content parts are.")
         text = part.get("text")
         if not isinstance(text, str):
             raise fail(f"{param}[{j}].text", f"'{param}[{j}].text' must be a string.")
         texts.append(text)
+        template_parts.append({"type": "text", "text": text})
+    if len(template_parts) > len(texts):
+        return template_parts
     return "\n".join(texts)
+
+
+def _image_url(part: dict[str, Any], param: str) -> str:
+    image = part.get("image_url")
+    url = image.get("url") if isinstance(image, dict) else image  # some clients send the URL itself
+    if not isinstance(url, str) or not url:
+        raise fail(f"{param}.image_url.url", f"'{param}.image_url.url' must be a non-empty string.")
+    detail = image.get("detail") if isinstance(image, dict) else None
+    if detail is not None and detail not in IMAGE_DETAILS:
+        raise fail(f"{param}.image_url.detail", f"'{param}.image_url.detail' must be one of "
+                                                f"{', '.join(IMAGE_DETAILS)} (got {detail!r}).")
+    return url
 
 
 class _Function(msgspec.Struct):

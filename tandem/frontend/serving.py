@@ -165,6 +165,7 @@ class Exchange:
     parser: ChatParser | None  # thinking and tool calls in a chat answer
     answer: Answer
     first: LLMEngineOutput | None  # the worker's first output (routing failures were answered before)
+    images: bool = False  # the prompt has images: its length is the engine's count, with their tokens
 
 
 class Serving:
@@ -301,7 +302,8 @@ class Serving:
                 first = await anext(outputs, None)
             except Exception as e:
                 return self.failure(e, t.model, endpoint, answer.error_body)
-            exchange = Exchange(t, prepared.processor, prepared.parser, answer, first)  # type: ignore[arg-type]
+            exchange = Exchange(t, prepared.processor, prepared.parser, answer, first,  # type: ignore[arg-type]
+                                prepared.request.multi_modal_data is not None)
             if req.stream:
                 headers = {**SSE_HEADERS, **answer.headers} if answer.headers else SSE_HEADERS
                 response = t.response = web.StreamResponse(headers=headers)
@@ -450,6 +452,8 @@ def _ending(exchange: Exchange) -> Ending:
     t, parser = exchange.tracked, exchange.parser
     outcome = t.outcome
     engine_usage = outcome.usage
+    if exchange.images and engine_usage is not None:
+        t.prompt_tokens = engine_usage.prompt_tokens
     details = engine_usage.prompt_tokens_details if engine_usage is not None else None
     usage = Usage(t.prompt_tokens, outcome.completion_tokens, details.cached_tokens if details else None,
                   outcome.reasoning_tokens)

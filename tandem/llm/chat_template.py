@@ -64,8 +64,9 @@ def _compile(template: str) -> jinja2.Template:
 
 
 def _flatten_content(content: Any) -> Any:
-    """OpenAI content parts -> one string (the text parts, joined); other content is left as is."""
-    if not isinstance(content, list):
+    """OpenAI content parts -> one string (the text parts, joined); other content, and parts with an image
+    (`{"type": "image"}`: a vision-language model's template places each), are left as they are."""
+    if not isinstance(content, list) or any(isinstance(p, Mapping) and p.get("type") == "image" for p in content):
         return content
     texts: list[str] = []
     for part in content:

@@ -68,6 +68,7 @@ class ModelRuntimeConfig(msgspec.Struct, omit_defaults=True):
     reasoning_parser: str | None = None  # ... and its thinking
     enable_prompt_embeds: bool = False  # the engine takes prompt embeddings instead of token ids
     image_token_id: int | None = None  # the engine takes images (started with --enable-multimodal): their placeholder
+    max_images: int | None = None  # ... at most this many per request (vLLM's --limit-mm-per-prompt)
     embedding_size: int | None = None  # an embedding model's vector size
     # An embedding model trained to be cut short (matryoshka): requests may ask for fewer `dimensions`, any
     # from 1 to embedding_size, or only those listed in matryoshka_dimensions when it lists some.

@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from vllm.exceptions import VLLMClientError
 from vllm.inputs import TextPrompt, TokensPrompt
 from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
@@ -271,44 +272,47 @@ class BaseWorkerHandler:
         prefill_details = request.prefill_result.prompt_tokens_details if request.prefill_result else None
         generated = 0
         first = True
-        # A remote prefill's prompt was computed on the prefill worker: nothing queued here.
-        with self.pending_prompts.prompt(0 if remote_prefill else prompt_len) as first_token_out:
-            async with abort_monitor(self.engine_client, context, request_id, self.shutdown_event) as monitor:
-                async for result in monitor.stream(self.engine_client.generate(
-                    prompt, sampling, request_id, lora_request=lora_request,
-                    data_parallel_rank=request.dp_rank, priority=request.priority,
-                )):
-                    if not result.outputs:
-                        yield LLMEngineOutput.failed("No outputs from vLLM engine")
-                        return
-                    output = result.outputs[0]
-                    if first and media is not None and result.prompt_token_ids:
-                        prompt_len = len(result.prompt_token_ids)  # with each image's tokens
-                    new_ids = list(output.token_ids)
-                    generated += len(new_ids)
-                    if new_ids:
-                        first_token_out()
-                    item = LLMEngineOutput(new_ids)
-                    if remote_prefill and first:
-                        waited = _kv_wait_ms(result)
-                        if waited is not None:
-                            item.kv_transfer_ms = waited
-                            if self.disagg_metrics is not None:
-                                self.disagg_metrics.kv_transfer_seconds.observe(waited / 1000)
-                    first = False
-                    if sampling.logprobs is not None and new_ids:
-                        parsed = _logprobs(output, new_ids)
-                        if parsed is not None:
-                            item.log_probs, item.top_logprobs = parsed
-                    if prefill and result.kv_transfer_params:
-                        item.disaggregated_params = DisaggregatedParams(result.kv_transfer_params)
-                    if output.finish_reason is not None or (prefill and result.finished):
-                        item.finish_reason = _finish_reason(output.finish_reason)
-                        item.stop_reason = output.stop_reason
-                        # A disaggregated request's cache hits were on the prefill worker.
-                        item.completion_usage = CompletionUsage.of(prompt_len, generated, result.num_cached_tokens,
-                                                                   prefill_details)
-                    yield item
+        try:
+            # A remote prefill's prompt was computed on the prefill worker: nothing queued here.
+            with self.pending_prompts.prompt(0 if remote_prefill else prompt_len) as first_token_out:
+                async with abort_monitor(self.engine_client, context, request_id, self.shutdown_event) as monitor:
+                    async for result in monitor.stream(self.engine_client.generate(
+                        prompt, sampling, request_id, lora_request=lora_request,
+                        data_parallel_rank=request.dp_rank, priority=request.priority,
+                    )):
+                        if not result.outputs:
+                            yield LLMEngineOutput.failed("No outputs from vLLM engine")
+                            return
+                        output = result.outputs[0]
+                        if first and media is not None and result.prompt_token_ids:
+                            prompt_len = len(result.prompt_token_ids)  # with each image's tokens
+                        new_ids = list(output.token_ids)
+                        generated += len(new_ids)
+                        if new_ids:
+                            first_token_out()
+                        item = LLMEngineOutput(new_ids)
+                        if remote_prefill and first:
+                            waited = _kv_wait_ms(result)
+                            if waited is not None:
+                                item.kv_transfer_ms = waited
+                                if self.disagg_metrics is not None:
+                                    self.disagg_metrics.kv_transfer_seconds.observe(waited / 1000)
+                        first = False
+                        if sampling.logprobs is not None and new_ids:
+                            parsed = _logprobs(output, new_ids)
+                            if parsed is not None:
+                                item.log_probs, item.top_logprobs = parsed
+                        if prefill and result.kv_transfer_params:
+                            item.disaggregated_params = DisaggregatedParams(result.kv_transfer_params)
+                        if output.finish_reason is not None or (prefill and result.finished):
+                            item.finish_reason = _finish_reason(output.finish_reason)
+                            item.stop_reason = output.stop_reason
+                            # A disaggregated request's cache hits were on the prefill worker.
+                            item.completion_usage = CompletionUsage.of(prompt_len, generated, result.num_cached_tokens,
+                                                                       prefill_details)
+                        yield item
+        except VLLMClientError as e:  # the request does not fit the engine (a prompt its images make too long)
+            raise InvalidRequestError(str(e)) from None
 
     # -- other endpoints -----------------------------------------------------------------------
     async def clear_kv_blocks(self) -> None:

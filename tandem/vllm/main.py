@@ -201,7 +201,7 @@ async def _serve(config: Config, runtime: DistributedRuntime, shutdown_event: as
                 data_parallel_size=vllm_config.parallel_config.data_parallel_size,
                 tool_call_parser=config.dyn_tool_call_parser, reasoning_parser=config.dyn_reasoning_parser,
                 enable_prompt_embeds=config.engine_args.enable_prompt_embeds,
-                image_token_id=_image_token_id(model_config) if config.enable_multimodal else None,
+                **(_image_config(model_config) if config.enable_multimodal else {}),
                 **_embedding_config(model_config, embedding),
             ),
         )
@@ -235,6 +235,13 @@ def _image_token_id(model_config: Any) -> int:
         raise ConfigError(f"--enable-multimodal: {model_config.model} is not a vision-language model this worker "
                           "can give images to (its config names no image token)")
     return int(token_id)
+
+
+def _image_config(model_config: Any) -> dict[str, Any]:
+    """What the frontend checks a request's images against: the placeholder, and how many one prompt may hold."""
+    limits = model_config.multimodal_config
+    return {"image_token_id": _image_token_id(model_config),
+            "max_images": limits.get_limit_per_prompt("image") if limits is not None else None}
 
 
 def _offset_port(endpoint: str, dp_rank: int) -> str:

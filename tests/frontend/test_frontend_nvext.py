@@ -232,6 +232,15 @@ def test_the_mocker_and_the_test_engine_refuse_images(disaggregated: Disaggregat
         assert caught.value.code == 400
 
 
+def test_a_model_that_takes_no_images_refuses_image_parts(engine: Deployment) -> None:
+    """The test engine's card names no image token: an image part is the client's 400, naming the part."""
+    content = [{"type": "text", "text": "what is it?"}, {"type": "image_url", "image_url": {"url": "http://a/b.png"}}]
+    r = _post(engine, "/v1/chat/completions", {"messages": [{"role": "user", "content": content}], "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "messages[0].content[1]"
+    assert "does not take images" in r.json()["error"]["message"]
+
+
 def test_an_embedding_request_refuses_a_priority(tmp_path: Path, smollm2: str) -> None:
     deployment = Deployment(tmp_path, smollm2, engines=[["--endpoint-types", "embedding"]])
     try:

@@ -37,7 +37,7 @@ from tandem.frontend.openapi import openapi_spec
 from tandem.frontend.preprocess import output_options, sampling_options, stop_conditions
 from tandem.frontend.protocol.errors import RequestError
 from tandem.frontend.protocol.sse import SSE_DONE, dumps, sse
-from tandem.frontend.requests import AnyRequest, ChatRequest
+from tandem.frontend.requests import AnyRequest, ChatRequest, ImagePart
 from tandem.llm.postprocess import TokenLogprob, TopLogprob
 from tandem.llm.protocols import (
     FinishReason,
@@ -136,8 +136,12 @@ CHAT_ERRORS: list[tuple[dict[str, Any], str | None, str]] = [
     ({"messages": [{"content": "x"}]}, "messages[0].role", "is required"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "string or a list"),
     ({"messages": [{"role": "user"}]}, "messages[0].content", "required"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]},
-     "messages[0].content[0].type", "only text"),
+    ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "u"}}]}]},
+     "messages[0].content[0].type", "video_url content parts are not supported; only text and image_url"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": ""}}]}]},
+     "messages[0].content[0].image_url.url", "non-empty string"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u", "detail": "x"}}]}]},
+     "messages[0].content[0].image_url.detail", "one of auto, low, high"),
     ({"messages": [{"role": "user", "content": ["x"]}]}, "messages[0].content[0].type", "only text"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]}, "messages[0].content[0].text",
      "string"),
@@ -359,6 +363,20 @@ def test_messages_kept_as_dicts():
     assert req.messages[1] == {"role": "developer", "content": "a\nb"}  # text parts joined for the template
     assert req.messages[3] == {"role": "assistant", "content": None, "tool_calls": calls}
     assert [m for i, m in enumerate(req.messages) if i != 1] == [m for i, m in enumerate(messages) if i != 1]
+
+
+def test_image_parts_are_taken_in_order_and_kept_as_parts_for_the_template():
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://a/1.png", "detail": "low"}},
+                                             {"type": "text", "text": "and"}]},
+                {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "text", "text": "y"},
+                                             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]}]
+    req = parse_chat_request(chat_body(messages=messages))
+    assert req.images == [ImagePart("http://a/1.png", "messages[0].content[0]"),
+                          ImagePart("data:image/png;base64,AA", "messages[2].content[2]")]
+    assert req.messages[0]["content"] == [{"type": "image"}, {"type": "text", "text": "and"}]
+    assert req.messages[2]["content"] == [{"type": "text", "text": "x"}, {"type": "text", "text": "y"}, {"type": "image"}]
+    assert parse_chat_request(chat_body()).images == []
 
 
 def test_nvext():

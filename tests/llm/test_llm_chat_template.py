@@ -51,6 +51,14 @@ def test_smollm2_matches_transformers(
     assert template.render(messages, add_generation_prompt=add_generation_prompt) == expected
 
 
+def test_parts_with_an_image_are_left_to_the_template() -> None:
+    from tests.support.vision_model import CHAT_TEMPLATE
+
+    template = ChatTemplate(CHAT_TEMPLATE)
+    parts = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what?"}]}]
+    assert template.render(parts, add_generation_prompt=False) == "<|im_start|>user\n<image>what?<|im_end|>\n"
+
+
 def test_content_parts_are_flattened(template: ChatTemplate) -> None:
     parts = [
         {

@@ -147,3 +147,79 @@ def test_a_text_only_model_with_enable_multimodal_is_refused_at_start(smollm2, t
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-2000:]
     assert f"--enable-multimodal: {smollm2} is not a vision-language model" in done.stderr
+
+
+# -- through the frontend, with the official openai client ----------------------------------------------------
+
+def image_part(url: str, **extra: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url, **extra}}
+
+
+def ask(vision, content: list[dict], **options):  # type: ignore[no-untyped-def]
+    return vision.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=4, temperature=0, logprobs=True,
+        **options)
+
+
+def test_chat_with_an_image_by_data_url_and_by_url(vision, images):
+    question = {"type": "text", "text": "What is in the picture?"}
+    red = ask(vision, [image_part(data_url(png("red")), detail="low"), question])
+    blue = ask(vision, [image_part(data_url(png("blue"))), question])
+    logprobs = [[t.logprob for t in reply.choices[0].logprobs.content] for reply in (red, blue)]
+    assert logprobs[0] != logprobs[1]
+    # The usage counts the image's tokens, as the engine expanded the one placeholder the template put.
+    assert red.usage.prompt_tokens == len(token_ids(vision, PROMPT)) - 1 + IMAGE_SEQ_LEN + 3
+    by_url = ask(vision, [image_part(f"{images}/red.png"), question])
+    assert [t.logprob for t in by_url.choices[0].logprobs.content] == logprobs[0]
+    stream = vision.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": [image_part(f"{images}/red.png"), question]}],
+        max_tokens=4, temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == red.choices[0].message.content
+    assert chunks[-1].usage.prompt_tokens == red.usage.prompt_tokens
+
+
+def test_images_in_several_messages_and_the_prefix_cache(vision, images):
+    messages = [{"role": "user", "content": [image_part(f"{images}/green.png"), {"type": "text", "text": "and"}]},
+                {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": [{"type": "text", "text": "this?"}, image_part(f"{images}/yellow.png")]}]
+    first = vision.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    again = vision.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens == again.usage.prompt_tokens > 2 * (IMAGE_SEQ_LEN + 3)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 32
+
+
+@pytest.mark.parametrize(("content", "status", "param", "message"), [
+    ([image_part("data:image/png;base64,@@@")], 400, None, "invalid base64"),
+    ([image_part("http://127.0.0.1:9/nothing.png")], 400, None, "could not fetch image"),
+    ([image_part(data_url(png("red")))] * 5, 400, "messages[0].content[4]", "at most 4 images per request"),
+    ([{"type": "video_url", "video_url": {"url": "http://127.0.0.1/v.mp4"}}], 400, "messages[0].content[0].type",
+     "video_url content parts are not supported"),
+    ([{"type": "image_url", "image_url": {}}], 400, "messages[0].content[0].image_url.url", "non-empty string"),
+    ([image_part(data_url(png("red")), detail="ultra")], 400, "messages[0].content[0].image_url.detail",
+     "must be one of auto, low, high"),
+    ([{"type": "text", "text": "<image>"}, image_part(data_url(png("red")))], 400, "messages",
+     "2 image placeholders for 1 images"),
+])
+def test_bad_image_parts_are_a_400_naming_them(vision, content, status, param, message):
+    import httpx
+
+    r = httpx.post(f"{vision.url}/v1/chat/completions", timeout=60,
+                   json={"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 2})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert message in error["message"]
+    if param is not None:
+        assert error["param"] == param
+    assert ask(vision, [image_part(data_url(png("red")))]).choices[0].message.content is not None
+
+
+def test_a_prompt_the_images_push_past_the_context_is_a_400(vision):
+    """The frontend counts one token per image; the engine, which expands them, refuses the prompt: the
+    client's 400, not a server error."""
+    ids = token_ids(vision, PROMPT)
+    request = {"model": MODEL, "token_ids": ids + [198] * (1020 - len(ids)), "stop_conditions": {"max_tokens": 1},
+               "multi_modal_data": {"image_url": [{"Url": data_url(png("red"))}]}}
+    with pytest.raises(RemoteError, match="longer than the maximum model length") as caught:
+        vision.call("backend.generate", request, instance=vision.worker.instance_id)
+    assert caught.value.code == 400

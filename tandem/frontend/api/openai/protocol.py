@@ -34,6 +34,7 @@ from tandem.frontend.requests import (
     CompletionBody,
     CompletionRequest,
     GenerationBody,
+    ImagePart,
     StructuredOutputs,
     check_messages,
     check_tools,
@@ -134,8 +135,9 @@ def parse_chat_request(body: bytes) -> ChatRequest:
         raise fail("reasoning_effort", f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)} "
                                         f"(got {raw.reasoning_effort!r}).")
     fields = msgspec.structs.asdict(raw) | derived | _tool_choice(raw, derived["guided"])
-    fields["messages"] = check_messages(raw.messages)
-    return ChatRequest(**fields)
+    images: list[ImagePart] = []
+    fields["messages"] = check_messages(raw.messages, images)
+    return ChatRequest(**fields, images=images)
 
 
 class _NamedFunction(msgspec.Struct):
