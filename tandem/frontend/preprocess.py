@@ -160,6 +160,9 @@ class Preprocessor:
 
     async def count_prompt_tokens(self, request: ChatRequest, body_size: int) -> int:
         """The tokens of the request's templated prompt (the token-counting routes)."""
+        if request.images:  # their tokens are the engine's to count
+            raise RequestError("counting the tokens of a prompt with images is not supported yet",
+                               param=request.images[0].param)
         render = partial(self.chat_prompt, request)
         prompt_ids, _ = await asyncio.to_thread(render) if body_size > OFF_LOOP_PROMPT_BYTES else render()
         return len(prompt_ids)

@@ -427,12 +427,14 @@ def chat_request(*, model: str, messages: list[dict[str, Any]], stream: bool, ma
                  tools: list[dict[str, Any]] | None = None, tool_fields: dict[str, Any] | None = None,
                  parallel_tool_calls: bool | None = None, guided: GuidedDecoding | None = None,
                  max_thinking_tokens: int | None = None, fit_max_tokens: bool = False,
-                 names: FieldNames = CHAT_NAMES, session_id: str | None = None, **sampling: Any) -> ChatRequest:
+                 names: FieldNames = CHAT_NAMES, session_id: str | None = None,
+                 images: list[ImagePart] | None = None, **sampling: Any) -> ChatRequest:
     """The ChatRequest another route's request means, its fields already checked in that route's terms:
     `messages` and `tools` in chat's shape, `tool_fields` from `tool_choice_fields`, `sampling` among
     temperature, top_p, top_k, stop, reasoning_effort, chat_template_kwargs and user; `fit_max_tokens`:
     a max_tokens beyond what the context leaves is lowered to fit; `names`: the route's names of the
-    fields the pipeline's errors name; `session_id`: the agent session the request belongs to."""
+    fields the pipeline's errors name; `session_id`: the agent session the request belongs to; `images`: the
+    images of the messages' `{"type": "image"}` parts, in order."""
     fields = tool_fields or {"tool_choice": "auto" if tools else "none"}
     if guided is not None and "guided" not in fields:
         fields = {**fields, "guided": guided}
@@ -440,7 +442,7 @@ def chat_request(*, model: str, messages: list[dict[str, Any]], stream: bool, ma
     return ChatRequest(model=model, messages=messages, stream=stream, max_tokens=max_tokens, tools=tools or None,
                        parallel_tool_calls=parallel_tool_calls,
                        ext=Nvext(max_thinking_tokens=max_thinking_tokens, agent_context=agent),
-                       fit_max_tokens=fit_max_tokens, names=names, **fields, **sampling)
+                       fit_max_tokens=fit_max_tokens, names=names, images=images or [], **fields, **sampling)
 
 
 EncodingFormat = Literal["float", "base64"]

@@ -16,7 +16,7 @@ from tandem.frontend.api.anthropic.protocol import (
 from tandem.frontend.api.anthropic.serving import MessagesAnswer, stop_reason
 from tandem.frontend.protocol.answer import Ending, Outcome, Usage
 from tandem.frontend.protocol.errors import RequestError
-from tandem.frontend.requests import ChatRequest
+from tandem.frontend.requests import ChatRequest, ImagePart
 from tandem.llm.parsers import ParsedDelta, ToolCallDelta
 from tandem.llm.postprocess import ProcessedDelta
 
@@ -157,10 +157,17 @@ def test_count_tokens_body_needs_no_max_tokens():
     ({"messages": [{"role": "system", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]},
      "messages[0].content[0]", "not allowed in system messages"),
     ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "messages[0].content[0].type", "'audio'"),
-    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content[0]",
-     "multimodal"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+     "messages[0].content[0].source.type", "type"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "file", "file_id": "f"}}]}]},
+     "messages[0].content[0].source.type", "file"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url"}}]}]},
+     "messages[0].content[0].source.url", "url"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
-        {"type": "document", "source": {}}]}]}]}, "messages[0].content[0].content[0]", "multimodal"),
+        {"type": "document", "source": {}}]}]}]}, "messages[0].content[0].content[0]", "document blocks are not supported"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
+        {"type": "image", "source": {"type": "url", "url": "http://a/b.png"}}]}]}]},
+     "messages[0].content[0].content[0]", "image blocks are not allowed in a tool_result"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_result", "content": "x"}]}]},
      "messages[0].content[0].tool_use_id", "Missing"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]},
@@ -357,3 +364,14 @@ def test_unary_blocks_keep_the_order_they_were_written():
     assert [b.get("text") for b in blocks] == ["Checking.", None, "Done."]
     started = [json.loads(e.split(b"data: ")[1])["content_block"]["type"] for e in events if b"content_block_start" in e]
     assert started == ["text", "tool_use", "text"]
+
+
+def test_image_blocks_become_the_chat_requests_images_in_order():
+    content = [{"type": "text", "text": "compare"},
+               {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}},
+               {"type": "image", "source": {"type": "url", "url": "https://a/b.png"}, "cache_control": {"type": "ephemeral"}}]
+    req = chat(messages=[{"role": "user", "content": content}])
+    assert req.images == [ImagePart("data:image/png;base64,AAAA", "messages[0].content[1]"),
+                          ImagePart("https://a/b.png", "messages[0].content[2]")]
+    assert req.messages[-1] == {"role": "user", "content": [{"type": "text", "text": "compare"}, {"type": "image"},
+                                                            {"type": "image"}]}

@@ -223,3 +223,24 @@ def test_a_prompt_the_images_push_past_the_context_is_a_400(vision):
     with pytest.raises(RemoteError, match="longer than the maximum model length") as caught:
         vision.call("backend.generate", request, instance=vision.worker.instance_id)
     assert caught.value.code == 400
+
+
+def test_anthropic_image_blocks(vision, images):
+    """The anthropic SDK's image blocks, base64 and URL sources, on the same path as chat's image parts."""
+    import anthropic
+
+    claude = anthropic.Anthropic(base_url=vision.url, api_key="none", max_retries=0, timeout=120)
+
+    def ask_claude(source: dict):  # type: ignore[no-untyped-def]
+        return claude.messages.create(model=MODEL, max_tokens=4, extra_body={"temperature": 0}, messages=[{"role": "user", "content": [
+            {"type": "image", "source": source}, {"type": "text", "text": "What is in the picture?"}]}])
+
+    red = ask_claude({"type": "base64", "media_type": "image/png", "data": base64.b64encode(png("red")).decode()})
+    by_url = ask_claude({"type": "url", "url": f"{images}/red.png"})
+    assert red.content[0].text == by_url.content[0].text
+    assert red.usage.input_tokens == len(token_ids(vision, PROMPT)) - 1 + IMAGE_SEQ_LEN + 3
+    with pytest.raises(anthropic.BadRequestError, match="invalid base64"):
+        ask_claude({"type": "base64", "media_type": "image/png", "data": "@@@"})
+    with pytest.raises(anthropic.BadRequestError, match="counting the tokens of a prompt with images"):
+        claude.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "url", "url": f"{images}/red.png"}}]}])

@@ -10,7 +10,7 @@ with a warning header) and `tool_choice` tandem's none / auto / required / force
 and, on a model served with a reasoning parser, bounds the thinking with its `budget_tokens`;
 `output_config.format` is guided decoding. `cache_control` is accepted anywhere and ignored: tandem caches
 prompt prefixes by itself (and its router sends a request to the worker that holds most of it), so there are
-no cache breakpoints to set. Images and documents are refused by name: multimodal input is not served yet.
+no cache breakpoints to set. Image blocks (base64 or URL sources) become the chat request's images; documents are refused by name.
 Unknown top-level fields and beta names are accepted and logged once (`tolerant.py`).
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import msgspec
 
 from tandem.frontend.protocol.errors import RequestError, fail
 from tandem.frontend.protocol.validation import MAX_STOP, U32, Rule, check_rules, check_wire, decode_body
-from tandem.frontend.requests import ChatRequest, chat_request, tool_choice_fields
+from tandem.frontend.requests import ChatRequest, ImagePart, chat_request, tool_choice_fields
 from tandem.frontend.tolerant import TolerantDecoder, notice
 from tandem.llm.protocols import GuidedDecoding
 
@@ -48,8 +48,24 @@ class _Text(msgspec.Struct, tag="text"):
     text: str
 
 
+class _Base64Source(msgspec.Struct, tag="base64"):
+    media_type: str
+    data: str
+
+
+class _UrlSource(msgspec.Struct, tag="url"):
+    url: str
+
+
 class _Image(msgspec.Struct, tag="image"):
-    pass
+    source: _Base64Source | _UrlSource
+
+    @property
+    def url(self) -> str:
+        source = self.source
+        if isinstance(source, _UrlSource):
+            return source.url
+        return f"data:{source.media_type};base64,{source.data}"
 
 
 class _Document(msgspec.Struct, tag="document"):
@@ -228,6 +244,7 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     reasoning_effort: str | None = None
     user: str | None = None
     left_out_tools: list[str] = []  # tools of the request not offered to the model (see `_tools`)
+    images: list[ImagePart] = []  # the image blocks' images, in prompt order
 
     def chat(self, *, reasoning: bool) -> ChatRequest:
         """The chat request; `reasoning`: the model is served with a reasoning parser, which is what
@@ -239,7 +256,7 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
                                    max_thinking_tokens=self.thinking_budget if reasoning else None,
                                    fit_max_tokens=True, stop=self.stop, temperature=self.temperature,
                                    top_p=self.top_p, top_k=self.top_k, reasoning_effort=self.reasoning_effort,
-                                   chat_template_kwargs=template, user=self.user)
+                                   chat_template_kwargs=template, user=self.user, images=self.images)
 
 
 def parse_messages_request(body: bytes) -> MessagesRequest:
@@ -282,14 +299,15 @@ def _prompt(raw: _CountBody, guided: GuidedDecoding | None) -> MessagesRequest:
                                                     f"4294967295 (got {budget}).")
     tools, left_out = _tools(raw.tools or [])
     tool_fields, parallel = _tool_choice(raw.tool_choice, tools, left_out, guided)
-    messages = _system(raw.system) + _messages(raw.messages)
+    images: list[ImagePart] = []
+    messages = _system(raw.system) + _messages(raw.messages, images)
     if raw.context_management is not None:
         messages = _manage_context(messages, raw.context_management)
     return MessagesRequest(model=raw.model, stream=False, max_tokens=None, messages=messages,
                            tools=[{"type": "function", "function": f} for f in tools.values()],
                            tool_fields=tool_fields, parallel_tool_calls=parallel,
                            thinking=None if raw.thinking is None else not isinstance(raw.thinking, _Disabled),
-                           thinking_budget=budget, left_out_tools=left_out)
+                           thinking_budget=budget, left_out_tools=left_out, images=images)
 
 
 def _manage_context(messages: list[dict[str, Any]], config: _ContextManagement) -> list[dict[str, Any]]:
@@ -323,9 +341,9 @@ def _system(system: str | list[_Text] | None) -> list[dict[str, Any]]:
     return [{"role": "system", "content": system}] if system else []
 
 
-def _messages(messages: list[_Message]) -> list[dict[str, Any]]:
+def _messages(messages: list[_Message], images: list[ImagePart]) -> list[dict[str, Any]]:
     """The conversation as chat messages; a system message in it stays where it was given (the chat
-    template places it, see `ChatTemplate`)."""
+    template places it, see `ChatTemplate`). The user turns' images are appended to `images`."""
     out: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
         p = f"messages[{i}]"
@@ -337,7 +355,7 @@ def _messages(messages: list[_Message]) -> list[dict[str, Any]]:
         elif message.role == "system":
             out.append({"role": "system", "content": _texts(content, p, "system messages")})
         else:
-            out.extend(_user(content, p))
+            out.extend(_user(content, p, images))
     return out
 
 
@@ -371,19 +389,27 @@ def _assistant(blocks: list[_Block], p: str) -> dict[str, Any]:
     return message
 
 
-def _user(blocks: list[_Block], p: str) -> list[dict[str, Any]]:
-    """A user turn: a `tool` message per tool_result, then its text (Anthropic has the results first)."""
+def _user(blocks: list[_Block], p: str, images: list[ImagePart]) -> list[dict[str, Any]]:
+    """A user turn: a `tool` message per tool_result, then its text (Anthropic has the results first); a turn
+    with images keeps its text and image parts in order, for the model's chat template."""
     out: list[dict[str, Any]] = []
     texts = []
+    parts: list[dict[str, Any]] = []
     for j, block in enumerate(blocks):
         if isinstance(block, _Text):
             texts.append(block.text)
+            parts.append({"type": "text", "text": block.text})
+        elif isinstance(block, _Image):
+            images.append(ImagePart(block.url, f"{p}.content[{j}]"))
+            parts.append({"type": "image"})
         elif isinstance(block, _ToolResult):
             out.append({"role": "tool", "tool_call_id": block.tool_use_id,
                         "content": _result_text(block, f"{p}.content[{j}]")})
         else:
             raise _misplaced(block, f"{p}.content[{j}]", "user messages")
-    if texts or not out:
+    if len(parts) > len(texts):
+        out.append({"role": "user", "content": parts})
+    elif texts or not out:
         out.append({"role": "user", "content": "\n".join(texts)})
     return out
 
@@ -396,9 +422,8 @@ def _result_text(result: _ToolResult, p: str) -> str:
 
 def _misplaced(block: _Block, param: str, where: str) -> RequestError:
     kind = type(block).__struct_config__.tag
-    if isinstance(block, _Image | _Document):
-        return fail(param, f"{kind} blocks are not supported: multimodal input is not served yet "
-                                  "(send text).")
+    if isinstance(block, _Document):
+        return fail(param, "document blocks are not supported (send text).")
     return fail(param, f"{kind} blocks are not allowed in {where}.")
 
 
