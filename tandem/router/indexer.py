@@ -142,6 +142,7 @@ class RadixTree:
             child = found = siblings.get(local_hash)
             if child is None and node in boundary:
                 child = boundary[node].get(local_hash)
+            stepped = child is not None and found is None  # an existing boundary child
             if child is None:  # a new node (inline: most stored blocks in a busy index are new)
                 self._num_nodes += 1
                 if free_ids:
@@ -181,7 +182,9 @@ class RadixTree:
                         before, after = mask, self._share(mask | bit)
                     masks[child] = after
                     took = True
-                    if not gained:
+                    # Both `node` and `child` taking the bit keeps `child`'s edge, unless `child` was put at
+                    # the boundary after `node` took it (the engine reused a hash there: `_release` below).
+                    if not gained or stepped:
                         restep(child)
                 if previous is not None:  # the engine reused a hash for another chain
                     self._release(idx, (previous,))

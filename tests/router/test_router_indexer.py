@@ -566,3 +566,13 @@ def test_approx_indexer_size_pruning_and_remove_worker() -> None:
     assert approx.find_matches([31, 32, 33]).scores == {}
     assert approx.num_blocks((2, 0)) == 2
     assert approx.num_blocks() == 3  # worker 2's blocks 22, 23 still hang under the empty node 21
+
+
+def test_a_reused_hash_moving_a_block_under_a_parent_that_took_the_worker():
+    """The engine reuses hashes across chains: a store that takes a block over from another chain can put the
+    block below at the boundary (it lost the worker), then give it the worker back; it is plain again."""
+    tree = RadixTree()
+    tree.store((1, 0), None, list(zip([7, 0, 1, 4, 4, 7], [1, 1, 1, 3, 1, 3], strict=True)))
+    tree.store((1, 0), None, list(zip([0, 5, 3], [1, 1, 3], strict=True)))
+    assert_children_split(tree)
+    assert tree.find_matches([1, 1, 3]).scores == {(1, 0): 3}
