@@ -261,10 +261,16 @@ _PART = {"anyOf": [
      "properties": {"type": {"const": "refusal"}, "refusal": {"type": "string"}}},
 ]}
 _ITEM_CONTENT = {"anyOf": [{"type": "string"}, {"type": "array", "items": _PART}]}
+_INPUT_IMAGE = {"type": "object", "required": ["type", "image_url"],
+                "properties": {"type": {"const": "input_image"}, "image_url": {"type": "string", "minLength": 1},
+                               "detail": {"enum": ["auto", "low", "high"]}}}
 _INPUT_ITEM = {"anyOf": [
     {"type": "object", "required": ["role", "content"],  # a message; `type` may be left out
-     "properties": {"type": {"const": "message"}, "role": {"enum": ["user", "assistant", "system", "developer"]},
-                    "content": _ITEM_CONTENT}},
+     "properties": {"type": {"const": "message"}, "role": {"enum": ["user", "system", "developer"]},
+                    "content": {"anyOf": [{"type": "string"},
+                                          {"type": "array", "items": {"anyOf": [_PART, _INPUT_IMAGE]}}]}}},
+    {"type": "object", "required": ["role", "content"],
+     "properties": {"type": {"const": "message"}, "role": {"const": "assistant"}, "content": _ITEM_CONTENT}},
     {"type": "object", "required": ["type", "call_id", "name", "arguments"],
      "properties": {"type": {"const": "function_call"}, "call_id": {"type": "string"}, "name": {"type": "string"},
                     "arguments": {"type": "string"}}},

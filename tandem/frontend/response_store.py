@@ -9,6 +9,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.frontend.requests import ImagePart
+
 ID_PREFIX = "resp_"
 _INSTANCE_HEX = 16  # the frontend's instance id, zero-padded, after the prefix
 
@@ -16,10 +18,12 @@ _INSTANCE_HEX = 16  # the frontend's instance id, zero-padded, after the prefix
 @dataclass(frozen=True)
 class StoredResponse:
     """A response object as answered, and the conversation it ends (its input, with what came before it
-    through `previous_response_id`, then its output) as chat messages, without the instructions."""
+    through `previous_response_id`, then its output) as chat messages, without the instructions, and the
+    images of the messages' image parts in order."""
 
     response: dict[str, Any]
     messages: list[dict[str, Any]]
+    images: list[ImagePart]
 
 
 class ResponseStore:

@@ -57,6 +57,40 @@ def test_chat_request_puts_instructions_history_then_input():
     assert chat.tool_choice == "auto" and req.store is False
 
 
+def test_input_images_become_the_chat_requests_images_in_order():
+    red, blue = "data:image/png;base64,AAAA", "http://127.0.0.1:9/blue.png"
+    req = parse_request(body(input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "Compare"},
+                                     {"type": "input_image", "image_url": red, "detail": "low"}]},
+        {"role": "assistant", "content": "Which?"},
+        {"role": "user", "content": [{"type": "input_image", "image_url": blue}, {"type": "input_text", "text": "b"}]},
+    ]))
+    assert req.input[0]["content"] == [{"type": "text", "text": "Compare"}, {"type": "image"}]
+    assert req.input[2]["content"] == [{"type": "image"}, {"type": "text", "text": "b"}]
+    assert [(i.url, i.param) for i in req.images] == [(red, "input[0].content[1]"), (blue, "input[2].content[0]")]
+    earlier = req.images[:1]
+    chat = req.chat([{"role": "user", "content": [{"type": "image"}]}], earlier)
+    assert [i.url for i in chat.images] == [red, red, blue]
+
+
+@pytest.mark.parametrize("part, param", [
+    ({"type": "input_image", "file_id": "file-1"}, "input[0].content[0].file_id"),
+    ({"type": "input_image"}, "input[0].content[0].image_url"),
+    ({"type": "input_image", "image_url": ""}, "input[0].content[0].image_url"),
+    ({"type": "input_image", "image_url": "http://x", "detail": "max"}, "input[0].content[0].detail"),
+    ({"type": "input_file", "file_id": "file-1"}, "input[0].content[0].type"),
+])
+def test_bad_input_images_name_the_field(part, param):
+    assert refused(body(input=[{"role": "user", "content": [part]}])).param == param
+
+
+def test_an_image_in_an_assistant_message_or_a_tool_output_is_refused():
+    image = {"type": "input_image", "image_url": "http://x"}
+    assert refused(body(input=[{"role": "assistant", "content": [image]}])).param == "input[0].content[0].type"
+    assert refused(body(input=[{"type": "function_call_output", "call_id": "c", "output": [image]}])).param == \
+        "input[0].output[0].type"
+
+
 def test_integral_floats_are_integers():
     assert parse_request(body(max_output_tokens=8.0)).max_output_tokens == 8
 
@@ -288,7 +322,7 @@ def test_parse_request_maps_input_items():
 
 
 def entry(n: int) -> StoredResponse:
-    return StoredResponse({"id": n}, [{"role": "user", "content": str(n)}])
+    return StoredResponse({"id": n}, [{"role": "user", "content": str(n)}], [])
 
 
 def test_ids_name_the_process():

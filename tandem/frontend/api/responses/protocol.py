@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import base64
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import msgspec
@@ -13,9 +14,11 @@ from tandem.frontend.protocol.errors import fail, from_validation
 from tandem.frontend.protocol.validation import I64_MAX, Rule, check_rules, check_wire, decode_body
 from tandem.frontend.requests import (
     FUNCTION_NAME,
+    IMAGE_DETAILS,
     REASONING_EFFORTS,
     ChatRequest,
     FieldNames,
+    ImagePart,
     chat_request,
     tool_choice_fields,
 )
@@ -151,9 +154,11 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     encrypted_reasoning: bool = False  # include has reasoning.encrypted_content
     left_out_tools: list[str] = []  # tools of the request not offered to the model (see `_tools`)
     namespaces: list[_Namespace] = []  # as given, for the echo
+    images: list[ImagePart] = []  # the input's images, in order (each an {"type": "image"} part of `input`)
 
-    def chat(self, history: list[dict[str, Any]]) -> ChatRequest:
-        """The chat request: instructions, the earlier conversation (`previous_response_id`), the input."""
+    def chat(self, history: list[dict[str, Any]], history_images: Sequence[ImagePart] = ()) -> ChatRequest:
+        """The chat request: instructions, the earlier conversation (`previous_response_id`) and its images,
+        the input."""
         system = [{"role": "system", "content": self.instructions}] if self.instructions else []
         tools = [{"type": "function", "function": _chat_function(t)} for t in self.tools]
         sampling: dict[str, Any] = {"temperature": self.temperature, "top_p": self.top_p, "user": self.user}
@@ -164,7 +169,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
         return chat_request(model=self.model, messages=[*system, *history, *self.input], stream=self.stream,
                                    max_tokens=self.max_output_tokens, tools=tools, tool_fields=self.tool_fields,
                                    parallel_tool_calls=self.parallel_tool_calls, guided=self.guided, names=_NAMES,
-                                   session_id=self.session_id, **sampling)
+                                   session_id=self.session_id, images=[*history_images, *self.images],
+                                   **sampling)
 
     def called(self, flat: str) -> tuple[str | None, str]:
         """(namespace, name) of the function the model called by its flat name."""
@@ -233,7 +239,9 @@ def parse_request(body: bytes) -> ResponsesRequest:
     text_format, guided = _text_format(raw.text.format if raw.text else None)
     tools, namespaces, left_out = _tools(raw.tools or [])
     choice, tool_fields = _tool_choice(raw.tool_choice, tools, left_out, raw.parallel_tool_calls is not False, guided)
-    messages = [{"role": "user", "content": raw.input}] if isinstance(raw.input, str) else input_messages(raw.input)
+    images: list[ImagePart] = []
+    messages = ([{"role": "user", "content": raw.input}] if isinstance(raw.input, str)
+                else input_messages(raw.input, images=images))
     return ResponsesRequest(model=raw.model, stream=bool(raw.stream), store=raw.store is not False, input=messages,
                             instructions=raw.instructions, previous_response_id=raw.previous_response_id,
                             max_output_tokens=raw.max_output_tokens, temperature=raw.temperature, top_p=raw.top_p,
@@ -242,7 +250,7 @@ def parse_request(body: bytes) -> ResponsesRequest:
                             summary=raw.reasoning.summary if raw.reasoning else None, text_format=text_format,
                             guided=guided, metadata=raw.metadata, user=raw.user, session_id=raw.prompt_cache_key,
                             encrypted_reasoning="reasoning.encrypted_content" in (raw.include or ()),
-                            left_out_tools=left_out, namespaces=namespaces)
+                            left_out_tools=left_out, namespaces=namespaces, images=images)
 
 
 def _text_format(fmt: _TextFormat | None) -> tuple[dict[str, Any], GuidedDecoding | None]:
@@ -342,6 +350,9 @@ class _Part(msgspec.Struct):
     type: str
     text: str | None = None
     refusal: str | None = None
+    image_url: str | None = None  # input_image: an http(s) or data: URL
+    file_id: str | None = None  # input_image: an uploaded file (there is no files API here)
+    detail: str | None = None
 
 
 class _Message(msgspec.Struct):
@@ -402,9 +413,11 @@ _ITEMS: dict[str, type[msgspec.Struct]] = {"message": _Message, "function_call":
                                            "function_call_output": _FunctionCallOutput, "reasoning": _Reasoned}
 
 
-def input_messages(items: list[dict[str, Any]], param: str = "input") -> list[dict[str, Any]]:
+def input_messages(items: list[dict[str, Any]], param: str = "input", *,
+                   images: list[ImagePart] | None = None) -> list[dict[str, Any]]:
     """Input items as chat messages: messages as they are, function calls as the assistant's tool_calls,
-    their outputs as tool messages, a reasoning item as the thinking of the assistant turn that follows."""
+    their outputs as tool messages, a reasoning item as the thinking of the assistant turn that follows.
+    The messages' `input_image` parts are appended to `images`, in order (without a list they are refused)."""
     messages: list[dict[str, Any]] = []
     thinking: str | None = None
     for i, raw in enumerate(items):
@@ -425,7 +438,9 @@ def input_messages(items: list[dict[str, Any]], param: str = "input") -> list[di
         if isinstance(item, _Message):
             if item.role not in _ROLES:
                 raise fail(f"{at}.role", f"'{at}.role' must be one of {', '.join(_ROLES)} (got {item.role!r}).")
-            message = {"role": item.role, "content": _text(item.content, f"{at}.content")}
+            content = _message_content(item.content, f"{at}.content", images) if item.role != "assistant" \
+                else _text(item.content, f"{at}.content")
+            message = {"role": item.role, "content": content}
         elif isinstance(item, _FunctionCallOutput):
             message = {"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output, f"{at}.output")}
         else:
@@ -444,19 +459,48 @@ def input_messages(items: list[dict[str, Any]], param: str = "input") -> list[di
     return messages
 
 
+def _message_content(content: str | list[_Part], param: str,
+                     images: list[ImagePart] | None) -> str | list[dict[str, Any]]:
+    """A user, system or developer message's content: its text, or with images its parts in order as the
+    chat template takes them (`{"type": "text", "text": ...}` and `{"type": "image"}`)."""
+    if isinstance(content, str) or images is None or not any(part.type == "input_image" for part in content):
+        return _text(content, param)
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        if part.type == "input_image":
+            images.append(ImagePart(_image_url(part, f"{param}[{j}]"), f"{param}[{j}]"))
+            parts.append({"type": "image"})
+        else:
+            parts.append({"type": "text", "text": _part_text(part, f"{param}[{j}]")})
+    return parts
+
+
+def _image_url(part: _Part, param: str) -> str:
+    if part.file_id is not None:
+        raise fail(f"{param}.file_id", f"'{param}.file_id': images by file id are not supported (there is no "
+                                       "files API here): send image_url, an http(s) or data: URL.")
+    if not part.image_url:
+        raise fail(f"{param}.image_url", f"'{param}.image_url' must be a non-empty string.")
+    if part.detail is not None and part.detail not in IMAGE_DETAILS:
+        raise fail(f"{param}.detail", f"'{param}.detail' must be one of {', '.join(IMAGE_DETAILS)} "
+                                      f"(got {part.detail!r}).")
+    return part.image_url
+
+
 def _text(content: str | list[_Part], param: str) -> str:
     """A content's text parts joined (as the chat route joins text parts)."""
     if isinstance(content, str):
         return content
-    texts = []
-    for j, part in enumerate(content):
-        if part.type == "refusal" and part.refusal is not None:
-            texts.append(part.refusal)
-        elif part.type in _TEXT_PARTS and part.text is not None:
-            texts.append(part.text)
-        elif part.type in _TEXT_PARTS:
-            raise fail(f"{param}[{j}].text", f"'{param}[{j}].text' must be a string.")
-        else:
-            raise fail(f"{param}[{j}].type", f"content parts of type {part.type!r} are not supported: only "
-                                                    "text is served (images, files and audio are not yet).")
-    return "\n".join(texts)
+    return "\n".join(_part_text(part, f"{param}[{j}]") for j, part in enumerate(content))
+
+
+def _part_text(part: _Part, param: str) -> str:
+    if part.type == "refusal" and part.refusal is not None:
+        return part.refusal
+    if part.type in _TEXT_PARTS and part.text is not None:
+        return part.text
+    if part.type in _TEXT_PARTS:
+        raise fail(f"{param}.text", f"'{param}.text' must be a string.")
+    where = "only in user, system and developer messages" if part.type == "input_image" else "not yet"
+    raise fail(f"{param}.type", f"content parts of type {part.type!r} are not supported here: text is served "
+                                f"everywhere, input_image {where} (files and audio are not).")

@@ -20,6 +20,7 @@ from tandem.frontend.preprocess import Prepared
 from tandem.frontend.protocol.answer import Answer, Ending, Outcome, Usage
 from tandem.frontend.protocol.errors import RequestError
 from tandem.frontend.protocol.sse import named_sse
+from tandem.frontend.requests import ChatRequest
 from tandem.frontend.response_store import ResponseStore, StoredResponse
 from tandem.frontend.serving import Mount, Serving
 from tandem.frontend.tolerant import left_out_header
@@ -74,13 +75,15 @@ class ResponseAnswer(Answer):
     response.completed (response.incomplete when max_output_tokens cut it; response.failed after an error
     event when the request failed). A finished response is stored when the request asked for it."""
 
-    def __init__(self, request: ResponsesRequest, response_id: str, model: str, conversation: list[dict[str, Any]],
+    def __init__(self, request: ResponsesRequest, response_id: str, model: str, history: StoredResponse | None,
                  store: ResponseStore) -> None:  # fmt: skip
         self.request = request
         self.id = response_id
         self.model = model
         self.created = int(time.time())
-        self.conversation = conversation  # the earlier turns and this input, for the store
+        # the earlier turns and this input, and their images, for the store
+        self.conversation = [*history.messages, *request.input] if history else request.input
+        self.images = [*history.images, *request.images] if history else request.images
         self.store = store
         self.sequence = 0
         self.items: list[_Item] = []
@@ -212,7 +215,7 @@ class ResponseAnswer(Answer):
             reply["tool_calls"] = outcome.tool_calls
         if outcome.reasoning:
             reply["reasoning_content"] = "".join(outcome.reasoning)
-        self.store.put(self.id, StoredResponse(response, [*self.conversation, reply]))
+        self.store.put(self.id, StoredResponse(response, [*self.conversation, reply], self.images))
 
 
 def _incomplete(ending: Ending) -> str | None:
@@ -249,20 +252,19 @@ class ResponsesApi:
         model = serving.model(parsed.model, ModelType.Chat, "/v1/responses")
         serving.token_input(model, "/v1/responses")
         history = self._history(parsed.previous_response_id)
-        conversation = [*history, *parsed.input]
         store = self.store
 
         def answer(request_id: str, prepared: Prepared) -> Answer:
-            return ResponseAnswer(parsed, store.new_id(request_id), model.name, conversation, store)
+            return ResponseAnswer(parsed, store.new_id(request_id), model.name, history, store)
 
-        return await serving.serve(request, parsed.chat(history), len(body), model.pipeline, "responses", answer)
+        return await serving.serve(request, _chat(parsed, history), len(body), model.pipeline, "responses", answer)
 
     async def count_response_tokens(self, request: web.Request) -> web.Response:
         serving = self.serving
         body = await serving.body(request)
         parsed = parse_request(body)
         model = serving.model(parsed.model, ModelType.Chat, "/v1/responses/input_tokens")
-        chat = parsed.chat(self._history(parsed.previous_response_id))
+        chat = _chat(parsed, self._history(parsed.previous_response_id))
         count = await serving.token_input(model, "/v1/responses/input_tokens").count_prompt_tokens(chat, len(body))
         return web.json_response({"object": "response.input_tokens", "input_tokens": count})
 
@@ -279,11 +281,15 @@ class ResponsesApi:
             raise RequestError(self.store.why_missing(response_id), status=404, param="response_id")
         return web.json_response({"id": response_id, "object": "response.deleted", "deleted": True})
 
-    def _history(self, previous_response_id: str | None) -> list[dict[str, Any]]:
-        """The conversation a response continues (`previous_response_id`), as chat messages."""
+    def _history(self, previous_response_id: str | None) -> StoredResponse | None:
+        """The conversation a response continues (`previous_response_id`)."""
         if previous_response_id is None:
-            return []
+            return None
         stored = self.store.get(previous_response_id)
         if stored is None:
             raise RequestError(self.store.why_missing(previous_response_id), param="previous_response_id")
-        return stored.messages
+        return stored
+
+
+def _chat(parsed: ResponsesRequest, history: StoredResponse | None) -> ChatRequest:
+    return parsed.chat(history.messages, history.images) if history else parsed.chat([])
