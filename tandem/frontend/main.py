@@ -8,6 +8,7 @@ import os
 import sys
 from dataclasses import dataclass, replace
 
+from tandem.frontend.media import RoutedImages
 from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.models import ModelManager, ServedModel
 from tandem.frontend.pipeline import ModelPipeline
@@ -16,6 +17,7 @@ from tandem.frontend.replicas import REPLICA_ENV, supervise
 from tandem.frontend.routing import LoadMonitor, LoadThresholds
 from tandem.frontend.server import FrontendServer
 from tandem.frontend.serving import HttpConfig
+from tandem.llm.images import ImageLimits, ImageLoader
 from tandem.llm.model_card import ModelInput
 from tandem.router.config import add_router_args, parse_args_with_router_config
 from tandem.router.kv_router import KvRouter, RouterMetrics
@@ -24,6 +26,7 @@ from tandem.runtime.config import WILDCARDS, env_str
 from tandem.runtime.keys import frontend_key, parse_endpoint_path
 from tandem.runtime.logs import lean_records
 from tandem.runtime.options import (
+    ALLOW_PRIVATE_MEDIA_URLS,
     MIGRATION_LIMIT,
     ROUTER_MODES,
     Option,
@@ -58,6 +61,7 @@ class FrontendConfig:
     reasoning_field_name: str = "reasoning_content"
     responses_store_size: int = 1024
     enable_anthropic_api: bool = True
+    allow_private_media_urls: bool = False  # KV routing fetches the images of requests to hash them
 
 
 _HTTP = (
@@ -87,6 +91,7 @@ _APIS = (
 _MODELS = (
     Option("model_path", ("--model-path",), ("DYN_MODEL_PATH",), "local copy of the model's tokenizer files when "
            "the workers' folder is not visible here", kind=str),
+    ALLOW_PRIVATE_MEDIA_URLS,  # the KV router fetches image URLs to hash their content
     Option("router_mode", ("--router-mode",), ("DYN_ROUTER_MODE",), "how to pick a worker", kind=RouterMode,
            choices=ROUTER_MODES),
     MIGRATION_LIMIT,  # a request no worker has accepted yet always goes to another
@@ -148,6 +153,7 @@ async def serve(args: argparse.Namespace, frontend: FrontendConfig) -> int:
 
     router_config = args.router_config if frontend.router_mode is RouterMode.KV else None
     router_metrics = RouterMetrics(runtime.registry) if router_config is not None else None
+    images = RoutedImages(ImageLoader(ImageLimits(allow_private=frontend.allow_private_media_urls)))
 
     def build(model: ServedModel) -> ModelPipeline:
         kv_router = prefill_router = None
@@ -163,7 +169,8 @@ async def serve(args: argparse.Namespace, frontend: FrontendConfig) -> int:
         return ModelPipeline(model, manager, router_mode=frontend.router_mode, migration_limit=frontend.migration_limit,
                              migration_max_seq_len=frontend.migration_max_seq_len, load=load, metrics=metrics,
                              kv_router=kv_router, prefill_router=prefill_router, enforce_disagg=frontend.enforce_disagg,
-                             parsers=ParserNames(frontend.dyn_tool_call_parser, frontend.dyn_reasoning_parser))
+                             parsers=ParserNames(frontend.dyn_tool_call_parser, frontend.dyn_reasoning_parser),
+                             images=images)
 
     def on_change() -> None:
         for model in manager.served():
@@ -208,6 +215,7 @@ async def serve(args: argparse.Namespace, frontend: FrontendConfig) -> int:
     await runtime.wait_closed()
     await server.close()
     await manager.close()
+    await images.loader.close()
     return 0
 
 

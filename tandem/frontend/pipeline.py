@@ -24,6 +24,7 @@ from tandem.frontend.disagg import (
     bypass_remote_prefill,
     decode_stage_override,
 )
+from tandem.frontend.media import RoutedImages
 from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.models import ModelManager, ServedModel
 from tandem.frontend.preprocess import ParserNames, Preprocessor
@@ -70,6 +71,11 @@ def _leg_pins(request: Any) -> tuple[int | None, int | None]:
     `routing.decode_worker_id`; the frontend checked that the model has them)."""
     routing = request.routing if isinstance(request, PreprocessedRequest) else None
     return (routing.prefill_worker_id, routing.decode_worker_id) if routing is not None else (None, None)
+
+
+def _has_images(request: Any) -> TypeGuard[PreprocessedRequest]:
+    return (isinstance(request, PreprocessedRequest) and request.multi_modal_data is not None
+            and bool(request.multi_modal_data.image_url))
 
 
 def _has_token_prompt(request: Any) -> TypeGuard[PreprocessedRequest]:
@@ -132,6 +138,7 @@ class ModelPipeline:
         prefill_router: KvRouter | None = None,
         enforce_disagg: bool = False,
         parsers: ParserNames | None = None,
+        images: RoutedImages | None = None,
     ) -> None:
         self.model = model
         self.manager = manager
@@ -149,6 +156,7 @@ class ModelPipeline:
         self.load = load
         self.metrics = metrics
         self.enforce_disagg = enforce_disagg  # no remote prefill -> 503 instead of local prefill
+        self.images = images  # hashes requests' images for the KV routers
 
     @property
     def migration_limit(self) -> int:
@@ -197,6 +205,18 @@ class ModelPipeline:
             return None
         return router.hashes(request.token_ids, **self._cache_keys(request))
 
+    async def _image_hashes(self, request: PreprocessedRequest) -> PromptHashes | None:
+        """The block hashes of a prompt with images, as the engine will compute them: expanded, with the
+        images' content on their blocks. Without an image prompt the card gives (it varies by image), the
+        request's own tokens are hashed: blocks before the first image can still match."""
+        router = self.kv_router or self.prefill_router
+        config = self.model.card.runtime_config
+        if router is None or self.images is None or config.image_prompt is None or config.image_token_id is None:
+            return self._hashes(request)
+        tokens, spans = await self.images.expand(request, config.image_token_id, config.image_prompt)
+        return router.hashes(tokens, media=spans, added=len(tokens) - len(request.token_ids),
+                             **self._cache_keys(request))
+
     def route(self, request: Any, pinned: int | None, exclude: set[int], request_id: str = "", *,
               preferred: int | None = None, decode_stage: bool = False,
               hashes: PromptHashes | None = None) -> tuple[int, int | None, RoutedRequest | None]:
@@ -242,7 +262,9 @@ class ModelPipeline:
         budget = self.migration_limit
         exclude: set[int] = set()
         preferred: int | None = None
-        hashes = self._hashes(request) if pinned is None else None
+        hashes = None
+        if pinned is None:
+            hashes = await self._image_hashes(request) if _has_images(request) else self._hashes(request)
         prefill_pin, decode_pin = _leg_pins(request)
         # A prompt-embeddings request is served whole by a decode worker: the prefill hand-off (and conditional
         # disaggregation's cache check) works on token ids, which it has none of.

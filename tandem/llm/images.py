@@ -18,8 +18,9 @@ import io
 import ipaddress
 import socket
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 from urllib.parse import urljoin, urlsplit
 
 import aiohttp
@@ -178,6 +179,19 @@ def _image_bytes(image: Any) -> int:
     return 3 * width * height
 
 
+T = TypeVar("T")
+
+
+async def _each(step: Callable[[str], Awaitable[T]], urls: list[str]) -> list[T]:
+    results = await asyncio.gather(*(step(url) for url in urls), return_exceptions=True)
+    for index, result in enumerate(results):
+        if isinstance(result, ImageError):
+            raise ImageError(f"image {index}: {result}", result.status)
+        if isinstance(result, BaseException):
+            raise result
+    return cast(list[T], results)
+
+
 class ImageLoader:
     """Loads the images of requests: `await load(url)`; one HTTP session, made on first use, and one cache."""
 
@@ -187,14 +201,7 @@ class ImageLoader:
         self._session: aiohttp.ClientSession | None = None
 
     async def load(self, url: str) -> LoadedImage:
-        if url.startswith("data:"):
-            data = data_url_bytes(url, self.limits)
-        else:
-            try:
-                async with asyncio.timeout(self.limits.timeout_s):
-                    data = await self._fetch(url)
-            except TimeoutError:
-                raise ImageError(f"fetching image {_short(url)} timed out after {self.limits.timeout_s:g} s") from None
+        data = await self.read(url)
         digest = hashlib.sha256(data).hexdigest()
         image = self.cache.get(digest)
         if image is None:
@@ -205,13 +212,21 @@ class ImageLoader:
 
     async def load_all(self, urls: list[str]) -> list[LoadedImage]:
         """Every image, fetched concurrently; the first failure (in order) raises, naming its index."""
-        results = await asyncio.gather(*(self.load(url) for url in urls), return_exceptions=True)
-        for index, result in enumerate(results):
-            if isinstance(result, ImageError):
-                raise ImageError(f"image {index}: {result}", result.status)
-            if isinstance(result, BaseException):
-                raise result
-        return [r for r in results if isinstance(r, LoadedImage)]
+        return await _each(self.load, urls)
+
+    async def read(self, url: str) -> bytes:
+        """The image's encoded bytes, from a data URL or fetched (not decoded)."""
+        if url.startswith("data:"):
+            return data_url_bytes(url, self.limits)
+        try:
+            async with asyncio.timeout(self.limits.timeout_s):
+                return await self._fetch(url)
+        except TimeoutError:
+            raise ImageError(f"fetching image {_short(url)} timed out after {self.limits.timeout_s:g} s") from None
+
+    async def read_all(self, urls: list[str]) -> list[bytes]:
+        """Every image's bytes, fetched concurrently; the first failure (in order) raises, naming its index."""
+        return await _each(self.read, urls)
 
     async def _fetch(self, url: str) -> bytes:
         session = self._session_for_fetching()

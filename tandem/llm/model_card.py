@@ -55,6 +55,16 @@ class WorkerType(StrEnum):
     Decode = "Decode"
 
 
+class ImagePrompt(msgspec.Struct, frozen=True):
+    """What the engine puts in the prompt in place of one image placeholder, the same whatever the image:
+    `tokens`, of which the `length` from `offset` on are the image's span (the KV blocks overlapping it are
+    the image's, hashed with its content)."""
+
+    tokens: list[int]
+    offset: int
+    length: int
+
+
 class ModelRuntimeConfig(msgspec.Struct, omit_defaults=True):
     """What the worker's engine turned out to be, for the frontend's router and limits."""
 
@@ -69,6 +79,7 @@ class ModelRuntimeConfig(msgspec.Struct, omit_defaults=True):
     enable_prompt_embeds: bool = False  # the engine takes prompt embeddings instead of token ids
     image_token_id: int | None = None  # the engine takes images (started with --enable-multimodal): their placeholder
     max_images: int | None = None  # ... at most this many per request (vLLM's --limit-mm-per-prompt)
+    image_prompt: ImagePrompt | None = None  # ... each placeholder's expansion, when it does not vary by image
     embedding_size: int | None = None  # an embedding model's vector size
     # An embedding model trained to be cut short (matryoshka): requests may ask for fewer `dimensions`, any
     # from 1 to embedding_size, or only those listed in matryoshka_dimensions when it lists some.

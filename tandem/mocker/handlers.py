@@ -4,9 +4,12 @@ worker's contract), `embed` for an embedding model, and `clear_kv_blocks`."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from tandem.llm.images import ImageError, ImageLimits, ImageLoader
+from tandem.llm.model_card import ImagePrompt
 from tandem.llm.protocols import (
     CompletionUsage,
     DisaggregatedParams,
@@ -19,7 +22,7 @@ from tandem.llm.protocols import (
 from tandem.mocker.args import MockerConfig
 from tandem.mocker.engine import MockEngine, SimLogprobs, SyntheticTokens
 from tandem.mocker.scheduler import SimRequest, StepOutput
-from tandem.router.hashing import request_seed
+from tandem.router.hashing import MediaSpan, digest_hash, expand_placeholders, request_seed
 from tandem.runtime import Context
 from tandem.runtime.errors import InvalidRequestError
 from tandem.worker.config import DisaggregationMode
@@ -34,22 +37,24 @@ class MockerHandler:
         self.engines = engines  # one per data-parallel rank
         self.tokens = tokens
         self.worker_id = worker_id
+        self._images: ImageLoader | None = None  # made on the first request with images
 
     async def generate(self, request: PreprocessedRequest, context: Context) -> AsyncIterator[LLMEngineOutput]:
         if request.priority:  # the client's 400, never a priority silently dropped
             raise InvalidRequestError(f"priority {request.priority} (x-dynamo-request-priority) is not supported: "
                                       "the mocker schedules first come, first served")
+        prompt, media = request.token_ids, list[MediaSpan]()
         if request.multi_modal_data is not None:
-            raise InvalidRequestError("multi_modal_data: the mocker does not simulate images yet")
+            prompt, media = await self._images_of(request)
         try:
-            sim = self._sim_request(request, context.id())
+            sim = self._sim_request(request, context.id(), prompt, media)
             engine = self._engine(request)
             logprobs = self._logprobs(request)
         except ValueError as e:
             yield LLMEngineOutput.failed(str(e))
             return
         prompt_len = len(sim.prompt)
-        ends_answer = not self.config.is_prefill and sim.max_tokens < self._limit(request)  # --answer-tokens
+        ends_answer = not self.config.is_prefill and sim.max_tokens < self._limit(request, prompt_len)  # --answer-tokens
         prefill_details = request.prefill_result.prompt_tokens_details if request.prefill_result else None
         transfer_ms = await self._pull_kv(prompt_len) if sim.prefilled else None
         if context.is_stopped():  # while the KV was on its way
@@ -129,8 +134,34 @@ class MockerHandler:
                              f"(it has {len(self.engines)})")
         return self.engines[rank]
 
-    def _sim_request(self, request: PreprocessedRequest, request_id: str) -> SimRequest:
-        token_ids = request.token_ids
+    async def _images_of(self, request: PreprocessedRequest) -> tuple[list[int], list[MediaSpan]]:
+        """The prompt with its images' tokens in place of their placeholders, and where each image sits with
+        its content hash, as a vision-language engine would hash their blocks (the bytes are read, never
+        decoded: a broken image is not noticed, as no encoder looks at it)."""
+        images = self.config.images
+        media = request.multi_modal_data
+        assert media is not None
+        if images is None:
+            raise InvalidRequestError("Received multimodal data but multimodal processing is not enabled: start the "
+                                      "mocker with --enable-multimodal")
+        if media.video_url:
+            raise InvalidRequestError("multi_modal_data.video_url: video input is not supported yet")
+        placed = request.token_ids.count(images.token_id)
+        if placed != len(media.image_url):
+            raise InvalidRequestError(f"multi_modal_data: {len(media.image_url)} images for {placed} image "
+                                      "placeholders in the prompt")
+        if self._images is None:
+            self._images = ImageLoader(ImageLimits(allow_private=images.allow_private_urls))
+        try:
+            blobs = await self._images.read_all([item.url for item in media.image_url])
+        except ImageError as e:
+            raise InvalidRequestError(f"multi_modal_data.image_url: {e}", e.status) from None
+        hashes = [digest_hash(hashlib.sha256(blob).hexdigest()) for blob in blobs]
+        prompt = ImagePrompt([images.token_id] * images.tokens, 0, images.tokens)
+        return expand_placeholders(request.token_ids, images.token_id, prompt, hashes)
+
+    def _sim_request(self, request: PreprocessedRequest, request_id: str, token_ids: list[int],
+                     media: list[MediaSpan]) -> SimRequest:
         if not token_ids:
             raise ValueError("the request has no prompt tokens")
         prompt_len = len(token_ids)
@@ -138,7 +169,7 @@ class MockerHandler:
         if room < 1:
             raise ValueError(f"the prompt ({prompt_len} tokens) does not fit the context length "
                              f"({self.config.context_length} tokens)")
-        max_tokens = self._limit(request)
+        max_tokens = self._limit(request, prompt_len)
         if self.config.answer_tokens is not None and not request.stop_conditions.ignore_eos:
             max_tokens = min(max_tokens, self.config.answer_tokens)
         if self.config.is_prefill:
@@ -153,11 +184,12 @@ class MockerHandler:
             output_token=self.tokens.for_request(token_ids, request.sampling_options.seed),
             hash_seed=request_seed(None, salt),
             prefilled=self.config.disaggregation_mode is DisaggregationMode.DECODE and handed_over,
+            media=media, encode_ms=self.config.images.encode_ms if self.config.images else 0.0,
         )
 
-    def _limit(self, request: PreprocessedRequest) -> int:
+    def _limit(self, request: PreprocessedRequest, prompt_len: int) -> int:
         """The tokens the request allows: its max_tokens, else what the context leaves."""
-        room = self.config.context_length - len(request.token_ids)
+        room = self.config.context_length - prompt_len
         return room if request.max_tokens is None else min(request.max_tokens, room)
 
     def _logprobs(self, request: PreprocessedRequest) -> Callable[[int], SimLogprobs] | None:

@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from tandem.llm.forward_pass import FORWARD_PASS_TOPIC, EngineState
-from tandem.llm.model_card import ModelRuntimeConfig, ModelType, hidden_size_of
+from tandem.llm.model_card import ImagePrompt, ModelRuntimeConfig, ModelType, hidden_size_of
 from tandem.llm.tokenizer import Tokenizer
 from tandem.mocker.args import MockerConfig, parse_args
 from tandem.mocker.engine import MockEngine, SyntheticTokens
@@ -148,6 +148,7 @@ async def start_worker(config: MockerConfig, runtime: DistributedRuntime, tokeni
             enable_local_indexer=bool(publishers), data_parallel_size=config.data_parallel_size,
             tool_call_parser=config.dyn_tool_call_parser, reasoning_parser=config.dyn_reasoning_parser,
             embedding_size=embedding_size or None, matryoshka=embedding,
+            **_image_config(config),
         ),
     )
     await serve_worker(component, handler, spec, endpoint=config.endpoint, kv_publishers=publishers,
@@ -187,3 +188,12 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _image_config(config: MockerConfig) -> dict[str, Any]:
+    """A simulated vision-language model: its placeholder, and the image tokens each one becomes."""
+    images = config.images
+    if images is None:
+        return {}
+    return {"image_token_id": images.token_id,
+            "image_prompt": ImagePrompt([images.token_id] * images.tokens, 0, images.tokens)}

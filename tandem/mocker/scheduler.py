@@ -44,7 +44,13 @@ from dataclasses import dataclass, field
 
 from tandem.mocker.kv_manager import KvEvent, KvManager
 from tandem.mocker.perf_model import PerfModel
-from tandem.router.hashing import XXH3_SEED, local_block_hashes, sequence_hashes
+from tandem.router.hashing import (
+    XXH3_SEED,
+    MediaSpan,
+    local_block_hashes,
+    media_block_hashes,
+    sequence_hashes,
+)
 
 
 @dataclass
@@ -85,6 +91,10 @@ class SimRequest:
     """Block-hash seed: `tandem.router.hashing.request_seed(lora_name, cache_salt)`."""
     prefilled: bool = False
     """Disaggregated decode: the prompt's KV arrived from a prefill worker."""
+    media: list[MediaSpan] = field(default_factory=list)
+    """Where the prompt's images sit, with their content hashes (on the blocks they overlap)."""
+    encode_ms: float = 0.0
+    """Simulated encoder time per image, paid on admission for each image the prefix cache does not hold."""
 
 
 @dataclass(slots=True)
@@ -100,7 +110,7 @@ class StepOutput:
 @dataclass
 class StepResult:
     prefill_ms: float
-    """`prefill_ms(num_prefill_tokens)`, 0 if none."""
+    """`prefill_ms(num_prefill_tokens)`, 0 if none, plus the encoder time of the images admitted."""
     decode_ms: float
     """`decode_ms(...)` over the requests that decoded (sampled without prefill work), 0 if none."""
     outputs: list[StepOutput]
@@ -159,8 +169,10 @@ class _Seq:
         """Compute the (local, sequence) hashes of the first `num_blocks` blocks, as tokens come."""
         have = len(self.local_hashes)
         if num_blocks > have:
+            media = self.req.media
             local = local_block_hashes(
-                self.tokens[have * block_size : num_blocks * block_size], block_size, self.req.hash_seed
+                self.tokens[have * block_size : num_blocks * block_size], block_size, self.req.hash_seed,
+                mm_hashes=media_block_hashes(media, num_blocks, block_size)[have:] if media else None,
             )
             # sequence_hashes chains from its first element: prepend our last hash to continue the chain.
             self.seq_hashes += (
@@ -177,6 +189,7 @@ class _Batch:
     tokens: dict[str, int] = field(default_factory=dict)  # request id -> tokens computed
     prefill: set[str] = field(default_factory=set)  # ids of requests computing prefill tokens
     admitted: dict[str, int] = field(default_factory=dict)  # request id -> prefix-cache hit, in tokens
+    encode_ms: float = 0.0  # the images of the requests admitted, encoded in this step
 
     def add(self, seq: _Seq, n: int, prefill: bool) -> None:
         self.tokens[seq.id] = n
@@ -271,6 +284,7 @@ class Scheduler:
         cfg = self.config
         num_prefill_tokens = batch.num_prefill_tokens
         prefill_ms = self.perf_model.prefill_ms(num_prefill_tokens) if num_prefill_tokens else 0.0
+        prefill_ms += batch.encode_ms
         decode_ms = 0.0
         if decoding:
             decode_ms = self.perf_model.decode_ms(
@@ -373,6 +387,10 @@ class Scheduler:
             if seq.num_output == 0:
                 seq.cached_tokens = cached_blocks * bs
             batch.admitted[seq.id] = cached
+            if seq.req.media and not seq.kv_transferred:
+                # The images whose blocks the prefix cache does not hold all through are encoded first.
+                uncached = sum(1 for span in seq.req.media if span.offset + span.length > cached)
+                batch.encode_ms += uncached * seq.req.encode_ms
             seq.kv_transferred = False
             seq.num_computed = cached
             prefill = n > 0 and seq.in_prefill

@@ -18,8 +18,12 @@ import struct
 import sys
 from array import array
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 import xxhash
+
+if TYPE_CHECKING:
+    from tandem.llm.model_card import ImagePrompt
 
 XXH3_SEED = 1337
 U64_MASK = (1 << 64) - 1
@@ -92,6 +96,51 @@ def local_block_hashes(
             chunk += struct.pack(f"<{len(values)}Q", *values)
         out.append(xxh3(chunk, seed))
     return out
+
+
+class MediaSpan(NamedTuple):
+    """Where one image (or other media item) sits in the expanded prompt, and its content hash (u64)."""
+
+    offset: int
+    length: int
+    hash: int
+
+
+def media_block_hashes(spans: Sequence[MediaSpan], n_blocks: int, block_size: int) -> list[list[int] | None]:
+    """Per block, the hashes of the media items whose span overlaps it (what the engine's KV events carry
+    for those blocks, so `local_block_hashes(..., mm_hashes=...)` gives the same hashes on both sides)."""
+    out: list[list[int] | None] = [None] * n_blocks
+    for span in spans:
+        if span.length <= 0:
+            continue
+        first = span.offset // block_size
+        last = min((span.offset + span.length - 1) // block_size, n_blocks - 1)
+        for n in range(first, last + 1):
+            out[n] = [*(out[n] or ()), span.hash]
+    return out
+
+
+def expand_placeholders(token_ids: list[int], image_token_id: int, prompt: ImagePrompt,
+                        hashes: list[int]) -> tuple[list[int], list[MediaSpan]]:
+    """`token_ids` with each `image_token_id` replaced by the image prompt's tokens, and each image's span
+    there with its hash (`hashes`, one per placeholder, in order)."""
+    out: list[int] = []
+    spans: list[MediaSpan] = []
+    start = 0
+    for image_hash in hashes:
+        at = token_ids.index(image_token_id, start)
+        out += token_ids[start:at]
+        spans.append(MediaSpan(len(out) + prompt.offset, prompt.length, image_hash))
+        out += prompt.tokens
+        start = at + 1
+    out += token_ids[start:]
+    return out, spans
+
+
+def digest_hash(digest: str) -> int:
+    """A media item's content hash as a u64: its hex digest's first 16 digits (the engine's events name items
+    by the digest they were given)."""
+    return int(digest[:16], 16)
 
 
 def sequence_hashes(local: Sequence[int]) -> list[int]:

@@ -27,7 +27,13 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from tandem.router.config import KvRouterConfig
-from tandem.router.hashing import local_block_hashes, request_seed, sequence_hashes
+from tandem.router.hashing import (
+    MediaSpan,
+    local_block_hashes,
+    media_block_hashes,
+    request_seed,
+    sequence_hashes,
+)
 from tandem.router.indexer import ApproxIndexer, EventGap, KvIndexer, OverlapScores, WorkerKey
 from tandem.router.protocols import (
     KV_EVENT_TOPIC,
@@ -111,9 +117,10 @@ class PromptHashes:
     """A prompt's block hashes for one block size and seed (LoRA, cache salt): computed once per request
     and shared by its prefill and decode routing."""
 
-    tokens: int  # prompt length they were computed for
+    tokens: int  # prompt length they were computed for (with its images' tokens)
     local: list[int]  # each full block's tokens
     sequence: list[int]  # each block chained to its prefix
+    added: int = 0  # tokens the engine adds to the prompt it is sent (its images' expansion)
 
 
 @dataclass(frozen=True)
@@ -390,10 +397,14 @@ class KvRouter:
                                 "data": data, "router_id": self.router_id})
 
     # -- routing -------------------------------------------------------------------------------
-    def hashes(self, token_ids: Sequence[int], *, lora_name: str | None = None,
-               cache_salt: str | None = None) -> PromptHashes:
-        local = local_block_hashes(token_ids, self.block_size, request_seed(lora_name, cache_salt))
-        return PromptHashes(len(token_ids), local, sequence_hashes(local))
+    def hashes(self, token_ids: Sequence[int], *, lora_name: str | None = None, cache_salt: str | None = None,
+               media: Sequence[MediaSpan] = (), added: int = 0) -> PromptHashes:
+        """The block hashes of a prompt as the engine computes it: `token_ids` with its images expanded
+        (`added` tokens more than the request's), `media` where each image sits in them."""
+        seed = request_seed(lora_name, cache_salt)
+        mm = media_block_hashes(media, len(token_ids) // self.block_size, self.block_size) if media else None
+        local = local_block_hashes(token_ids, self.block_size, seed, mm_hashes=mm)
+        return PromptHashes(len(token_ids), local, sequence_hashes(local), added)
 
     def overlaps(self, hashes: PromptHashes) -> OverlapScores:
         index = self.approx if self.approx is not None else self.indexer.tree
@@ -425,7 +436,7 @@ class KvRouter:
         tracked. `hashes` (of these tokens, from `hashes()`) saves computing them again; `session`: the
         agent session the request belongs to, which breaks ties (`select_worker`)."""
         config = self.config.with_overrides(dict(override)) if override else self.config
-        if hashes is None or hashes.tokens != len(token_ids):
+        if hashes is None or hashes.tokens != len(token_ids) + hashes.added:
             hashes = self.hashes(token_ids, lora_name=lora_name, cache_salt=cache_salt)
         scores = self.overlaps(hashes)
         use_overlap = config.overlap_score_weight != 0
@@ -437,7 +448,7 @@ class KvRouter:
             loads[worker] = CostTerms(worker, scores.scores.get(worker, 0) if use_overlap else 0,
                                       self.sequences.active_prefill_tokens(worker), decode,
                                       self.sequences.active_requests(worker))
-        costs = worker_costs(list(loads.values()), len(token_ids), self.block_size, config)
+        costs = worker_costs(list(loads.values()), hashes.tokens, self.block_size, config)
         chosen = select_worker(costs, config.temperature, self.rng, session)
         return RoutingDecision(chosen[0], chosen[1], loads[chosen].overlap_blocks, loads[chosen], costs[chosen],
                                hashes, config, scores)
@@ -453,7 +464,7 @@ class KvRouter:
                                     override=override, dp_rank=dp_rank, hashes=hashes, session=session)
         chosen, overlap, config = decision.worker, decision.overlap_blocks, decision.config
         tracked_blocks = decision.hashes.sequence if config.track_active_blocks else None
-        isl = len(token_ids) if config.track_prefill_tokens else 0
+        isl = decision.hashes.tokens if config.track_prefill_tokens else 0
         self.sequences.add_request(request_id, chosen, tracked_blocks, isl, overlap)
         self._publish_sync(request_id, chosen, {"add_request": {"token_sequence": tracked_blocks, "isl": isl,
                                                                 "overlap": overlap}})

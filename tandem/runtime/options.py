@@ -155,3 +155,7 @@ ROUTER_MODES = tuple(mode.value for mode in RouterMode)
 MIGRATION_LIMIT = Option(
     "migration_limit", ("--migration-limit",), ("DYN_MIGRATION_LIMIT",),
     "times a request may move to another worker when its worker fails mid-stream", kind=int, minimum=0)
+ALLOW_PRIVATE_MEDIA_URLS = Option(
+    "allow_private_media_urls", ("--allow-private-media-urls",), ("TANDEM_ALLOW_PRIVATE_MEDIA_URLS",),
+    "fetch image URLs whose host is a private, loopback or link-local address (refused by default: a client "
+    "could otherwise make the server reach internal services)", kind=bool)

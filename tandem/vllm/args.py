@@ -30,7 +30,14 @@ from tandem.llm.model_card import ModelType
 from tandem.models.prepare import MODEL_NAME, PrepareError, is_default_model
 from tandem.models.resolve import resolve_model
 from tandem.runtime.config import RuntimeConfig, env_bool, env_str
-from tandem.runtime.options import MIGRATION_LIMIT, Option, add_options, add_runtime_args, apply_options
+from tandem.runtime.options import (
+    ALLOW_PRIVATE_MEDIA_URLS,
+    MIGRATION_LIMIT,
+    Option,
+    add_options,
+    add_runtime_args,
+    apply_options,
+)
 from tandem.vllm.engine_args import CPU_BLOCK_SIZE, GPU_BLOCK_SIZE, apply_engine_defaults
 from tandem.worker.config import (
     CUSTOM_JINJA_TEMPLATE,
@@ -245,11 +252,7 @@ _DYNAMO_OPTIONS = (
     Option("enable_multimodal", ("--enable-multimodal",), ("DYN_VLLM_ENABLE_MULTIMODAL",),
            "take images with the token prompt (a vision-language model, aggregated)", kind=bool),
 )
-_MEDIA_OPTIONS = (
-    Option("allow_private_media_urls", ("--allow-private-media-urls",), ("TANDEM_ALLOW_PRIVATE_MEDIA_URLS",),
-           "fetch image URLs whose host is a private, loopback or link-local address (refused by default: "
-           "a client could otherwise make the worker reach internal services)", kind=bool),
-)
+_MEDIA_OPTIONS = (ALLOW_PRIVATE_MEDIA_URLS,)
 _CPU_OPTIONS = (
     Option("cpu_cores", ("--cpu-cores",), ("TANDEM_CPU_CORES",),
            "cores this engine's threads bind to, e.g. 0 or 2-3; sets VLLM_CPU_OMP_THREADS_BIND unless it is "

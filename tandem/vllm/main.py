@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.llm.forward_pass import FORWARD_PASS_TOPIC
-from tandem.llm.model_card import ModelInput, ModelRuntimeConfig, ModelType
+from tandem.llm.model_card import ImagePrompt, ModelInput, ModelRuntimeConfig, ModelType
 from tandem.models.resolve import loaded_model_folder
 from tandem.router.protocols import KV_METRICS_TOPIC
 from tandem.runtime import DistributedRuntime, configure_logging, run
@@ -201,7 +201,7 @@ async def _serve(config: Config, runtime: DistributedRuntime, shutdown_event: as
                 data_parallel_size=vllm_config.parallel_config.data_parallel_size,
                 tool_call_parser=config.dyn_tool_call_parser, reasoning_parser=config.dyn_reasoning_parser,
                 enable_prompt_embeds=config.engine_args.enable_prompt_embeds,
-                **(_image_config(model_config) if config.enable_multimodal else {}),
+                **(await _image_config(engine, model_config) if config.enable_multimodal else {}),
                 **_embedding_config(model_config, embedding),
             ),
         )
@@ -237,11 +237,43 @@ def _image_token_id(model_config: Any) -> int:
     return int(token_id)
 
 
-def _image_config(model_config: Any) -> dict[str, Any]:
-    """What the frontend checks a request's images against: the placeholder, and how many one prompt may hold."""
+async def _image_config(engine: Any, model_config: Any) -> dict[str, Any]:
+    """What the frontend checks a request's images against (the placeholder, how many one prompt may hold)
+    and what its KV router hashes them as (the placeholder's expansion)."""
     limits = model_config.multimodal_config
-    return {"image_token_id": _image_token_id(model_config),
-            "max_images": limits.get_limit_per_prompt("image") if limits is not None else None}
+    token_id = _image_token_id(model_config)
+    return {"image_token_id": token_id, "max_images": limits.get_limit_per_prompt("image") if limits else None,
+            "image_prompt": await _image_prompt(engine, token_id)}
+
+
+async def _image_prompt(engine: Any, token_id: int) -> ImagePrompt | None:
+    """The tokens the engine puts in place of one image placeholder, from its input processor (no model run)
+    given images of two sizes; None when they differ (the model's count of an image's tokens depends on the
+    image) or the processor cannot be asked."""
+    from PIL import Image
+    from vllm import SamplingParams
+
+    tasks = await engine.get_supported_tasks()
+    seen = []
+    for n, size in enumerate(((64, 48), (400, 300))):
+        prompt = {"prompt_token_ids": [token_id], "multi_modal_data": {"image": Image.new("RGB", size)},
+                  "multi_modal_uuids": {"image": [f"tandem-image-probe-{n}"]}}
+        try:
+            processed = engine.input_processor.process_inputs(f"tandem-image-probe-{n}", prompt,
+                                                              SamplingParams(max_tokens=1), tasks)
+        except Exception:  # noqa: BLE001 - an engine-internal call: without it images are routed unexpanded
+            log.warning("could not ask the engine how it expands an image placeholder: the KV router will not "
+                        "know images' blocks", exc_info=True)
+            return None
+        features = processed.mm_features or []
+        if len(features) != 1:
+            return None
+        span = features[0].mm_position
+        seen.append(ImagePrompt(list(processed.prompt_token_ids or ()), span.offset, span.length))
+    if seen[0] != seen[1]:
+        log.info("the model's image prompt depends on the image: the KV router hashes images unexpanded")
+        return None
+    return seen[0]
 
 
 def _offset_port(endpoint: str, dp_rank: int) -> str:

@@ -32,7 +32,7 @@ import zmq
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
-from tandem.router.hashing import U64_MASK, local_block_hashes, request_seed
+from tandem.router.hashing import U64_MASK, digest_hash, local_block_hashes, request_seed
 from tandem.router.protocols import (
     KV_EVENT_TOPIC,
     WORKER_KV_INDEXER_BUFFER_SIZE,
@@ -111,7 +111,7 @@ def _is_main_group(fields: dict[str, Any]) -> bool:
 
 def _mm_hashes(extra_keys: Any, n_blocks: int) -> list[list[int] | None] | None:
     """Per-block multimodal hashes from vLLM's untagged `extra_keys`: `(mm_identifier, offset)`
-    pairs whose identifier is a hex digest give `int(identifier[:16], 16)`; LoRA names, cache
+    pairs whose identifier is a hex digest give its `digest_hash`; LoRA names, cache
     salts and prompt-embedding digests (bare values) are not part of the token hash."""
     if not extra_keys:
         return None
@@ -122,7 +122,7 @@ def _mm_hashes(extra_keys: Any, n_blocks: int) -> list[list[int] | None] | None:
         for key in keys or ():
             if isinstance(key, list | tuple) and len(key) == 2 and isinstance(key[0], str) and len(key[0]) >= 16:
                 try:
-                    hashes.append(int(key[0][:16], 16))
+                    hashes.append(digest_hash(key[0]))
                 except ValueError:
                     continue
         out.append(hashes or None)

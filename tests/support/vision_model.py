@@ -62,5 +62,28 @@ def build(out: Path, smollm2: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
+def build_text_side(out: Path, smollm2: Path) -> None:
+    """What a frontend and the mocker read of the model (no weights, no torch): SmolLM2's files with the
+    image tokens added to its tokenizer, `image_token_id` in its config, and the image-placing template."""
+    import json
+    import shutil
+
+    from tokenizers import AddedToken, Tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("generation_config.json", "special_tokens_map.json"):
+        shutil.copy(smollm2 / name, out / name)
+    tokenizer = Tokenizer.from_file(str(smollm2 / "tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in IMAGE_TOKENS])
+    tokenizer.save(str(out / "tokenizer.json"))
+    tokenizer_config = json.loads((smollm2 / "tokenizer_config.json").read_text())
+    tokenizer_config.pop("chat_template", None)
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    config = json.loads((smollm2 / "config.json").read_text())
+    config["image_token_id"] = tokenizer.token_to_id("<image>")
+    (out / "config.json").write_text(json.dumps(config))
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+
+
 if __name__ == "__main__":
     build(Path(sys.argv[1]), Path(sys.argv[2]))

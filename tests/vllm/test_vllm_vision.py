@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -247,3 +248,80 @@ def test_anthropic_image_blocks(vision, images):
     with pytest.raises(anthropic.BadRequestError, match="counting the tokens of a prompt with images"):
         claude.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "url", "url": f"{images}/red.png"}}]}])
+
+
+def test_responses_input_images_and_a_conversation_that_continues_with_them(vision, images):
+    """The openai SDK's Responses input_image items, by data URL and by URL; the next turn through
+    previous_response_id carries the earlier turn's image, so the prompt holds both."""
+    client = vision.client()
+
+    def respond(content: list[dict], **options):  # type: ignore[no-untyped-def]
+        return client.responses.create(model=MODEL, input=[{"role": "user", "content": content}], max_output_tokens=4,
+                                       temperature=0, **options)
+
+    question = {"type": "input_text", "text": "What is in the picture?"}
+    red = respond([{"type": "input_image", "image_url": data_url(png("red")), "detail": "auto"}, question])
+    by_url = respond([{"type": "input_image", "image_url": f"{images}/red.png"}, question])
+    assert red.output_text == by_url.output_text
+    single = red.usage.input_tokens
+    assert single == len(token_ids(vision, PROMPT)) - 1 + IMAGE_SEQ_LEN + 3
+    follow = respond([{"type": "input_image", "image_url": f"{images}/blue.png"}, question],
+                     previous_response_id=red.id)
+    assert follow.usage.input_tokens > single + IMAGE_SEQ_LEN + 3
+    stored = client.responses.retrieve(follow.id)
+    assert stored.output_text == follow.output_text
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="no files API"):
+        respond([{"type": "input_image", "file_id": "file-1"}])
+
+
+def test_the_card_gives_the_image_prompt_the_router_hashes(vision):
+    (card,) = vision.cards()
+    image_prompt = card.runtime_config.image_prompt
+    assert image_prompt is not None and len(image_prompt.tokens) == IMAGE_SEQ_LEN + 3
+    assert image_prompt.tokens.count(card.runtime_config.image_token_id) == IMAGE_SEQ_LEN
+    assert (image_prompt.offset, image_prompt.length) == (0, IMAGE_SEQ_LEN + 3)
+
+
+def test_kv_routing_knows_an_images_blocks_from_the_workers_events(engine_pool, images):
+    """A KV-routing frontend started after a request with an image was served learns the worker's blocks from
+    its KV events only; its hashes of the same prompt (the image fetched and hashed by content) match them all,
+    and a prompt with another image only up to that image."""
+    from tests.support.deployment import metric_sum
+
+    group = engine_pool.group("vision")
+    kv = ("--router-mode", "kv", "--allow-private-media-urls")
+    preamble = {"type": "text", "text": "Here is a picture taken on a long walk along the river, late on a "
+                                        "summer afternoon, just before the rain came: "}
+    question = {"type": "text", "text": " What is in the picture, and what colour is it?"}
+
+    def ask_kv(deployment, url: str):  # type: ignore[no-untyped-def]
+        return deployment.client().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": [preamble, image_part(url), question]}], max_tokens=1,
+            temperature=0)
+
+    first = group.deployment(*kv)
+    try:
+        served = ask_kv(first, f"{images}/purple.png")  # fetched by the frontend, sent on as a data URL
+    finally:
+        first.stop()
+    second = group.deployment(*kv)
+    try:
+        (card,) = second.cards()
+        block_size = card.kv_cache_block_size
+        deadline = time.monotonic() + 30
+        while metric_sum(second.metrics(), "dynamo_component_kv_cache_events_applied_total") < 1:
+            assert time.monotonic() < deadline, "the frontend learned nothing of the worker's cache"
+            time.sleep(0.1)
+
+        def hits(url: str) -> float:
+            before = metric_sum(second.metrics(), "dynamo_component_router_estimated_hit_blocks_total")
+            ask_kv(second, url)
+            return metric_sum(second.metrics(), "dynamo_component_router_estimated_hit_blocks_total") - before
+
+        assert hits(data_url(png("purple"))) == served.usage.prompt_tokens // block_size
+        text_before = len(token_ids(second, "<|im_start|>user\n" + preamble["text"]))
+        assert hits(data_url(png("orange"))) == text_before // block_size
+    finally:
+        second.stop()

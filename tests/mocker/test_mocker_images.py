@@ -1,0 +1,136 @@
+"""The mocker as a vision-language model (--enable-multimodal): each image placeholder becomes --image-tokens
+tokens, the image's content hash goes on the blocks it overlaps (as a real engine's KV events carry it), and
+its simulated encode time is paid unless the prefix cache holds it. Through a KV-routing frontend: the router's
+hashes of a prompt with an image are the worker's, so a fresh router sends an image to the worker holding it."""
+
+from __future__ import annotations
+
+import base64
+import io
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from PIL import Image
+
+from tandem.mocker.args import parse_args
+from tandem.mocker.perf_model import PolynomialPerfModel
+from tandem.mocker.scheduler import Scheduler, SchedulerConfig, SimRequest
+from tandem.router.hashing import MediaSpan
+from tests.support.deployment import MODEL, Deployment, metric_sum
+from tests.support.ports import free_port
+from tests.support.vision_model import build_text_side
+
+BLOCK = 16
+IMAGE_TOKENS = 32
+MOCKER = ["--block-size", str(BLOCK), "--speedup-ratio", "50", "--num-gpu-blocks-override", "4096",
+          "--served-model-name", MODEL, "--enable-multimodal", "--image-tokens", str(IMAGE_TOKENS),
+          "--image-encode-ms", "100", "--allow-private-media-urls"]
+KV_FRONTEND = ["--router-mode", "kv", "--allow-private-media-urls"]
+
+
+@pytest.fixture(scope="module")
+def vlm_folder(tmp_path_factory: pytest.TempPathFactory, smollm2: str) -> str:
+    folder = tmp_path_factory.mktemp("vlm-text")
+    build_text_side(folder, Path(smollm2))
+    return str(folder)
+
+
+def png(color: str) -> str:
+    out = io.BytesIO()
+    Image.new("RGB", (16, 16), color).save(out, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def test_flags_are_checked_against_the_model_and_role(smollm2: str, vlm_folder: str) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", smollm2, "--enable-multimodal"])  # SmolLM2 names no image token
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", vlm_folder, "--image-tokens", "8"])  # without --enable-multimodal
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", vlm_folder, "--enable-multimodal", "--is-prefill-worker"])
+    config = parse_args(["--model-path", vlm_folder, "--enable-multimodal", "--image-encode-ms", "5"])
+    assert config.images is not None and (config.images.tokens, config.images.encode_ms) == (64, 5.0)
+
+
+def test_an_images_encode_time_is_paid_unless_its_blocks_are_cached() -> None:
+    scheduler = Scheduler(SchedulerConfig(num_blocks=64, block_size=4), PolynomialPerfModel())
+    prompt = list(range(1, 21))
+
+    def prefill_ms(request_id: str, image_hash: int) -> float:
+        scheduler.add(SimRequest(request_id, prompt, 1, lambda i: 7, media=[MediaSpan(4, 8, image_hash)],
+                                 encode_ms=250.0))
+        result = scheduler.step()
+        assert [o.request_id for o in result.outputs] == [request_id]
+        return result.prefill_ms - PolynomialPerfModel().prefill_ms(result.num_prefill_tokens)
+
+    assert prefill_ms("a", 11) == pytest.approx(250.0)
+    assert prefill_ms("b", 11) == pytest.approx(0.0)  # the image's blocks are cached
+    assert prefill_ms("c", 22) == pytest.approx(250.0)  # another image on the same tokens is not
+
+
+def served_counts(ports: list[int]) -> list[float]:
+    def served(port: int) -> float:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("dynamo_component_requests_total{") and 'endpoint="generate"' in line)
+    return [served(port) for port in ports]
+
+
+def ask(deployment: Deployment, url: str, **options: object):  # type: ignore[no-untyped-def]
+    return deployment.client().chat.completions.create(
+        model=MODEL, max_tokens=2, **options, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "Look:"}, {"type": "image_url", "image_url": {"url": url}},
+            {"type": "text", "text": " what is it? Say it in a few words, please."}]}])
+
+
+def test_a_fresh_kv_router_sends_each_image_to_the_worker_holding_it(tmp_path: Path, vlm_folder: str) -> None:
+    ports = [free_port(), free_port()]
+    first = Deployment(tmp_path, vlm_folder, engine_module="tandem.mocker", engines=[], frontend_args=KV_FRONTEND,
+                       instances=0)
+    second: Deployment | None = None
+    workers = [first.add_engine(*MOCKER, env={"DYN_SYSTEM_PORT": str(port)}) for port in ports]
+    first.engines = []  # they outlive the first frontend
+    try:
+        first.wait_for_instances(2)
+        colors = ["red", "green", "blue", "yellow", "purple", "orange"]
+        holder = {color: i % 2 for i, color in enumerate(colors)}  # each image served first by a chosen worker
+        for color in colors:
+            pin = {"x-worker-instance-id": str(int(workers[holder[color]].ready[0], 16))}
+            reply = ask(first, png(color), extra_headers=pin)
+        text_tokens = reply.usage.prompt_tokens - IMAGE_TOKENS
+        assert reply.usage.prompt_tokens > IMAGE_TOKENS and text_tokens < 40
+        first.stop()
+
+        # A new frontend knows the workers' caches from their KV events only.
+        second = Deployment(tmp_path, vlm_folder, engine_module="tandem.mocker", engines=[],
+                            frontend_args=KV_FRONTEND, env=first.env, instances=2)
+        deadline = time.monotonic() + 30
+        while metric_sum(second.metrics(), "dynamo_component_kv_cache_events_applied_total") < len(colors):
+            assert time.monotonic() < deadline, "the frontend learned nothing of the workers' caches"
+            time.sleep(0.1)
+        for color in colors:
+            before = served_counts(ports)
+            again = ask(second, png(color))
+            after = served_counts(ports)
+            assert after[holder[color]] == before[holder[color]] + 1, color
+            assert again.usage.prompt_tokens_details.cached_tokens >= (again.usage.prompt_tokens // BLOCK - 1) * BLOCK
+    finally:
+        if second is not None:
+            second.stop()
+        first.stop()
+        for worker in workers:
+            worker.stop()
+
+
+def test_images_to_a_mocker_without_enable_multimodal_are_refused(tmp_path: Path, vlm_folder: str) -> None:
+    deployment = Deployment(tmp_path, vlm_folder, engine_module="tandem.mocker",
+                            engines=[["--served-model-name", MODEL, "--speedup-ratio", "50"]])
+    try:
+        r = httpx.post(f"{deployment.url}/v1/chat/completions", timeout=30, json={
+            "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": png("red")}}]}]})
+        assert r.status_code == 400 and "does not take images" in r.json()["error"]["message"], r.text
+    finally:
+        deployment.stop()
