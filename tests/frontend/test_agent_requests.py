@@ -17,11 +17,11 @@ from tandem.frontend.api.anthropic.protocol import _CountBody, note_betas, parse
 from tandem.frontend.api.anthropic.serving import MessagesAnswer
 from tandem.frontend.api.responses.protocol import ResponsesRequest, input_messages, parse_request
 from tandem.frontend.api.responses.serving import ResponseAnswer
+from tandem.frontend.api.responses.store import ResponseStore
 from tandem.frontend.hints import routing_hints
 from tandem.frontend.protocol.answer import Ending, Outcome, Usage
 from tandem.frontend.protocol.errors import RequestError
 from tandem.frontend.requests import chat_request
-from tandem.frontend.response_store import ResponseStore
 from tandem.frontend.routing import by_session
 from tandem.frontend.tolerant import WARNING_HEADER, Notice, TolerantDecoder, left_out_header, notice
 from tandem.llm.chat_template import ChatTemplate

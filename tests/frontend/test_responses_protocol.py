@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from tandem.frontend.api.responses.protocol import input_messages, parse_request
+from tandem.frontend.api.responses.store import ResponseStore, StoredResponse
 from tandem.frontend.protocol.errors import RequestError
-from tandem.frontend.response_store import ResponseStore, StoredResponse
 
 WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}}
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather", "parameters": WEATHER_PARAMS}

@@ -16,12 +16,12 @@ import msgspec
 from aiohttp import web
 
 from tandem.frontend.api.responses.protocol import ResponsesRequest, opaque_reasoning, parse_request
+from tandem.frontend.api.responses.store import ResponseStore, StoredResponse
 from tandem.frontend.preprocess import Prepared
 from tandem.frontend.protocol.answer import Answer, Ending, Outcome, Usage
 from tandem.frontend.protocol.errors import RequestError
 from tandem.frontend.protocol.sse import named_sse
 from tandem.frontend.requests import ChatRequest
-from tandem.frontend.response_store import ResponseStore, StoredResponse
 from tandem.frontend.serving import Mount, Serving
 from tandem.frontend.tolerant import left_out_header
 from tandem.llm.model_card import ModelType
