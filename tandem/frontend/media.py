@@ -44,12 +44,10 @@ class RoutedImages:
         except ImageError as e:
             raise RequestError(str(e), status=e.status) from None
         digests = await asyncio.gather(*(_digest(blob) for blob in blobs))
-        fetched = [not item.url.startswith("data:") for item in items]
-        if any(fetched):
-            urls = await asyncio.gather(*(_data_url(blob) if was_fetched else _same(item.url)
-                                          for item, blob, was_fetched in zip(items, blobs, fetched, strict=True)))
-            request.multi_modal_data = MultiModalData(image_url=[MediaItem(url) for url in urls],
-                                                      video_url=request.multi_modal_data.video_url)
+        if not all(item.url.startswith("data:") for item in items):
+            sent = [item if item.url.startswith("data:") else MediaItem(await _data_url(blob))
+                    for item, blob in zip(items, blobs, strict=True)]
+            request.multi_modal_data = MultiModalData(image_url=sent, video_url=request.multi_modal_data.video_url)
         return expand_placeholders(request.token_ids, image_token_id, prompt, [digest_hash(d) for d in digests])
 
 
@@ -62,10 +60,6 @@ async def _digest(blob: bytes) -> str:
 async def _data_url(blob: bytes) -> str:
     encoded = await asyncio.to_thread(base64.b64encode, blob) if len(blob) > _OFF_LOOP_BYTES else base64.b64encode(blob)
     return f"data:{_media_type(blob)};base64,{encoded.decode()}"
-
-
-async def _same(url: str) -> str:
-    return url
 
 
 _SIGNATURES = ((b"\x89PNG", "image/png"), (b"\xff\xd8", "image/jpeg"), (b"GIF8", "image/gif"), (b"BM", "image/bmp"))
