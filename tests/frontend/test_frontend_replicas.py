@@ -69,12 +69,27 @@ def test_a_killed_replica_leaves_the_other_serving_and_comes_back(replicated: De
     children = _children(parent)
     assert len(children) == 2
     os.kill(children[0], signal.SIGKILL)
+    _wait_dead(children[0])  # a connection the kernel gave the dying replica's socket is reset, as for any client
     client = replicated.client()
     for n in range(10):  # new connections go to the live replica only
         assert client.chat.completions.create(model=MODEL, max_tokens=2, messages=[
             {"role": "user", "content": f"one replica down {n}"}]).usage.completion_tokens == 2
     replacement = pinned(replicated.url, timeout=60)  # the supervisor started it again
     assert len(replacement) == 2 and len(_children(parent)) == 2
+
+
+def _wait_dead(pid: int, timeout: float = 10) -> None:
+    """Until `pid` has exited (a zombie its supervisor has not reaped yet, or gone): its sockets are closed."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.01)
+    raise TimeoutError(f"process {pid} did not exit within {timeout} s of SIGKILL")
 
 
 def _children(pid: int) -> list[int]:
