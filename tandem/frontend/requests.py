@@ -8,7 +8,7 @@ straight into them, the others through `chat_request`."""
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -332,17 +332,31 @@ def _check_tool_calls(calls: Any, param: str) -> None:
             raise from_validation(e, f"{param}[{j}]") from None
 
 
+def template_content(pieces: Sequence[str | ImagePart], images: list[ImagePart]) -> str | list[dict[str, Any]]:
+    """A message's content for the chat template, from its text and image parts in order. Chat templates mostly
+    expect string content: without an image the texts are joined with "\n" (what vLLM does); with one, the
+    parts are kept in order, `{"type": "text", "text": ...}` and `{"type": "image"}`, as vision-language models'
+    templates take them, and the images are appended to `images`."""
+    texts = [piece for piece in pieces if isinstance(piece, str)]
+    if len(texts) == len(pieces):
+        return "\n".join(texts)
+    parts: list[dict[str, Any]] = []
+    for piece in pieces:
+        if isinstance(piece, ImagePart):
+            images.append(piece)
+            parts.append({"type": "image"})
+        else:
+            parts.append({"type": "text", "text": piece})
+    return parts
+
+
 def _content_parts(parts: list[Any], param: str, images: list[ImagePart] | None) -> str | list[dict[str, Any]]:
-    # Chat templates mostly expect string content; joining text parts with "\n" is what vLLM does. A message
-    # with images keeps its parts in order, as vision-language models' templates take them.
-    texts: list[str] = []
-    template_parts: list[dict[str, Any]] = []
+    pieces: list[str | ImagePart] = []
     taken = "text and image_url" if images is not None else "text"
     for j, part in enumerate(parts):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "image_url" and images is not None:
-            images.append(ImagePart(_image_url(part, f"{param}[{j}]"), f"{param}[{j}]"))
-            template_parts.append({"type": "image"})
+            pieces.append(ImagePart(_image_url(part, f"{param}[{j}]"), f"{param}[{j}]"))
             continue
         if kind != "text":
             what = f"{kind} content parts are not supported" if isinstance(kind, str) else "a content part needs a type"
@@ -350,11 +364,8 @@ def _content_parts(parts: list[Any], param: str, images: list[ImagePart] | None)
         text = part.get("text")
         if not isinstance(text, str):
             raise fail(f"{param}[{j}].text", f"'{param}[{j}].text' must be a string.")
-        texts.append(text)
-        template_parts.append({"type": "text", "text": text})
-    if len(template_parts) > len(texts):
-        return template_parts
-    return "\n".join(texts)
+        pieces.append(text)
+    return template_content(pieces, images if images is not None else [])
 
 
 def _image_url(part: dict[str, Any], param: str) -> str:

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from tandem.llm.model_card import ModelType
+from tandem.llm.model_card import ImagePrompt, ModelType
 from tandem.mocker.scheduler import SchedulerConfig
 from tandem.models import default_served_name, resolve_model
 from tandem.runtime import RuntimeConfig
@@ -55,6 +55,11 @@ class MockerImages:
     tokens: int = 64
     encode_ms: float = 0.0
     allow_private_urls: bool = False
+
+    @property
+    def prompt(self) -> ImagePrompt:
+        """What one placeholder becomes: `tokens` image tokens, all of them the image's span."""
+        return ImagePrompt([self.token_id] * self.tokens, 0, self.tokens)
 
 
 @dataclass

@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from tandem.llm.images import ImageError, ImageLimits, ImageLoader
-from tandem.llm.model_card import ImagePrompt
 from tandem.llm.protocols import (
     CompletionUsage,
     DisaggregatedParams,
@@ -157,8 +156,7 @@ class MockerHandler:
         except ImageError as e:
             raise InvalidRequestError(f"multi_modal_data.image_url: {e}", e.status) from None
         hashes = [digest_hash(hashlib.sha256(blob).hexdigest()) for blob in blobs]
-        prompt = ImagePrompt([images.token_id] * images.tokens, 0, images.tokens)
-        return expand_placeholders(request.token_ids, images.token_id, prompt, hashes)
+        return expand_placeholders(request.token_ids, images.token_id, images.prompt, hashes)
 
     def _sim_request(self, request: PreprocessedRequest, request_id: str, token_ids: list[int],
                      media: list[MediaSpan]) -> SimRequest:

@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from tandem.llm.forward_pass import FORWARD_PASS_TOPIC, EngineState
-from tandem.llm.model_card import ImagePrompt, ModelRuntimeConfig, ModelType, hidden_size_of
+from tandem.llm.model_card import ModelRuntimeConfig, ModelType, hidden_size_of
 from tandem.llm.tokenizer import Tokenizer
 from tandem.mocker.args import MockerConfig, parse_args
 from tandem.mocker.engine import MockEngine, SyntheticTokens
@@ -195,5 +195,4 @@ def _image_config(config: MockerConfig) -> dict[str, Any]:
     images = config.images
     if images is None:
         return {}
-    return {"image_token_id": images.token_id,
-            "image_prompt": ImagePrompt([images.token_id] * images.tokens, 0, images.tokens)}
+    return {"image_token_id": images.token_id, "image_prompt": images.prompt}

@@ -22,7 +22,13 @@ import msgspec
 
 from tandem.frontend.protocol.errors import RequestError, fail
 from tandem.frontend.protocol.validation import MAX_STOP, U32, Rule, check_rules, check_wire, decode_body
-from tandem.frontend.requests import ChatRequest, ImagePart, chat_request, tool_choice_fields
+from tandem.frontend.requests import (
+    ChatRequest,
+    ImagePart,
+    chat_request,
+    template_content,
+    tool_choice_fields,
+)
 from tandem.frontend.tolerant import TolerantDecoder, notice
 from tandem.llm.protocols import GuidedDecoding
 
@@ -393,24 +399,19 @@ def _user(blocks: list[_Block], p: str, images: list[ImagePart]) -> list[dict[st
     """A user turn: a `tool` message per tool_result, then its text (Anthropic has the results first); a turn
     with images keeps its text and image parts in order, for the model's chat template."""
     out: list[dict[str, Any]] = []
-    texts = []
-    parts: list[dict[str, Any]] = []
+    pieces: list[str | ImagePart] = []
     for j, block in enumerate(blocks):
         if isinstance(block, _Text):
-            texts.append(block.text)
-            parts.append({"type": "text", "text": block.text})
+            pieces.append(block.text)
         elif isinstance(block, _Image):
-            images.append(ImagePart(block.url, f"{p}.content[{j}]"))
-            parts.append({"type": "image"})
+            pieces.append(ImagePart(block.url, f"{p}.content[{j}]"))
         elif isinstance(block, _ToolResult):
             out.append({"role": "tool", "tool_call_id": block.tool_use_id,
                         "content": _result_text(block, f"{p}.content[{j}]")})
         else:
             raise _misplaced(block, f"{p}.content[{j}]", "user messages")
-    if len(parts) > len(texts):
-        out.append({"role": "user", "content": parts})
-    elif texts or not out:
-        out.append({"role": "user", "content": "\n".join(texts)})
+    if pieces or not out:
+        out.append({"role": "user", "content": template_content(pieces, images)})
     return out
 
 

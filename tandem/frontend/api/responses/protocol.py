@@ -20,6 +20,7 @@ from tandem.frontend.requests import (
     FieldNames,
     ImagePart,
     chat_request,
+    template_content,
     tool_choice_fields,
 )
 from tandem.frontend.tolerant import TolerantDecoder, notice
@@ -463,16 +464,11 @@ def _message_content(content: str | list[_Part], param: str,
                      images: list[ImagePart] | None) -> str | list[dict[str, Any]]:
     """A user, system or developer message's content: its text, or with images its parts in order as the
     chat template takes them (`{"type": "text", "text": ...}` and `{"type": "image"}`)."""
-    if isinstance(content, str) or images is None or not any(part.type == "input_image" for part in content):
+    if isinstance(content, str) or images is None:
         return _text(content, param)
-    parts: list[dict[str, Any]] = []
-    for j, part in enumerate(content):
-        if part.type == "input_image":
-            images.append(ImagePart(_image_url(part, f"{param}[{j}]"), f"{param}[{j}]"))
-            parts.append({"type": "image"})
-        else:
-            parts.append({"type": "text", "text": _part_text(part, f"{param}[{j}]")})
-    return parts
+    return template_content([ImagePart(_image_url(part, f"{param}[{j}]"), f"{param}[{j}]")
+                             if part.type == "input_image" else _part_text(part, f"{param}[{j}]")
+                             for j, part in enumerate(content)], images)
 
 
 def _image_url(part: _Part, param: str) -> str:
