@@ -151,6 +151,10 @@ async def serve(args: argparse.Namespace, frontend: FrontendConfig) -> int:
     subscribed: set[str] = set()
     manager: ModelManager
 
+    if frontend.allow_private_media_urls and frontend.router_mode is not RouterMode.KV:
+        # Said, not refused: the variable is often set for a whole deployment, where the workers use it.
+        log.warning("--allow-private-media-urls (TANDEM_ALLOW_PRIVATE_MEDIA_URLS) has no effect on this frontend: it "
+                    "fetches images only with --router-mode kv (to hash them); the workers fetch them otherwise")
     router_config = args.router_config if frontend.router_mode is RouterMode.KV else None
     router_metrics = RouterMetrics(runtime.registry) if router_config is not None else None
     images = RoutedImages(ImageLoader(ImageLimits(allow_private=frontend.allow_private_media_urls)))
