@@ -27,6 +27,26 @@ def smollm2() -> str:
 
 
 @pytest.fixture(scope="session")
+def vlm_folder(tmp_path_factory: pytest.TempPathFactory, smollm2: str) -> str:
+    """The tiny vision-language model's text side (no weights): what a frontend, the mocker and the test engine
+    read of it (tests/support/vision_model.py)."""
+    from tests.support.vision_model import build_text_side
+
+    folder = tmp_path_factory.mktemp("vlm-text")
+    build_text_side(folder, Path(smollm2))
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def images() -> Iterator[str]:
+    """A loopback HTTP server of one-colour PNGs, /<colour>.png (tests/support/images.py); its base URL."""
+    from tests.support.images import png_server
+
+    with png_server() as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
 def tok(smollm2: str):  # type: ignore[no-untyped-def]
     from tandem.llm.tokenizer import Tokenizer
 

@@ -12,13 +12,12 @@ import os
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from tandem.llm.model_card import ImagePrompt, ModelType
+from tandem.llm.model_card import ModelType
 from tandem.mocker.scheduler import SchedulerConfig
 from tandem.models import default_served_name, resolve_model
 from tandem.runtime import RuntimeConfig
 from tandem.runtime.keys import parse_endpoint_path
 from tandem.runtime.options import (
-    ALLOW_PRIVATE_MEDIA_URLS,
     MIGRATION_LIMIT,
     Option,
     add_options,
@@ -40,26 +39,10 @@ from tandem.worker.config import (
     check_durable_kv_events,
     parser_options,
 )
+from tandem.worker.images import SimulatedImages, add_image_args, simulated_images
 
 DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1,
                "fp8_e5m2": 1, "int8": 1}
-
-
-@dataclass(frozen=True)
-class MockerImages:
-    """The simulated model takes images (--enable-multimodal): each placeholder `token_id` in a prompt becomes
-    `tokens` image tokens, encoded in `encode_ms` (simulated, on the step that prefills them) unless the
-    prefix cache holds the image's blocks."""
-
-    token_id: int
-    tokens: int = 64
-    encode_ms: float = 0.0
-    allow_private_urls: bool = False
-
-    @property
-    def prompt(self) -> ImagePrompt:
-        """What one placeholder becomes: `tokens` image tokens, all of them the image's span."""
-        return ImagePrompt([self.token_id] * self.tokens, 0, self.tokens)
 
 
 @dataclass
@@ -90,7 +73,7 @@ class MockerConfig:
     model_type: ModelType = ModelType.Chat | ModelType.Completions  # or Embedding: a simulated embedding model
     dyn_tool_call_parser: str | None = None  # put in the card: the frontend parses the (synthetic) output with them
     dyn_reasoning_parser: str | None = None
-    images: MockerImages | None = None
+    images: SimulatedImages | None = None
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
     @property
@@ -193,16 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     disagg.add_argument("--kv-bytes-per-token", type=int, default=None,
                         help="KV bytes per token [from config.json: layers*2*kv_heads*head_dim*dtype bytes]")
     disagg.add_argument("--kv-cache-dtype", default="auto", help="dtype of the simulated KV cache [the model's]")
-    images = parser.add_argument_group("Images")
-    images.add_argument("--enable-multimodal", action="store_true",
-                        help="take images with the token prompt (a model whose config.json names its image token, "
-                        "aggregated); their bytes are read for their content hash, never decoded")
-    images.add_argument("--image-tokens", type=int, default=None, metavar="N",
-                        help="tokens each image takes in the prompt [64]")
-    images.add_argument("--image-encode-ms", type=float, default=None, metavar="MS",
-                        help="simulated encoder time per image, added to the step that prefills it unless the "
-                        "prefix cache holds it [0]")
-    add_options(images, (ALLOW_PRIVATE_MEDIA_URLS,), _DEFAULTS)
+    add_image_args(parser, _DEFAULTS)
     parser.add_argument("--extra-engine-args", default=None,
                         help="JSON file of engine options (e.g. {\"speedup_ratio\": 10}) for those not given as flags")
     add_runtime_args(parser)
@@ -290,26 +264,11 @@ def _config(args: argparse.Namespace) -> MockerConfig:
 
 
 def _images(args: argparse.Namespace, model_config: dict[str, object], mode: DisaggregationMode,
-            model_type: ModelType) -> MockerImages | None:
+            model_type: ModelType) -> SimulatedImages | None:
     """--enable-multimodal and its options, checked against the model and the worker's role."""
-    if not args.enable_multimodal:
-        for flag, value in (("--image-tokens", args.image_tokens), ("--image-encode-ms", args.image_encode_ms)):
-            if value is not None:
-                raise ValueError(f"{flag} needs --enable-multimodal")
-        return None
-    if mode is not DisaggregationMode.AGGREGATED or model_type & ModelType.Embedding:
+    if args.enable_multimodal and (mode is not DisaggregationMode.AGGREGATED or model_type & ModelType.Embedding):
         raise ValueError("--enable-multimodal: images are taken by aggregated generation workers only")
-    token_id = model_config.get("image_token_id", model_config.get("image_token_index"))
-    if not isinstance(token_id, int):
-        raise ValueError("--enable-multimodal: the model's config.json names no image token (image_token_id): "
-                         "it is not a vision-language model")
-    tokens = 64 if args.image_tokens is None else args.image_tokens
-    encode_ms = 0.0 if args.image_encode_ms is None else args.image_encode_ms
-    if tokens < 1:
-        raise ValueError(f"--image-tokens must be at least 1, got {tokens}")
-    if encode_ms < 0:
-        raise ValueError(f"--image-encode-ms must not be negative, got {encode_ms}")
-    return MockerImages(token_id, tokens, encode_ms, bool(ALLOW_PRIVATE_MEDIA_URLS.value(args, False)))
+    return simulated_images(args, model_config)
 
 
 def _extra_engine_args(path: str | None) -> dict[str, object]:

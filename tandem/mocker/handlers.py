@@ -4,11 +4,9 @@ worker's contract), `embed` for an embedding model, and `clear_kv_blocks`."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from tandem.llm.images import ImageError, ImageLimits, ImageLoader
 from tandem.llm.protocols import (
     CompletionUsage,
     DisaggregatedParams,
@@ -21,10 +19,11 @@ from tandem.llm.protocols import (
 from tandem.mocker.args import MockerConfig
 from tandem.mocker.engine import MockEngine, SimLogprobs, SyntheticTokens
 from tandem.mocker.scheduler import SimRequest, StepOutput
-from tandem.router.hashing import MediaSpan, digest_hash, expand_placeholders, request_seed
+from tandem.router.hashing import MediaSpan, request_seed
 from tandem.runtime import Context
 from tandem.runtime.errors import InvalidRequestError
 from tandem.worker.config import DisaggregationMode
+from tandem.worker.images import ImagePrompts
 from tandem.worker.synthetic import synthetic_embedding
 
 
@@ -36,15 +35,13 @@ class MockerHandler:
         self.engines = engines  # one per data-parallel rank
         self.tokens = tokens
         self.worker_id = worker_id
-        self._images: ImageLoader | None = None  # made on the first request with images
+        self.images = ImagePrompts(config.images, "the mocker")
 
     async def generate(self, request: PreprocessedRequest, context: Context) -> AsyncIterator[LLMEngineOutput]:
         if request.priority:  # the client's 400, never a priority silently dropped
             raise InvalidRequestError(f"priority {request.priority} (x-dynamo-request-priority) is not supported: "
                                       "the mocker schedules first come, first served")
-        prompt, media = request.token_ids, list[MediaSpan]()
-        if request.multi_modal_data is not None:
-            prompt, media = await self._images_of(request)
+        prompt, media = await self.images.expand(request)
         try:
             sim = self._sim_request(request, context.id(), prompt, media)
             engine = self._engine(request)
@@ -132,31 +129,6 @@ class MockerHandler:
             raise ValueError(f"dp_rank {rank!r} is not a data-parallel rank of this worker "
                              f"(it has {len(self.engines)})")
         return self.engines[rank]
-
-    async def _images_of(self, request: PreprocessedRequest) -> tuple[list[int], list[MediaSpan]]:
-        """The prompt with its images' tokens in place of their placeholders, and where each image sits with
-        its content hash, as a vision-language engine would hash their blocks (the bytes are read, never
-        decoded: a broken image is not noticed, as no encoder looks at it)."""
-        images = self.config.images
-        media = request.multi_modal_data
-        assert media is not None
-        if images is None:
-            raise InvalidRequestError("Received multimodal data but multimodal processing is not enabled: start the "
-                                      "mocker with --enable-multimodal")
-        if media.video_url:
-            raise InvalidRequestError("multi_modal_data.video_url: video input is not supported yet")
-        placed = request.token_ids.count(images.token_id)
-        if placed != len(media.image_url):
-            raise InvalidRequestError(f"multi_modal_data: {len(media.image_url)} images for {placed} image "
-                                      "placeholders in the prompt")
-        if self._images is None:
-            self._images = ImageLoader(ImageLimits(allow_private=images.allow_private_urls))
-        try:
-            blobs = await self._images.read_all([item.url for item in media.image_url])
-        except ImageError as e:
-            raise InvalidRequestError(f"multi_modal_data.image_url: {e}", e.status) from None
-        hashes = [digest_hash(hashlib.sha256(blob).hexdigest()) for blob in blobs]
-        return expand_placeholders(request.token_ids, images.token_id, images.prompt, hashes)
 
     def _sim_request(self, request: PreprocessedRequest, request_id: str, token_ids: list[int],
                      media: list[MediaSpan]) -> SimRequest:

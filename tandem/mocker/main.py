@@ -138,6 +138,7 @@ async def start_worker(config: MockerConfig, runtime: DistributedRuntime, tokeni
     embedding_size = hidden_size_of(config.model_path) if embedding else 0
     handler = (EmbeddingMocker if embedding else MockerHandler)(config, engines, SyntheticTokens(tokenizer, config.seed),
                                                                worker_id, embedding_size)
+    runtime.add_shutdown_hook(handler.images.close)  # the image fetcher's connections
     spec = WorkerSpec(
         config.model_path, config.served_model_name, config.disaggregation_mode, engine_config.block_size,
         config.migration_limit, context_length=config.context_length, model_type=config.model_type,
@@ -148,7 +149,7 @@ async def start_worker(config: MockerConfig, runtime: DistributedRuntime, tokeni
             enable_local_indexer=bool(publishers), data_parallel_size=config.data_parallel_size,
             tool_call_parser=config.dyn_tool_call_parser, reasoning_parser=config.dyn_reasoning_parser,
             embedding_size=embedding_size or None, matryoshka=embedding,
-            **_image_config(config),
+            **(config.images.card_fields() if config.images else {}),
         ),
     )
     await serve_worker(component, handler, spec, endpoint=config.endpoint, kv_publishers=publishers,
@@ -188,11 +189,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def _image_config(config: MockerConfig) -> dict[str, Any]:
-    """A simulated vision-language model: its placeholder, and the image tokens each one becomes."""
-    images = config.images
-    if images is None:
-        return {}
-    return {"image_token_id": images.token_id, "image_prompt": images.prompt}

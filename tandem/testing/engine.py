@@ -6,12 +6,20 @@ What it generates, decided from the prompt text:
                   a tool result can carry the next one)
   `[[echo]]`      the request's options as JSON (to check what reached the engine), then EOS
   `[[prompt]]`    the prompt text it received, its EOS tokens left out (to check templating), then EOS
+                  (an image is its one placeholder token there)
   `[[fail]]`      two tokens, then the handler raises (a worker error mid-stream)
+  `[[images]]`    "images:" and each image's content digest (the first 8 hex digits of its bytes' sha256), in
+                  the prompt's order, then EOS (to check which images reached the engine)
   otherwise       the tokens of a fixed sentence, repeated until max_tokens
 A request with `prompt_embeds` (served with --enable-prompt-embeds) is answered "embeds N", N the tensor's
 sequence length (its prompt tokens in usage), then EOS: tests see the tensor reach the engine.
 A request whose prompt already ends with the first k scripted tokens continues from token k, so a
 migrated request (prompt + tokens generated so far) resumes the same sequence.
+
+With --enable-multimodal (a model folder whose config.json names its image token) it takes images as the
+mocker does: each placeholder becomes --image-tokens tokens (in usage.prompt_tokens), the images are read,
+never decoded, their content hashes key the prefix-cache stand-in (the same image is cached, another is
+not), and each image not cached costs --image-encode-ms before the first token.
 
 With `--endpoint-types embedding` it is an embedding model instead: each input's vector is a pseudo-random
 unit vector of the model's hidden size, seeded by the input's token ids (the same input, the same vector),
@@ -55,6 +63,7 @@ from tandem.llm.protocols import (
     text_chunk,
 )
 from tandem.models import default_served_name, resolve_model
+from tandem.router.hashing import MediaSpan
 from tandem.router.protocols import KV_METRICS_TOPIC, ActiveLoad
 from tandem.runtime import (
     Context,
@@ -64,7 +73,6 @@ from tandem.runtime import (
     configure_logging,
     run,
 )
-from tandem.runtime.errors import InvalidRequestError
 from tandem.runtime.options import MIGRATION_LIMIT, add_options, apply_options
 from tandem.worker.config import (
     BLOCK_SIZE,
@@ -80,6 +88,7 @@ from tandem.worker.config import (
     custom_template_path,
 )
 from tandem.worker.harness import WorkerSpec, serve_worker
+from tandem.worker.images import ImagePrompts, SimulatedImages, add_image_args, simulated_images
 from tandem.worker.synthetic import synthetic_embedding
 
 DEFAULT_TEXT = " The quick brown fox jumps over the lazy dog."
@@ -94,21 +103,27 @@ def _said(text: str) -> str | None:
 
 
 class TestEngine:
-    def __init__(self, args: argparse.Namespace, model_path: str, worker_id: int) -> None:
+    def __init__(self, args: argparse.Namespace, model_path: str, worker_id: int,
+                 images: SimulatedImages | None = None) -> None:
         self.args = args
+        self.images = ImagePrompts(images, "the test engine")
         self.tokenizer = Tokenizer.from_file(os.path.join(model_path, "tokenizer.json"))
         self.eos = _eos_token_id(model_path)
         self.default_tokens = self.tokenizer.encode(DEFAULT_TEXT, add_special_tokens=False).ids
         self.block_size = args.block_size
-        self.seen_blocks: set[tuple[int, ...]] = set()
+        self.seen_blocks: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
         self.emitted_total = 0
         self.worker_id = worker_id
         self.active: dict[str, int] = {}  # request id -> tokens held (prompt + generated)
         self.load_publisher: Any = None
         self.hidden_size = hidden_size_of(model_path)
 
-    def script(self, prompt_text: str, request: PreprocessedRequest) -> tuple[list[int], bool]:
+    def script(self, prompt_text: str, request: PreprocessedRequest,
+               media: list[MediaSpan]) -> tuple[list[int], bool]:
         """Tokens to produce and whether EOS follows them."""
+        if "[[images]]" in prompt_text:
+            digests = "".join(f" {span.hash:016x}"[:9] for span in media)
+            return self.tokenizer.encode(f"images:{digests}", add_special_tokens=False).ids, True
         if "[[fail]]" in prompt_text:
             return self.tokenizer.encode(" partial output", add_special_tokens=False).ids, False
         if "[[prompt]]" in prompt_text:
@@ -134,19 +149,13 @@ class TestEngine:
         tokens = sum(map(len, request.token_ids))
         yield EmbeddingOutput(vectors, tokens, tokens)
 
-    def cached_tokens(self, token_ids: list[int]) -> int:
-        """Leading full blocks seen in earlier prompts (a stand-in for prefix caching)."""
-        cached = 0
-        blocks = [tuple(token_ids[i : i + self.block_size])
-                  for i in range(0, len(token_ids) - self.block_size + 1, self.block_size)]
-        for n, block in enumerate(blocks):
-            key = tuple(token_ids[: (n + 1) * self.block_size])
-            if key in self.seen_blocks:
-                cached += len(block)
-            else:
-                break
-        for n in range(len(blocks)):
-            self.seen_blocks.add(tuple(token_ids[: (n + 1) * self.block_size]))
+    def cached_tokens(self, token_ids: list[int], media: list[MediaSpan]) -> int:
+        """Leading full blocks seen in earlier prompts (a stand-in for prefix caching); a block's key is the
+        prompt up to its end and the content hashes of the images that start before it."""
+        keys = [(tuple(token_ids[:end]), tuple(span.hash for span in media if span.offset < end))
+                for end in range(self.block_size, len(token_ids) + 1, self.block_size)]
+        cached = next((n for n, key in enumerate(keys) if key not in self.seen_blocks), len(keys)) * self.block_size
+        self.seen_blocks.update(keys)
         return cached
 
     def publish_load(self) -> None:
@@ -156,10 +165,8 @@ class TestEngine:
                                                    active_prefill_tokens=0))
 
     async def generate(self, request: PreprocessedRequest, context: Context) -> AsyncIterator[LLMEngineOutput]:
-        if request.multi_modal_data is not None:
-            raise InvalidRequestError("multi_modal_data: the test engine takes no images")
         args = self.args
-        token_ids = request.token_ids
+        token_ids, media = await self.images.expand(request)
         stop = request.stop_conditions
         if request.prompt_embeds is not None:
             prompt_len = _embeds_rows(request.prompt_embeds)
@@ -167,21 +174,24 @@ class TestEngine:
             prompt_text = ""
         else:
             prompt_len = len(token_ids)
-            prompt_text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
-            target, with_eos = self.script(prompt_text, request)
+            prompt_text = self.tokenizer.decode(request.token_ids, skip_special_tokens=False)
+            target, with_eos = self.script(prompt_text, request, media)
         resume = next((k for k in range(min(len(target), len(token_ids)), 0, -1)
                        if token_ids[-k:] == target[:k]), 0)
         target = target[resume:] + ([self.eos] if with_eos else [])
         stop_ids = set(stop.stop_token_ids or []) | set(stop.stop_token_ids_hidden or [])
         if stop.ignore_eos:
             stop_ids.discard(self.eos)
-        cached = self.cached_tokens(token_ids)
+        cached = self.cached_tokens(token_ids, media)
+        encoded = sum(span.offset + span.length > cached for span in media)  # images the cache does not hold
         top_logprobs = request.output_options.logprobs
         self.active[context.id()] = prompt_len
         self.publish_load()
         finished = False
         n = 0
         try:
+            if encoded and self.images.images is not None and self.images.images.encode_ms:
+                await asyncio.sleep(encoded * self.images.images.encode_ms / 1000)
             for n, token in enumerate(target, 1):
                 if context.is_stopped():
                     n -= 1
@@ -251,6 +261,12 @@ class TextTestEngine(TestEngine):
     generate = TestEngine.generate_text  # type: ignore[assignment]
 
 
+def _model_config(model: str) -> dict[str, object]:
+    with open(os.path.join(resolve_model(model), "config.json")) as f:
+        config: dict[str, object] = json.load(f)
+    return config
+
+
 def _eos_token_id(folder: str) -> int:
     for name in ("generation_config.json", "config.json"):
         try:
@@ -285,7 +301,7 @@ _WORKER_OPTIONS = (MODEL_PATH, SERVED_MODEL_NAME, ENDPOINT_TYPES, CUSTOM_JINJA_T
                    MIGRATION_LIMIT, *PARSER_OPTIONS)
 _DEFAULTS = SimpleNamespace(model_path="smollm2", served_model_name=None, endpoint_types=DEFAULT_ENDPOINT_TYPES,
                             custom_jinja_template=None, context_length=None, block_size=16, migration_limit=0,
-                            dyn_tool_call_parser=None, dyn_reasoning_parser=None)
+                            dyn_tool_call_parser=None, dyn_reasoning_parser=None, allow_private_media_urls=False)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -300,19 +316,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--delay-ms", type=float, default=0.0)
     parser.add_argument("--die-after", type=int, default=0)
     parser.add_argument("--report", default=None)
+    add_image_args(parser, _DEFAULTS)
     add_runtime_args(parser)
     return parser
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, SimpleNamespace]:
-    """The flags, and the shared worker settings (each from its flag, else its env var, else `_DEFAULTS`),
-    checked; a bad one exits 2 naming it."""
+    """The flags, and the shared worker settings (each from its flag, else its env var, else `_DEFAULTS`;
+    `images`: the --enable-multimodal settings), checked; a bad one exits 2 naming it."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         worker = apply_options(SimpleNamespace(**vars(_DEFAULTS)), _WORKER_OPTIONS, args)
         worker.custom_jinja_template = custom_template_path(worker.custom_jinja_template)
         check_parser_options(worker.dyn_tool_call_parser, worker.dyn_reasoning_parser)
+        if args.enable_multimodal and (args.model_input == ModelInput.Text
+                                       or ModelType.parse(worker.endpoint_types) & ModelType.Embedding):
+            raise ValueError("--enable-multimodal: images are taken by a generation model with token input only")
+        worker.images = simulated_images(args, _model_config(worker.model_path) if args.enable_multimodal else {})
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
     args.block_size = worker.block_size  # the engine's
@@ -329,7 +350,8 @@ async def main(argv: list[str] | None = None) -> int:
     model_type = ModelType.parse(worker.endpoint_types)
     embedding = bool(model_type & ModelType.Embedding)
     kind = TextTestEngine if args.model_input == ModelInput.Text else EmbeddingTestEngine if embedding else TestEngine
-    engine = kind(args, model_path, runtime.instance_id)
+    engine = kind(args, model_path, runtime.instance_id, worker.images)
+    runtime.add_shutdown_hook(engine.images.close)  # the image fetcher's connections
     engine.load_publisher = await component.event_publisher(KV_METRICS_TOPIC)
     spec = WorkerSpec(
         model_path, worker.served_model_name or default_served_name(worker.model_path, model_path),
@@ -341,7 +363,8 @@ async def main(argv: list[str] | None = None) -> int:
                                           reasoning_parser=worker.dyn_reasoning_parser,
                                           enable_prompt_embeds=args.enable_prompt_embeds,
                                           embedding_size=engine.hidden_size if embedding else None,
-                                          matryoshka=embedding),
+                                          matryoshka=embedding,
+                                          **(worker.images.card_fields() if worker.images else {})),
     )
     await serve_worker(component, engine, spec, summary="test engine")
     await runtime.wait_closed()

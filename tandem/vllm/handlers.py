@@ -232,6 +232,10 @@ class BaseWorkerHandler:
         tokens["multi_modal_uuids"] = {"image": [loaded.digest for loaded in images]}
         return tokens, prompt_len
 
+    async def close_images(self) -> None:
+        if self._images is not None:
+            await self._images.close()
+
     def _lora_request(self, request: PreprocessedRequest) -> Any:
         """The LoRARequest of the adapter the request names; None for the base model. An adapter this worker
         does not hold (unloaded since the frontend routed the request here) raises LookupError: computing

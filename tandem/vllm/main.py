@@ -153,6 +153,7 @@ async def _serve(config: Config, runtime: DistributedRuntime, shutdown_event: as
             await asyncio.sleep(0.2)
 
         runtime.add_shutdown_hook(abort_in_flight)
+        runtime.add_shutdown_hook(handler.close_images)  # the image fetcher's connections
         monitor = VllmEngineMonitor(runtime, engine, shutdown_event)
         monitor.start()
 

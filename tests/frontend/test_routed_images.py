@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import io
 from collections.abc import AsyncIterator
 
 import pytest
 from aiohttp import web
-from PIL import Image
 
 from tandem.frontend.media import RoutedImages
 from tandem.frontend.protocol.errors import RequestError
@@ -27,6 +25,7 @@ from tandem.router.hashing import (
     request_seed,
 )
 from tandem.vllm.publisher import KvEventRelay
+from tests.support.images import png as sample_png
 from tests.support.ports import free_port
 from tests.vllm.test_vllm_publisher import FakePublisher, stored_map
 
@@ -35,9 +34,7 @@ PROMPT = ImagePrompt(tokens=[901, 902, IMAGE, IMAGE, IMAGE, IMAGE, IMAGE, 903], 
 
 
 def png(color: str) -> bytes:
-    out = io.BytesIO()
-    Image.new("RGB", (8, 8), color).save(out, format="PNG")
-    return out.getvalue()
+    return sample_png(color, (8, 8))
 
 
 def test_placeholders_expand_in_order_with_each_images_span():

@@ -4,8 +4,6 @@ time, the refusal of non-public hosts (also behind a redirect or a name), and th
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -14,17 +12,13 @@ from PIL import Image
 
 from tandem.llm import images
 from tandem.llm.images import ImageCache, ImageError, ImageLimits, ImageLoader
+from tests.support.images import data_url
+from tests.support.images import png as sample_png
 from tests.support.ports import free_port
 
 
 def png(color: str = "red", size: tuple[int, int] = (40, 30)) -> bytes:
-    out = io.BytesIO()
-    Image.new("RGB", size, color).save(out, format="PNG")
-    return out.getvalue()
-
-
-def data_url(data: bytes, media_type: str = "image/png") -> str:
-    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
+    return sample_png(color, size)
 
 
 Serve = Callable[[str, dict[str, Callable[[web.Request], Awaitable[web.StreamResponse]]]], Awaitable[str]]

@@ -5,22 +5,20 @@ hashes of a prompt with an image are the worker's, so a fresh router sends an im
 
 from __future__ import annotations
 
-import base64
-import io
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from PIL import Image
 
 from tandem.mocker.args import parse_args
 from tandem.mocker.perf_model import PolynomialPerfModel
 from tandem.mocker.scheduler import Scheduler, SchedulerConfig, SimRequest
 from tandem.router.hashing import MediaSpan
 from tests.support.deployment import MODEL, Deployment, metric_sum
+from tests.support.images import data_url
+from tests.support.images import png as sample_png
 from tests.support.ports import free_port
-from tests.support.vision_model import build_text_side
 
 BLOCK = 16
 IMAGE_TOKENS = 32
@@ -30,17 +28,8 @@ MOCKER = ["--block-size", str(BLOCK), "--speedup-ratio", "50", "--num-gpu-blocks
 KV_FRONTEND = ["--router-mode", "kv", "--allow-private-media-urls"]
 
 
-@pytest.fixture(scope="module")
-def vlm_folder(tmp_path_factory: pytest.TempPathFactory, smollm2: str) -> str:
-    folder = tmp_path_factory.mktemp("vlm-text")
-    build_text_side(folder, Path(smollm2))
-    return str(folder)
-
-
 def png(color: str) -> str:
-    out = io.BytesIO()
-    Image.new("RGB", (16, 16), color).save(out, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+    return data_url(sample_png(color, (16, 16)))
 
 
 def test_flags_are_checked_against_the_model_and_role(smollm2: str, vlm_folder: str) -> None:

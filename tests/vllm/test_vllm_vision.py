@@ -5,37 +5,23 @@ token prompt with one `<image>` placeholder per image and `multi_modal_data` wit
 from __future__ import annotations
 
 import base64
-import io
 import os
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from PIL import Image
 from tokenizers import Tokenizer
 
 from tandem.runtime.errors import RemoteError
-from tests.support.deployment import MODEL
+from tests.support.deployment import MODEL, metric_sum
+from tests.support.images import data_url, png
 from tests.support.vision_model import IMAGE_SEQ_LEN
 
 pytestmark = [pytest.mark.slow, pytest.mark.engines("vision")]
 
 PROMPT = "<|im_start|>user\n<image>What is in the picture?<|im_end|>\n<|im_start|>assistant\n"
-
-
-def png(color: str, size: tuple[int, int] = (96, 64)) -> bytes:
-    out = io.BytesIO()
-    Image.new("RGB", size, color).save(out, format="PNG")
-    return out.getvalue()
-
-
-def data_url(data: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
 @pytest.fixture(scope="module")
@@ -45,28 +31,6 @@ def vision(engine_pool):
     deployment.worker = group.alive()[0]  # type: ignore[attr-defined]
     yield deployment
     deployment.stop()
-
-
-@pytest.fixture(scope="module")
-def images() -> Iterator[str]:
-    """A loopback HTTP server of PNGs: /<color>.png."""
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
-            body = png(Path(self.path).stem)
-            self.send_response(200)
-            self.send_header("Content-Type", "image/png")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_port}"
-    server.shutdown()
 
 
 def token_ids(vision, text: str) -> list[int]:  # type: ignore[no-untyped-def]
@@ -288,8 +252,6 @@ def test_kv_routing_knows_an_images_blocks_from_the_workers_events(engine_pool, 
     """A KV-routing frontend started after a request with an image was served learns the worker's blocks from
     its KV events only; its hashes of the same prompt (the image fetched and hashed by content) match them all,
     and a prompt with another image only up to that image."""
-    from tests.support.deployment import metric_sum
-
     group = engine_pool.group("vision")
     kv = ("--router-mode", "kv", "--allow-private-media-urls")
     preamble = {"type": "text", "text": "Here is a picture taken on a long walk along the river, late on a "
@@ -325,3 +287,46 @@ def test_kv_routing_knows_an_images_blocks_from_the_workers_events(engine_pool, 
         assert hits(data_url(png("orange"))) == text_before // block_size
     finally:
         second.stop()
+
+
+def test_kv_routing_sends_a_repeated_image_to_the_worker_holding_it(engine_pool, images):
+    """Two vision workers behind a KV-routing frontend: each image is first served by a worker chosen by header,
+    then asked again without one; the router must send it to the worker whose cache holds it (a router blind to
+    images sees the same tokens on both and would pick either)."""
+    from tests.support.engines import VISION_ARGS, EngineSpec
+
+    group = engine_pool.group("vision")
+    second = group.start(EngineSpec((), 1, VISION_ARGS))
+    deployment = None
+    try:
+        workers = group.alive()
+        assert len(workers) == 2
+        deployment = group.deployment("--router-mode", "kv", "--allow-private-media-urls")
+        lead = {"type": "text", "text": "Here is a photograph from the archive of a small museum by the sea, "
+                                        "catalogued last spring with the others of its box: "}
+
+        def ask(color: str, worker=None):  # type: ignore[no-untyped-def]
+            pin = {"x-worker-instance-id": str(worker.instance_id)} if worker is not None else {}
+            return deployment.client().chat.completions.create(
+                model=MODEL, max_tokens=1, temperature=0, extra_headers=pin, messages=[{"role": "user", "content": [
+                    lead, image_part(f"{images}/{color}.png"), {"type": "text", "text": " What is it?"}]}])
+
+        holders = {"teal": 0, "navy": 1, "olive": 1, "maroon": 0}
+        for color, holder in holders.items():
+            assert ask(color, workers[holder]).usage.prompt_tokens_details.cached_tokens == 0
+        deadline = time.monotonic() + 30
+        while metric_sum(deployment.metrics(), "dynamo_component_kv_cache_events_applied_total") < len(holders):
+            assert time.monotonic() < deadline, "the frontend learned nothing of the workers' caches"
+            time.sleep(0.1)
+        for color, holder in holders.items():
+            served = [metric_sum(w.metrics(), "dynamo_component_requests_total", dynamo_endpoint="generate")
+                      for w in workers]
+            again = ask(color)
+            assert again.usage.prompt_tokens_details.cached_tokens > 0, color
+            after = [metric_sum(w.metrics(), "dynamo_component_requests_total", dynamo_endpoint="generate")
+                     for w in workers]
+            assert after[holder] == served[holder] + 1, (color, served, after)
+    finally:
+        if deployment is not None:
+            deployment.stop()
+        second.process.stop()
