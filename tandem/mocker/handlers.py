@@ -41,7 +41,9 @@ class MockerHandler:
         if request.priority:  # the client's 400, never a priority silently dropped
             raise InvalidRequestError(f"priority {request.priority} (x-dynamo-request-priority) is not supported: "
                                       "the mocker schedules first come, first served")
-        prompt, media = await self.images.expand(request)
+        prompt, media = request.token_ids, list[MediaSpan]()
+        if request.multi_modal_data is not None:
+            prompt, media = await self.images.expand(request)
         try:
             sim = self._sim_request(request, context.id(), prompt, media)
             engine = self._engine(request)
