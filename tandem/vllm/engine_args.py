@@ -117,7 +117,8 @@ def create_kv_events_config(config: Config) -> Any:
     """Dynamo's `create_kv_events_config` (first match wins): decode workers and workers without prefix
     caching publish nothing; a user --kv-events-config is kept; otherwise ZMQ on DYN_VLLM_KV_EVENT_PORT."""
     args = config.engine_args
-    if config.is_decode_worker or config.embedding_worker:  # embeddings are routed by load, not by KV
+    # embeddings are routed by load, not by KV; an encoder's engine caches encoder outputs, not prompts
+    if config.is_decode_worker or config.embedding_worker or config.vllm_native_encoder_worker:
         return None
     if not args.enable_prefix_caching:
         return None

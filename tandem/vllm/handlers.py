@@ -175,6 +175,8 @@ class BaseWorkerHandler:
         self.disagg_metrics = disagg_metrics
         self.pending_prompts = pending_prompts or PendingPrompts()  # this engine's prefill queue, in tokens
         self._images: ImageLoader | None = None  # made on the first request with images
+        # --ec-consumer-mode: has an encoder worker store a request's images' encoder outputs (set by main)
+        self.encode_images: Callable[[PreprocessedRequest], Awaitable[None]] | None = None
         self.on_sleep: Callable[[], Awaitable[None]] | None = None  # leave / rejoin discovery, set by main
         self.on_wake: Callable[[], Awaitable[None]] | None = None
 
@@ -368,6 +370,8 @@ class DecodeWorkerHandler(BaseWorkerHandler):
             sampling.extra_args = {**(sampling.extra_args or {}), "kv_transfer_params": kv_params}
             if self.disagg_metrics is not None:
                 self.disagg_metrics.remote_prefills.inc()
+        if self.encode_images is not None and request.multi_modal_data is not None:
+            await self.encode_images(request)
         async for item in self._stream_tokens(request, context, sampling, prefill=False,
                                               remote_prefill=kv_params is not None):
             yield item

@@ -19,9 +19,10 @@ from tandem.models.resolve import loaded_model_folder
 from tandem.router.protocols import KV_METRICS_TOPIC
 from tandem.runtime import DistributedRuntime, configure_logging, run
 from tandem.runtime.config import ConfigError
-from tandem.vllm.args import Config, dump_config, parse_args
+from tandem.vllm.args import ENCODER_COMPONENT, Config, dump_config, parse_args
 from tandem.vllm.bos_token import bos_token_id_of
 from tandem.vllm.checkpoint_restore import get_checkpoint_config
+from tandem.vllm.encoder import Encoders, EncoderWorkerHandler
 from tandem.vllm.engine_monitor import VllmEngineMonitor
 from tandem.vllm.forward_pass import ForwardPasses, ForwardPassLoggerFactory, enable_iteration_details
 from tandem.vllm.handlers import DisaggMetrics, handler_class
@@ -139,8 +140,9 @@ async def _serve(config: Config, runtime: DistributedRuntime, shutdown_event: as
             lora = LoRAService(engine)
         model_config = vllm_config.model_config
         embedding = config.embedding_worker  # vLLM runs the pooling runner exactly then (args.py forces it)
-        handler = handler_class(prefill=config.is_prefill_worker, text_input=config.use_vllm_tokenizer,
-                                embedding=embedding)(
+        kind = EncoderWorkerHandler if config.vllm_native_encoder_worker else handler_class(
+            prefill=config.is_prefill_worker, text_input=config.use_vllm_tokenizer, embedding=embedding)
+        handler = kind(
             runtime, engine, config, default_sampling_params=defaults, model_max_len=model_max_len,
             shutdown_event=shutdown_event, lora=lora, pending_prompts=passes.pending,
             disagg_metrics=None if config.is_prefill_worker else DisaggMetrics(runtime.registry,
@@ -154,6 +156,10 @@ async def _serve(config: Config, runtime: DistributedRuntime, shutdown_event: as
 
         runtime.add_shutdown_hook(abort_in_flight)
         runtime.add_shutdown_hook(handler.close_images)  # the image fetcher's connections
+        if config.ec_consumer_mode:
+            encoders = Encoders(runtime, config.namespace, ENCODER_COMPONENT)
+            handler.encode_images = encoders.encode
+            runtime.add_shutdown_hook(encoders.close)
         monitor = VllmEngineMonitor(runtime, engine, shutdown_event)
         monitor.start()
 
@@ -167,6 +173,12 @@ async def _serve(config: Config, runtime: DistributedRuntime, shutdown_event: as
                 relays.append(relay)
         runtime.register_engine_route("sleep", handler.sleep)
         runtime.register_engine_route("wake_up", handler.wake_up)
+
+        if config.vllm_native_encoder_worker:
+            await _serve_encoder(component, handler, config)
+            await runtime.wait_closed()
+            await monitor.stop()
+            return 0
 
         if dp_rank:
             log.info("non-leader data-parallel rank %d: the leader serves all ranks; not serving endpoints", dp_rank)
@@ -216,6 +228,18 @@ async def _serve(config: Config, runtime: DistributedRuntime, shutdown_event: as
         return 0
     finally:
         engine.shutdown()
+
+
+async def _serve_encoder(component: Any, handler: Any, config: Config) -> None:
+    """An encoder worker serves its endpoint but registers no model: clients reach it through the consumers,
+    which find it in discovery under its component."""
+    from tandem.llm.protocols import PreprocessedRequest
+
+    served = await component.endpoint(config.endpoint).start_serving(
+        handler.generate, request_type=PreprocessedRequest, metrics_labels={"model": config.served_model_name})
+    component.runtime.set_ready()
+    log.info("encoding images of %s as dyn://%s", config.served_model_name, served.path)
+    print(f"READY {component.runtime.instance_id:x} {served.path}", flush=True)  # for launchers and tests
 
 
 def _embedding_config(model_config: Any, embedding: bool) -> dict[str, Any]:

@@ -302,6 +302,36 @@ def test_enable_multimodal_is_taken_by_an_aggregated_worker(monkeypatch: pytest.
             build("--enable-multimodal", role)
 
 
+def test_the_encoder_cache_roles(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """--vllm-native-encoder-worker (component encoder, no KV connector or events) and --ec-consumer-mode build
+    vLLM's ECTransferConfig; what cannot work is refused, naming the flag."""
+    store = str(tmp_path)
+    encoder = build("--enable-multimodal", "--vllm-native-encoder-worker", "--ec-storage-path", store,
+                    "--ec-extra-config", '{"extra": 1}')
+    ec = encoder.engine_args.ec_transfer_config
+    assert encoder.component == "encoder" and encoder.connector == [] and not encoder.use_kv_events
+    assert (ec.ec_connector, ec.ec_role) == ("ECExampleConnector", "ec_producer")
+    assert ec.ec_connector_extra_config == {"extra": 1, "shared_storage_path": store}
+    monkeypatch.setenv("DYN_VLLM_EC_CONSUMER_MODE", "1")
+    monkeypatch.setenv("DYN_VLLM_EC_STORAGE_PATH", store)
+    consumer = build("--enable-multimodal")
+    assert consumer.component == "backend" and consumer.engine_args.ec_transfer_config.ec_role == "ec_consumer"
+    assert consumer.use_kv_events
+    monkeypatch.delenv("DYN_VLLM_EC_CONSUMER_MODE")
+    assert build("--enable-multimodal").engine_args.ec_transfer_config is None
+    for argv, message in (
+        (["--vllm-native-encoder-worker"], "^Use --enable-multimodal with --vllm-native-encoder-worker"),
+        (["--enable-multimodal", "--vllm-native-encoder-worker", "--ec-consumer-mode"], "not both"),
+        (["--enable-multimodal", "--vllm-native-encoder-worker", "--ec-storage-path", ""], "needs --ec-storage-path"),
+        (["--enable-multimodal", "--ec-consumer-mode", "--ec-extra-config", "[1]"], "a JSON object"),
+        (["--enable-multimodal", "--ec-consumer-mode", "--ec-extra-config", "{"], "is not JSON"),
+        (["--enable-multimodal", "--vllm-native-encoder-worker", "--connector", "lmcache"], "leave --connector out"),
+        (["--enable-multimodal", "--ec-consumer-mode", "--is-prefill-worker"], "not built yet"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            build(*argv)
+
+
 @pytest.mark.parametrize(("flag", "env", "takes_value"), NOT_BUILT_FLAGS)
 def test_multimodal_flags_are_refused_until_built(monkeypatch: pytest.MonkeyPatch, flag: str, env: str,
                                                   takes_value: bool) -> None:

@@ -38,14 +38,16 @@ def token_ids(vision, text: str) -> list[int]:  # type: ignore[no-untyped-def]
     return tokenizer.encode(text, add_special_tokens=False).ids
 
 
-def generate(vision, urls: list[str], text: str = PROMPT) -> tuple[list[float], dict]:  # type: ignore[no-untyped-def]
+def generate(vision, urls: list[str], text: str = PROMPT,  # type: ignore[no-untyped-def]
+             worker=None) -> tuple[list[float], dict]:
     """The logprobs of the greedy tokens and the final usage of one request with these images (a model of
-    random weights often picks the same token whatever it sees, with a different probability)."""
+    random weights often picks the same token whatever it sees, with a different probability), on `worker`
+    (default: the group's aggregated one)."""
     request = {"model": MODEL, "token_ids": token_ids(vision, text),
                "stop_conditions": {"max_tokens": 6, "ignore_eos": True},
                "sampling_options": {"temperature": 0}, "output_options": {"logprobs": 0},
                "multi_modal_data": {"image_url": [{"Url": url} for url in urls]}}
-    outputs = vision.call("backend.generate", request, instance=vision.worker.instance_id)
+    outputs = vision.call("backend.generate", request, instance=(worker or vision.worker).instance_id)
     logprobs = [p for out in outputs for p in out.get("log_probs") or []]
     assert len(logprobs) == 6
     return logprobs, outputs[-1]["completion_usage"]
@@ -330,3 +332,32 @@ def test_kv_routing_sends_a_repeated_image_to_the_worker_holding_it(engine_pool,
         if deployment is not None:
             deployment.stop()
         second.process.stop()
+
+
+def test_an_encoder_worker_encodes_a_consumers_images_and_the_consumer_outlives_it(vision, engine_pool, tmp_path):
+    """--vllm-native-encoder-worker stores each image's encoder output (vLLM's ECExampleConnector, a shared
+    directory); a worker in --ec-consumer-mode has it encode a request's images and loads them: the same answer
+    as the aggregated worker's. With the encoder gone, the consumer encodes the images itself."""
+    import hashlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.support.engines import VISION_ARGS, EngineSpec
+
+    group = engine_pool.group("vision")
+    store = tmp_path / "encoder-cache"
+    shared = ("--ec-storage-path", str(store))
+    specs = [EngineSpec((), 1, (*VISION_ARGS, "--vllm-native-encoder-worker", *shared)),
+             EngineSpec((), 0, (*VISION_ARGS, "--ec-consumer-mode", *shared))]
+    with ThreadPoolExecutor(2) as pool:
+        encoder, consumer = pool.map(group.start, specs)
+    try:
+        teal, olive = png("teal"), png("olive")
+        assert generate(vision, [data_url(teal)], worker=consumer) == generate(vision, [data_url(teal)])
+        # the encoder's output, by the image's digest (the consumer's lookups make the folders, not the files)
+        assert (store / hashlib.sha256(teal).hexdigest() / "encoder_cache.safetensors").is_file()
+        encoder.process.stop()
+        assert generate(vision, [data_url(olive)], worker=consumer) == generate(vision, [data_url(olive)])
+        assert not (store / hashlib.sha256(olive).hexdigest() / "encoder_cache.safetensors").exists()
+    finally:
+        for engine in (consumer, encoder):
+            engine.process.stop()
