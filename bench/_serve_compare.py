@@ -27,7 +27,6 @@ from _common import Proc, StreamConn, model_path
 from serving_bench import engine_of, pin_threads
 
 ENGINE_CORE, FRONT_CORE = 0, 1
-LABELS = {"vllm": "vLLM 0.32 (its API server)", "tandem": "tandem"}
 
 
 class BadResponse(Exception):
@@ -100,12 +99,15 @@ class System:
     --cpu-cores ENGINE_CORE --discovery-backend file <tandem_args>` (its environment: file discovery under
     `workdir` in `namespace`, plus `tandem_env`), then tandem's frontend. Every process is started under
     FRONT_CORE's affinity. The system serves once a POST of `ready_body` to `ready_path` answers 200 and
-    `accept` (if given) takes its body without raising."""
+    `accept` (if given) takes its body without raising. With `encoder_args`, tandem also runs a second worker
+    with those flags (an encoder: `encoder_args` name its role) whose engine is on FRONT_CORE; its engine counts
+    as engine, its main process as front."""
 
     def __init__(self, impl: str, workdir: str, model: str, served_name: str, *, namespace: str,
                  vllm_args: list[str], tandem_args: list[str], ready_path: str, ready_body: bytes,
                  ready_timeout: float, accept: Callable[[bytes], Any] | None = None,
-                 tandem_env: dict[str, str] | None = None, timeout: float = 600) -> None:
+                 tandem_env: dict[str, str] | None = None, timeout: float = 600,
+                 encoder_args: list[str] | None = None) -> None:
         self.impl = impl
         self.start_s = 0.0
         logdir = os.path.join(workdir, "logs")
@@ -130,15 +132,28 @@ class System:
                     FRONT_CORE)
                 self.procs = [worker]
                 worker.wait_line("READY", timeout)
+                if encoder_args is not None:
+                    encoder = Proc("tandem-encoder", [
+                        sys.executable, "-m", "tandem.vllm", "--model", model, "--served-model-name", served_name,
+                        "--cpu-cores", str(FRONT_CORE), "--discovery-backend", "file", *encoder_args], env, logdir,
+                        FRONT_CORE)
+                    self.procs.append(encoder)
+                    encoder.wait_line("READY", timeout)
                 frontend = Proc("frontend", [sys.executable, "-m", "tandem.frontend", "--http-host", "127.0.0.1",
                                              "--http-port", "0", "--discovery-backend", "file"], env, logdir, FRONT_CORE)
                 self.procs.append(frontend)
                 self.url = frontend.wait_line("READY").split()[1]
-                self.front = {"frontend": frontend.pid, "worker main": worker.pid}
+                self.front = {"frontend": frontend.pid, "worker main": worker.pid,
+                              **({"encoder main": self.procs[1].pid} if encoder_args is not None else {})}
             self._wait_serving(ready_path, ready_body, ready_timeout, accept, timeout)
             self.engine = engine_of(self.procs[0].pid)  # {"engine core": pid, "model worker": pid}
             for pid in self.engine.values():  # every thread of the engine to core 0
                 pin_threads(pid, ENGINE_CORE)
+            if encoder_args is not None:
+                encoder_engine = engine_of(self.procs[1].pid)
+                for pid in encoder_engine.values():
+                    pin_threads(pid, FRONT_CORE)
+                self.engine.update({f"encoder's {name}": pid for name, pid in encoder_engine.items()})
         except BaseException:
             self.stop()
             raise

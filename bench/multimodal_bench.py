@@ -7,6 +7,7 @@ system at a time.
     python bench/multimodal_bench.py --rounds 2              # vLLM, tandem, tandem, vLLM; medians (~19 min)
     python bench/multimodal_bench.py --json mm.json --plot docs/images/multimodal-bench.png
     python bench/multimodal_bench.py --impl tandem --workloads repeated_c4 --duration 5
+    python bench/multimodal_bench.py --encoder               # tandem as an encoder worker + a consumer worker
 
 Model: the tiny Idefics3 of tests/support/vision_model.py (random weights: a 2-layer Llama with SmolLM2's
 tokenizer, a 2-layer vision tower of 128 px images, 16 px patches, pixel shuffle 2), built once per run from
@@ -238,16 +239,20 @@ def request_body(shape: Shape, images: Images, texts: Texts, probe: bool = False
 
 
 # -- the two deployments ------------------------------------------------------------------------------
-def start(impl: str, model: str, workdir: str, probe: bytes, extra: list[str]) -> System:
+def start(impl: str, model: str, workdir: str, probe: bytes, extra: list[str], encoder: bool) -> System:
     """One system up and serving the model (see bench/_serve_compare.py's System); `probe`: a request that must
     succeed before the system counts as serving; `extra`: more flags for vLLM's server or tandem's worker
-    (diagnostics)."""
+    (diagnostics); `encoder`: tandem's worker in --ec-consumer-mode with an encoder worker (engine on core 1)
+    sharing a storage directory in `workdir`."""
+    store = os.path.join(workdir, "encoder-cache")
+    shared = ["--enable-multimodal", "--allow-private-media-urls", "--ec-storage-path", store, *ENGINE_ARGS]
     return System(
         impl, workdir, model, MODEL_NAME, namespace=NAMESPACE,
         vllm_args=[*ENGINE_ARGS, "--chat-template", os.path.join(model, "chat_template.jinja"),
                    "--enable-prompt-tokens-details", *extra],
         tandem_args=["--enable-multimodal", "--allow-private-media-urls", "--connector", "none", *ENGINE_ARGS,
-                     *extra],
+                     *(["--ec-consumer-mode", "--ec-storage-path", store] if encoder else []), *extra],
+        encoder_args=[*shared, "--vllm-native-encoder-worker"] if encoder else None,
         tandem_env={"DYN_VLLM_KV_EVENT_PORT": str(registered_port())},  # not the default 20080 (tests run)
         ready_path="/v1/chat/completions", ready_body=probe, ready_timeout=60,
         accept=lambda body: check(200, body.split(b"\n\n"), []))
@@ -360,7 +365,8 @@ def run_system(impl: str, model: str, images: Images, texts: Texts, image_server
     texts.reset()
     extra = shlex.split(args.vllm_args if impl == "vllm" else args.tandem_args)
     probe = request_body(SHAPES["light"], images, texts, probe=True)
-    with _serve_compare.serving(impl, NAMESPACE, args, lambda workdir: start(impl, model, workdir, probe, extra)) \
+    with _serve_compare.serving(impl, NAMESPACE, args, lambda workdir: start(impl, model, workdir, probe, extra,
+                                                                                  args.encoder)) \
             as system:
         result: dict[str, Any] = {"start_s": system.start_s}
         print(f"  {impl} serving after {result['start_s']:.0f} s", file=sys.stderr, flush=True)
@@ -422,7 +428,9 @@ def report(summary: dict[str, Any], runs: dict[str, list[dict[str, Any]]], args:
     lines = [f"multimodal_bench: streamed /v1/chat/completions with images, {MAX_TOKENS} tokens out, "
              f"{args.duration:g} s (and at least {args.min_requests} requests) per workload, {args.rounds} round(s), "
              f"medians; engine on core {ENGINE_CORE}, front processes, image server and load generator on core "
-             f"{FRONT_CORE}", ""]
+             f"{FRONT_CORE}", *([f"tandem: a worker in --ec-consumer-mode (engine on core {ENGINE_CORE}) and an encoder "
+                                f"worker (engine on core {FRONT_CORE}); engine CPU counts both engines"]
+                              if args.encoder else []), ""]
 
     def cost(k: str) -> str:
         cells = ""
@@ -487,6 +495,9 @@ def main() -> None:
                              "(default: built into a temporary folder, removed at the end)")
     parser.add_argument("--vllm-args", default="", metavar="FLAGS", help="extra flags for vLLM's server (diagnostics)")
     parser.add_argument("--tandem-args", default="", metavar="FLAGS", help="extra flags for tandem's worker (diagnostics)")
+    parser.add_argument("--encoder", action="store_true",
+                        help="tandem as an encoder worker (its engine on core 1) and a worker in --ec-consumer-mode "
+                             "(vLLM's encoder-cache connector) instead of one aggregated worker")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds a request may take")
     parser.add_argument("--images", type=int, default=4000,
                         help="distinct images in the pool (~60 KB each; a system's run takes ~3,300 at the defaults)")
