@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--workers", type=int, metavar="N", help="aggregated workers [default 1]")
     what.add_argument("--prefill-workers", type=int, metavar="P", help="prefill workers (disaggregated; needs --decode-workers)")
     what.add_argument("--decode-workers", type=int, metavar="D", help="decode workers (disaggregated; needs --prefill-workers)")
+    what.add_argument("--encode-workers", type=int, metavar="E",
+                      help="encoder workers running the vision encoder for the aggregated workers (vLLM's "
+                      "encoder-cache connector; with --workers, vLLM only)")
     what.add_argument("--router-mode", choices=ROUTER_MODES, metavar="MODE", help=f"the frontend's routing: {', '.join(ROUTER_MODES)} [round-robin]")
     what.add_argument("--http-port", type=int, metavar="PORT", help="frontend port; 0 = any free one [default 8000]")
     what.add_argument("--namespace", metavar="NS", help="discovery namespace [env DYN_NAMESPACE, default dynamo]")
@@ -197,7 +200,10 @@ async def run_deployment(spec: RunSpec, model_path: str, mux: LogMux | None = No
     own_dir = discovery_dir is None
     if discovery_dir is None:
         discovery_dir = tempfile.mkdtemp(prefix="tandem-run-")
-    plan = Plan(spec, model_path, discovery_dir, warn=say)
+    # Encoders and their consumers share a directory of encoder outputs (this host's; on several hosts, give
+    # every worker --ec-storage-path of a shared one).
+    ec_storage = tempfile.mkdtemp(prefix="tandem-encoder-cache-") if spec.group("encode") else ""
+    plan = Plan(spec, model_path, discovery_dir, ec_storage=ec_storage, warn=say)
     supervisor = Supervisor(plan, mux)
     stop = asyncio.Event()
     sla: SlaPlanner | None = None
@@ -237,6 +243,8 @@ async def run_deployment(spec: RunSpec, model_path: str, mux: LogMux | None = No
             loop.remove_signal_handler(sig)
         if own_dir:
             shutil.rmtree(discovery_dir, ignore_errors=True)
+        if ec_storage:
+            shutil.rmtree(ec_storage, ignore_errors=True)
         say("stopped")
 
 

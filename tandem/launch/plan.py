@@ -30,7 +30,11 @@ class WorkerCommand:
     agg_defaults: tuple[str, ...] = ()  # flag and value(s) for aggregated workers, unless the user gives the flag
 
 
-_ROLE_SWITCHES = {"agg": (), "prefill": ("--is-prefill-worker",), "decode": ("--is-decode-worker",)}
+_ROLE_SWITCHES = {"agg": (), "prefill": ("--is-prefill-worker",), "decode": ("--is-decode-worker",),
+                  "encode": ("--enable-multimodal", "--vllm-native-encoder-worker")}
+# With encode workers, the aggregated workers take images and load their encoder outputs (vLLM workers only).
+_CONSUMER_FLAGS = ("--enable-multimodal", "--ec-consumer-mode")
+EC_STORAGE_FLAG = "--ec-storage-path"
 ENGINES: dict[str, WorkerCommand] = {
     # An aggregated vLLM worker moves no KV cache: without `--connector none` it would still set up NIXL.
     "vllm": WorkerCommand("tandem.vllm", "--model", "--served-model-name", _ROLE_SWITCHES, cpu_cores_flag=True,
@@ -84,7 +88,7 @@ class Plan:
     """Builds the process specs of a deployment. Workers are numbered by `slot` (0, 1, ... over all groups),
     which picks their round-robin cores and their ports; a slot keeps its ports for the whole run."""
 
-    def __init__(self, spec: RunSpec, model_path: str, discovery_dir: str, *,
+    def __init__(self, spec: RunSpec, model_path: str, discovery_dir: str, *, ec_storage: str = "",
                  environ: Mapping[str, str] = os.environ, cores: list[int] | None = None,
                  warn: Callable[[str], None] = lambda message: None) -> None:
         self.spec = spec
@@ -92,6 +96,8 @@ class Plan:
         self.engine = ENGINES[spec.engine]
         self.served_name = served_name(spec.model, model_path, spec.model_name)
         self.cores = cores if cores is not None else available_cores()
+        # where encode workers store encoder outputs for the aggregated workers, unless their args name one
+        self.ec_storage = ec_storage
         self.warn = warn
         self._kv_event_base = int(environ.get("DYN_VLLM_KV_EVENT_PORT") or DEFAULT_KV_EVENT_PORT)
         self._kv_event_ports: dict[int, int] = {}
@@ -136,6 +142,10 @@ class Plan:
             argv += ["--cpu-cores", format_cores(cores)]
         if group.role == "agg" and engine.agg_defaults and not _has_flag(group.args, engine.agg_defaults[0]):
             argv += engine.agg_defaults
+        if group.role == "agg" and self.spec.group("encode"):
+            argv += _CONSUMER_FLAGS
+        if group.role in ("agg", "encode") and self.spec.group("encode") and not _has_flag(group.args, EC_STORAGE_FLAG):
+            argv += [EC_STORAGE_FLAG, self.ec_storage]
         env = {**self.common_env, "DYN_VLLM_KV_EVENT_PORT": str(self.kv_event_port(slot))}
         if self.spec.system_port_base is not None:
             env["DYN_SYSTEM_PORT"] = str(self.spec.system_port_base + slot)

@@ -22,7 +22,7 @@ from tandem.planner.config import PlannerConfig, PlannerMode, read_settings
 from tandem.runtime.config import ConfigError, env_str
 from tandem.runtime.options import ROUTER_MODES
 
-ROLES = ("agg", "prefill", "decode")
+ROLES = ("agg", "prefill", "decode", "encode")
 ENGINES = ("vllm", "mocker")
 DEFAULT_MODEL = "smollm2"
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_-]+$")  # it becomes a segment of `ns.component.endpoint`
@@ -75,7 +75,8 @@ class RunSpec:
 
     @property
     def disaggregated(self) -> bool:
-        return any(group.role != "agg" for group in self.workers)
+        """Prefill and decode workers (encoders serve aggregated workers)."""
+        return any(group.role in ("prefill", "decode") for group in self.workers)
 
     def group(self, role: str) -> WorkerGroup | None:
         return next((group for group in self.workers if group.role == role), None)
@@ -89,6 +90,13 @@ class RunSpec:
         if self.disaggregated and not ("prefill" in roles and "decode" in roles):
             raise SpecError("a disaggregated deployment needs both prefill and decode workers "
                             "(--prefill-workers P --decode-workers D, each at least 1)")
+        if "encode" in roles:
+            if "agg" not in roles:
+                raise SpecError("encode workers encode the images of aggregated workers: add --workers N "
+                                "(prefill and decode workers for images are not built yet)")
+            if self.engine != "vllm":
+                raise SpecError(f"encode workers are vLLM workers (vLLM's encoder-cache connector); the "
+                                f"{self.engine} has none")
         if self.no_frontend:
             if self.discovery_backend == "file" and not env_str("DYN_FILE_KV"):
                 raise SpecError("--no-frontend: workers without a frontend join another deployment through its "
@@ -98,6 +106,8 @@ class RunSpec:
             if given:
                 raise SpecError(f"--no-frontend: {', '.join(given)} would configure a frontend this run does not start")
         if self.planner is not None:
+            if "encode" in roles:
+                raise SpecError("--planner with encode workers: the planner does not size encoders yet")
             self._validate_planner(self.planner)
         elif self.planner_metrics_port is not None:
             raise SpecError("--planner-metrics-port: no planner runs (add --planner sla)")
@@ -298,7 +308,9 @@ def _group(item: Any, where: str) -> WorkerGroup:
 def _apply_counts(spec: RunSpec, counts: Mapping[str, int]) -> None:
     """Worker counts from flags. They choose the shape (aggregated or disaggregated); a group the file
     describes for a kept role keeps its args, env and cores."""
-    roles = ("agg",) if "agg" in counts else ("prefill", "decode")
+    shape = ("agg",) if "agg" in counts or (spec.group("agg") and not {"prefill", "decode"} & counts.keys()) \
+        else ("prefill", "decode")
+    roles = (*shape, "encode")
     groups = []
     for role in roles:
         group = spec.group(role)
@@ -374,7 +386,8 @@ def build_spec(flags: Mapping[str, Any], document: Mapping[str, Any] | None = No
     if "workers" in flags and ("prefill_workers" in flags or "decode_workers" in flags):
         raise SpecError("--workers cannot be combined with --prefill-workers/--decode-workers")
     counts = {role: flags[dest] for role, dest in (("agg", "workers"), ("prefill", "prefill_workers"),
-                                                   ("decode", "decode_workers")) if dest in flags}
+                                                   ("decode", "decode_workers"), ("encode", "encode_workers"))
+              if dest in flags}
     for role, count in counts.items():
         flag = "--workers" if role == "agg" else f"--{role}-workers"
         _integer(1)(count, flag)

@@ -293,8 +293,9 @@ class Supervisor:
 
     def expected_instances(self) -> set[int]:
         """Instance ids the frontend should know: every ready worker (prefill workers included, so that the
-        first requests are already disaggregated)."""
-        return {int(child.ready[0], 16) for children in self.workers.values() for child in children if child.ready}
+        first requests are already disaggregated) but the encoders, which serve the workers, not a model."""
+        return {int(child.ready[0], 16) for role, children in self.workers.items() if role != "encode"
+                for child in children if child.ready}
 
     async def _forget_instance(self, child: Child, ready: list[str] | None) -> None:
         """The process is gone, so its discovery entries are stale: remove them now rather than letting the

@@ -24,7 +24,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NoReturn, cast
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, cast
 
 from tandem.llm.model_card import ModelType
 from tandem.models.prepare import MODEL_NAME, PrepareError, is_default_model
@@ -243,7 +243,8 @@ class Config:
         extra = json.loads(self.ec_extra_config) if self.ec_extra_config else {}
         if self.ec_storage_path:
             extra["shared_storage_path"] = self.ec_storage_path
-        role = "ec_producer" if self.vllm_native_encoder_worker else "ec_consumer"
+        role: Literal["ec_producer", "ec_consumer"] = ("ec_producer" if self.vllm_native_encoder_worker
+                                                       else "ec_consumer")
         return ECTransferConfig(ec_connector=self.ec_connector_backend, ec_role=role,
                                 engine_id=f"{self.namespace}.{self.component}.{role}",
                                 ec_connector_extra_config=extra)

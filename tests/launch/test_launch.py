@@ -86,7 +86,11 @@ def test_disaggregated_from_flags_and_from_file() -> None:
     ({}, {"frontend": {"argz": []}}, "deploy.yaml: frontend: unknown key 'argz'"),
     ({}, {"workers": [{"role": "agg", "count": 0}]}, "workers[0].count: expected an integer >= 1"),
     ({}, {"workers": [{"role": "agg"}, {"role": "agg"}]}, "workers[1].role: a second group"),
-    ({}, {"workers": [{"role": "mixed"}]}, "workers[0].role: expected one of agg, prefill, decode"),
+    ({}, {"workers": [{"role": "mixed"}]}, "workers[0].role: expected one of agg, prefill, decode, encode"),
+    ({"prefill_workers": 1, "decode_workers": 1, "encode_workers": 1}, None,
+     "encode workers encode the images of aggregated workers: add --workers N"),
+    ({"engine": "mocker", "encode_workers": 1}, None, "encode workers are vLLM workers"),
+    ({"encode_workers": 0}, None, "--encode-workers: expected an integer >= 1"),
     ({}, {"workers": [{"role": "agg"}, {"role": "decode"}]}, "cannot be mixed"),
     ({}, {"workers": [{"cores": "0;x"}]}, "workers[0].cores"),
     ({}, {"workers": [{"env": {"A": [1]}}]}, "workers[0].env.A"),
@@ -185,6 +189,28 @@ def test_disaggregated_and_mocker_commands() -> None:
     argv = plan_of(mocker).worker(mocker.workers[1], 0, 1).argv
     assert argv[1:] == ("-m", "tandem.mocker", "--model-path", "/models/SmolLM2-135M-Instruct", "--model-name",
                         MODEL, "--disaggregation-mode", "decode")
+
+
+def test_encode_workers_and_their_consumers() -> None:
+    """--encode-workers: vLLM encoder workers beside the aggregated ones, which become their consumers; both share
+    the run's encoder-cache directory unless their args name another; the launcher waits for the model's
+    instances only."""
+    spec = spec_of({"encode_workers": 2}, worker_args=("--max-model-len", "1024"))
+    assert [(g.role, g.count) for g in spec.workers] == [("agg", 1), ("encode", 2)]
+    plan = Plan(spec, "/models/vlm", "/tmp/kv", environ={}, cores=[0, 1], ec_storage="/tmp/ec")
+    worker, encoder = plan.worker(spec.workers[0], 0, 0), plan.worker(spec.workers[1], 0, 1)
+    assert (worker.label, encoder.label) == ("worker-0", "encode-0")
+    assert worker.argv[-6:] == ("--enable-multimodal", "--ec-consumer-mode", "--ec-storage-path", "/tmp/ec",
+                                "--max-model-len", "1024")
+    for argv in (worker.argv, encoder.argv):
+        assert argv[argv.index("--ec-storage-path") + 1] == "/tmp/ec" and argv.count("--ec-storage-path") == 1
+    assert "--vllm-native-encoder-worker" in encoder.argv and "--ec-consumer-mode" not in encoder.argv
+    shared = spec_of({"workers": 2, "encode_workers": 1}, worker_args=("--ec-storage-path", "/shared"))
+    argv = Plan(shared, "/m", "/tmp/kv", environ={}, cores=[0, 1], ec_storage="/tmp/ec").worker(
+        shared.workers[0], 0, 0).argv
+    assert argv.count("--ec-storage-path") == 1 and argv[-1] == "/shared"
+    plain = spec_of({"workers": 2})
+    assert "--ec-consumer-mode" not in plan_of(plain).worker(plain.workers[0], 0, 0).argv
 
 
 def test_served_name(tmp_path: Path) -> None:
