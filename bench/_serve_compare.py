@@ -113,6 +113,7 @@ class System:
         logdir = os.path.join(workdir, "logs")
         os.makedirs(logdir, exist_ok=True)
         self.procs: list[Proc] = []
+        encoder: Proc | None = None
         try:
             if impl == "vllm":
                 port = _common.free_port()
@@ -144,13 +145,13 @@ class System:
                 self.procs.append(frontend)
                 self.url = frontend.wait_line("READY").split()[1]
                 self.front = {"frontend": frontend.pid, "worker main": worker.pid,
-                              **({"encoder main": self.procs[1].pid} if encoder_args is not None else {})}
+                              **({"encoder main": encoder.pid} if encoder is not None else {})}
             self._wait_serving(ready_path, ready_body, ready_timeout, accept, timeout)
             self.engine = engine_of(self.procs[0].pid)  # {"engine core": pid, "model worker": pid}
             for pid in self.engine.values():  # every thread of the engine to core 0
                 pin_threads(pid, ENGINE_CORE)
-            if encoder_args is not None:
-                encoder_engine = engine_of(self.procs[1].pid)
+            if encoder is not None:
+                encoder_engine = engine_of(encoder.pid)
                 for pid in encoder_engine.values():
                     pin_threads(pid, FRONT_CORE)
                 self.engine.update({f"encoder's {name}": pid for name, pid in encoder_engine.items()})

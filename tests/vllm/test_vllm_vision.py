@@ -337,11 +337,11 @@ def test_kv_routing_sends_a_repeated_image_to_the_worker_holding_it(engine_pool,
 def test_an_encoder_worker_encodes_a_consumers_images_and_the_consumer_outlives_it(vision, engine_pool, tmp_path):
     """--vllm-native-encoder-worker stores each image's encoder output (vLLM's ECExampleConnector, a shared
     directory); a worker in --ec-consumer-mode has it encode a request's images and loads them: the same answer
-    as the aggregated worker's. With the encoder gone, the consumer encodes the images itself."""
+    as the aggregated worker's. When the encoder dies holding a request, the consumer encodes the images itself."""
     import hashlib
     from concurrent.futures import ThreadPoolExecutor
 
-    from tests.support.engines import VISION_ARGS, EngineSpec
+    from tests.support.engines import VISION_ARGS, EngineSpec, wait_until
 
     group = engine_pool.group("vision")
     store = tmp_path / "encoder-cache"
@@ -355,8 +355,13 @@ def test_an_encoder_worker_encodes_a_consumers_images_and_the_consumer_outlives_
         assert generate(vision, [data_url(teal)], worker=consumer) == generate(vision, [data_url(teal)])
         # the encoder's output, by the image's digest (the consumer's lookups make the folders, not the files)
         assert (store / hashlib.sha256(teal).hexdigest() / "encoder_cache.safetensors").is_file()
-        encoder.process.stop()
-        assert generate(vision, [data_url(olive)], worker=consumer) == generate(vision, [data_url(olive)])
+        # The encoder dies while it holds the consumer's next request: the consumer encodes the image itself.
+        with ThreadPoolExecutor(1) as pool, encoder.engine_frozen():
+            answer = pool.submit(generate, vision, [data_url(olive)], worker=consumer)
+            wait_until(lambda: metric_sum(encoder.metrics(), "dynamo_component_inflight_requests",
+                                          dynamo_endpoint="generate") > 0, "the encoder has the request")
+            encoder.kill()
+            assert answer.result(timeout=120) == generate(vision, [data_url(olive)])
         assert not (store / hashlib.sha256(olive).hexdigest() / "encoder_cache.safetensors").exists()
     finally:
         for engine in (consumer, encoder):
