@@ -8,6 +8,7 @@ system at a time.
     python bench/multimodal_bench.py --json mm.json --plot docs/images/multimodal-bench.png
     python bench/multimodal_bench.py --impl tandem --workloads repeated_c4 --duration 5
     python bench/multimodal_bench.py --encoder               # tandem as an encoder worker + a consumer worker
+    python bench/multimodal_bench.py --encoder --vision-tower 12:768   # ... with a vision tower that weighs
 
 Model: the tiny Idefics3 of tests/support/vision_model.py (random weights: a 2-layer Llama with SmolLM2's
 tokenizer, a 2-layer vision tower of 128 px images, 16 px patches, pixel shuffle 2), built once per run from
@@ -138,11 +139,13 @@ _decode = msgspec.json.Decoder(_Chunk).decode
 
 
 # -- model, images, texts --------------------------------------------------------------------------------
-def build_model(folder: str) -> str:
-    """The tiny Idefics3 in `folder`, built there unless it is already (a few seconds; fixed seed)."""
+def build_model(folder: str, vision_tower: str) -> str:
+    """The tiny Idefics3 in `folder` with a LAYERS:HIDDEN vision tower, built there unless it is already (a few
+    seconds; fixed seed)."""
     if not os.path.exists(os.path.join(folder, "model.safetensors")):
         print(f"building the tiny vision-language model in {folder}", file=sys.stderr, flush=True)
-        subprocess.run([sys.executable, "-m", "tests.support.vision_model", folder, model_path()],
+        subprocess.run([sys.executable, "-m", "tests.support.vision_model", folder, model_path(),
+                        "--vision-tower", vision_tower],
                        check=True, cwd=_common.REPO, timeout=600, stdout=subprocess.DEVNULL)
     return folder
 
@@ -495,6 +498,8 @@ def main() -> None:
                              "(default: built into a temporary folder, removed at the end)")
     parser.add_argument("--vllm-args", default="", metavar="FLAGS", help="extra flags for vLLM's server (diagnostics)")
     parser.add_argument("--tandem-args", default="", metavar="FLAGS", help="extra flags for tandem's worker (diagnostics)")
+    parser.add_argument("--vision-tower", default="2:64", metavar="LAYERS:HIDDEN",
+                        help="the model's vision tower: its layers and width (a bigger one weighs the encoder) [2:64]")
     parser.add_argument("--encoder", action="store_true",
                         help="tandem as an encoder worker (its engine on core 1) and a worker in --ec-consumer-mode "
                              "(vLLM's encoder-cache connector) instead of one aggregated worker")
@@ -513,7 +518,7 @@ def main() -> None:
     scratch = tempfile.mkdtemp(prefix="mmbench-")
     image_server = None
     try:
-        model = build_model(args.model_dir or os.path.join(scratch, "model"))
+        model = build_model(args.model_dir or os.path.join(scratch, "model"), args.vision_tower)
         t = time.monotonic()
         images = Images(args.images, os.path.join(scratch, "images"))
         texts = Texts(args.texts)

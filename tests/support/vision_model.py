@@ -8,12 +8,14 @@ patches) and a pixel shuffle of 2: each image is 16 `<image>` tokens wrapped in 
 and `<global-img>` (no image splitting, so the count does not depend on the image's size). The tokenizer is
 SmolLM2's with Idefics3's image tokens added; the chat template puts one `<image>` where each image part is.
 
-    python -m tests.support.vision_model OUT_FOLDER SMOLLM2_FOLDER
+    python -m tests.support.vision_model OUT_FOLDER SMOLLM2_FOLDER [--vision-tower LAYERS:HIDDEN]
+
+`--vision-tower` makes the vision tower bigger (its layers and width; the default is 2:64) for benchmarks where
+the encoder's cost should weigh; the image's tokens and the text side stay the same.
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 IMAGE_SIZE = 128
@@ -31,7 +33,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def build(out: Path, smollm2: Path) -> None:
+def build(out: Path, smollm2: Path, vision_layers: int = 2, vision_hidden: int = 64) -> None:
     import torch
     from transformers import (
         AutoTokenizer,
@@ -48,8 +50,9 @@ def build(out: Path, smollm2: Path) -> None:
                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                        tie_word_embeddings=True)
-    vision = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
-              "image_size": IMAGE_SIZE, "patch_size": PATCH_SIZE}
+    vision = {"hidden_size": vision_hidden, "intermediate_size": 2 * vision_hidden,
+              "num_hidden_layers": vision_layers, "num_attention_heads": 2, "image_size": IMAGE_SIZE,
+              "patch_size": PATCH_SIZE}
     config = Idefics3Config(vision_config=vision, text_config=text.to_dict(), scale_factor=SCALE_FACTOR,
                             image_token_id=tokenizer.convert_tokens_to_ids("<image>"), tie_word_embeddings=True)
     torch.manual_seed(0)
@@ -86,4 +89,12 @@ def build_text_side(out: Path, smollm2: Path) -> None:
 
 
 if __name__ == "__main__":
-    build(Path(sys.argv[1]), Path(sys.argv[2]))
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m tests.support.vision_model")
+    parser.add_argument("out", type=Path)
+    parser.add_argument("smollm2", type=Path)
+    parser.add_argument("--vision-tower", default="2:64", metavar="LAYERS:HIDDEN")
+    args = parser.parse_args()
+    layers, hidden = (int(part) for part in args.vision_tower.split(":"))
+    build(args.out, args.smollm2, layers, hidden)
