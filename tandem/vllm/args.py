@@ -24,7 +24,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, NoReturn, cast
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 from tandem.llm.model_card import ModelType
 from tandem.models.prepare import MODEL_NAME, PrepareError, is_default_model
@@ -37,6 +37,13 @@ from tandem.runtime.options import (
     add_options,
     add_runtime_args,
     apply_options,
+)
+from tandem.vllm.encoder_cache import (
+    EC_EXAMPLE_CONNECTOR,
+    ENCODER_COMPONENT,
+    ENCODER_OPTIONS,
+    check_encoder_cache,
+    ec_transfer_config,
 )
 from tandem.vllm.engine_args import CPU_BLOCK_SIZE, GPU_BLOCK_SIZE, apply_engine_defaults
 from tandem.worker.config import (
@@ -69,9 +76,6 @@ VALID_CONNECTORS = ("nixl", "lmcache", "null", "none")
 # Dynamo's KV block manager connector, understood and refused by name until tandem builds KVBM's tiers
 # (rather than accepted and the engine failing at start on a module that is not there).
 KVBM_CONNECTOR = "kvbm"
-# vLLM's encoder-cache connector that keeps each image's encoder output in a file under a shared directory.
-EC_EXAMPLE_CONNECTOR = "ECExampleConnector"
-ENCODER_COMPONENT = "encoder"  # where encoder workers serve, and their consumers find them
 CPU_BLOCK_MULTIPLE = 32  # vLLM's CPU attention backend takes only multiples of 32 tokens per block
 # On the CPU backend `gpu_memory_utilization` is the fraction of the NUMA node's memory given to the KV
 # cache. vLLM's default 0.92 is refused at start on the small shared machines tandem targets (the node
@@ -200,54 +204,12 @@ class Config:
         if self.enable_multimodal and (self.is_prefill_worker or self.is_decode_worker):
             raise ValueError("--enable-multimodal with --is-prefill-worker or --is-decode-worker: disaggregated "
                              "serving of images is not built yet in tandem; serve images from an aggregated worker")
-        self._validate_encoder_cache()
+        check_encoder_cache(self)
         if self.is_cpu and self.engine_args.enable_sleep_mode:
             raise ValueError(
                 "--enable-sleep-mode is not supported by vLLM's CPU backend; sleep/wake on CPU only "
                 "unregisters and re-registers the worker"
             )
-
-
-    def _validate_encoder_cache(self) -> None:
-        """The encoder-cache connector's roles: an encoder worker, or an aggregated worker in consumer mode."""
-        role = ("--vllm-native-encoder-worker" if self.vllm_native_encoder_worker
-                else "--ec-consumer-mode" if self.ec_consumer_mode else None)
-        if self.vllm_native_encoder_worker and self.ec_consumer_mode:
-            raise ValueError("--vllm-native-encoder-worker and --ec-consumer-mode: a worker is the encoder or "
-                             "its consumer, not both")
-        if role is None:
-            return
-        if not self.enable_multimodal:
-            raise ValueError(f"Use --enable-multimodal with {role}")
-        if self.embedding_worker or self.use_vllm_tokenizer:
-            raise ValueError(f"{role}: images are encoded for a generation worker with token input")
-        if self.engine_args.ec_transfer_config is not None:
-            raise ValueError(f"Cannot specify both --ec-transfer-config and {role} (which builds it)")
-        if self.ec_connector_backend == EC_EXAMPLE_CONNECTOR and not self.ec_storage_path:
-            raise ValueError(f"{role} with --ec-connector-backend {EC_EXAMPLE_CONNECTOR} needs --ec-storage-path "
-                             "(a directory the encoder and its consumers share)")
-        if self.ec_extra_config is not None:
-            try:
-                extra = json.loads(self.ec_extra_config)
-            except ValueError as e:
-                raise ValueError(f"--ec-extra-config is not JSON: {e}") from None
-            if not isinstance(extra, dict):
-                raise ValueError("--ec-extra-config must be a JSON object")
-
-    def ec_transfer_config(self) -> Any:
-        """vLLM's ECTransferConfig for this worker's role (None: no encoder cache)."""
-        if not (self.vllm_native_encoder_worker or self.ec_consumer_mode):
-            return None
-        from vllm.config import ECTransferConfig
-
-        extra = json.loads(self.ec_extra_config) if self.ec_extra_config else {}
-        if self.ec_storage_path:
-            extra["shared_storage_path"] = self.ec_storage_path
-        role: Literal["ec_producer", "ec_consumer"] = ("ec_producer" if self.vllm_native_encoder_worker
-                                                       else "ec_consumer")
-        return ECTransferConfig(ec_connector=self.ec_connector_backend, ec_role=role,
-                                engine_id=f"{self.namespace}.{self.component}.{role}",
-                                ec_connector_extra_config=extra)
 
 
 def _split_words(value: str) -> list[str]:
@@ -300,20 +262,6 @@ _DYNAMO_OPTIONS = (
     Option("enable_multimodal", ("--enable-multimodal",), ("DYN_VLLM_ENABLE_MULTIMODAL",),
            "take images with the token prompt (a vision-language model, aggregated)", kind=bool),
 )
-_ENCODER_OPTIONS = (
-    Option("vllm_native_encoder_worker", ("--vllm-native-encoder-worker",), ("DYN_VLLM_NATIVE_ENCODER_WORKER",),
-           "serve as an encoder (component encoder): run the vision encoder of each request's images and store "
-           "its output with vLLM's encoder-cache connector, for workers in --ec-consumer-mode", kind=bool),
-    Option("ec_connector_backend", ("--ec-connector-backend",), ("DYN_VLLM_EC_CONNECTOR_BACKEND",),
-           "vLLM's encoder-cache connector class", kind=str, metavar="CLASS"),
-    Option("ec_storage_path", ("--ec-storage-path",), ("DYN_VLLM_EC_STORAGE_PATH",),
-           "the directory the encoder and its consumers share (ECExampleConnector)", kind=str, metavar="DIR"),
-    Option("ec_extra_config", ("--ec-extra-config",), ("DYN_VLLM_EC_EXTRA_CONFIG",),
-           "JSON object merged into the connector's extra config", kind=str, metavar="JSON"),
-    Option("ec_consumer_mode", ("--ec-consumer-mode",), ("DYN_VLLM_EC_CONSUMER_MODE",),
-           "an aggregated worker that has each request's images encoded by an encoder worker and loads their "
-           "encoder output from the connector (it encodes them itself when no encoder can)", kind=bool),
-)
 _MEDIA_OPTIONS = (ALLOW_PRIVATE_MEDIA_URLS,)
 _CPU_OPTIONS = (
     Option("cpu_cores", ("--cpu-cores",), ("TANDEM_CPU_CORES",),
@@ -356,7 +304,7 @@ def build_dynamo_parser() -> argparse.ArgumentParser:
         "Dynamo vLLM Multimodal Role Options",
         "the encoder-cache connector's roles; the other encode / prefill / decode roles are not built yet in "
         "tandem: each is refused, naming it, with exit status 2")
-    add_options(mm, _ENCODER_OPTIONS, Config)
+    add_options(mm, ENCODER_OPTIONS, Config)
     for flag, env, takes_value in NOT_BUILT_FLAGS:
         if takes_value:
             mm.add_argument(flag, default=env_str(env), help=f"[env {env}]")
@@ -463,7 +411,7 @@ def build_config(argv: list[str] | None = None, *, is_cpu: bool | None = None, a
         connector=list(dyn.connector),
         is_cpu=is_cpu,
     )
-    apply_options(config, _DYNAMO_OPTIONS + _MEDIA_OPTIONS + _CPU_OPTIONS + _ENCODER_OPTIONS, dyn)
+    apply_options(config, _DYNAMO_OPTIONS + _MEDIA_OPTIONS + _CPU_OPTIONS + ENCODER_OPTIONS, dyn)
     config.namespace = config.runtime.namespace
     config.component = (ENCODER_COMPONENT if config.vllm_native_encoder_worker
                         else config.disaggregation_mode.default_component)
@@ -497,7 +445,7 @@ def build_config(argv: list[str] | None = None, *, is_cpu: bool | None = None, a
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     config.engine_args = AsyncEngineArgs.from_cli_args(ns)
-    config.engine_args.ec_transfer_config = config.ec_transfer_config() or config.engine_args.ec_transfer_config
+    config.engine_args.ec_transfer_config = ec_transfer_config(config) or config.engine_args.ec_transfer_config
 
     apply_engine_defaults(config)
     if apply_env:

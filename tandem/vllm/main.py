@@ -19,10 +19,11 @@ from tandem.models.resolve import loaded_model_folder
 from tandem.router.protocols import KV_METRICS_TOPIC
 from tandem.runtime import DistributedRuntime, configure_logging, run
 from tandem.runtime.config import ConfigError
-from tandem.vllm.args import ENCODER_COMPONENT, Config, dump_config, parse_args
+from tandem.vllm.args import Config, dump_config, parse_args
 from tandem.vllm.bos_token import bos_token_id_of
 from tandem.vllm.checkpoint_restore import get_checkpoint_config
 from tandem.vllm.encoder import Encoders, EncoderWorkerHandler
+from tandem.vllm.encoder_cache import ENCODER_COMPONENT
 from tandem.vllm.engine_monitor import VllmEngineMonitor
 from tandem.vllm.forward_pass import ForwardPasses, ForwardPassLoggerFactory, enable_iteration_details
 from tandem.vllm.handlers import DisaggMetrics, handler_class
