@@ -72,8 +72,14 @@ class ModelManager:
         self.changed = asyncio.Event()
 
     async def start(self) -> None:
+        """Follows the model cards; returns once the cards already registered are applied, so a frontend
+        (or a replica started again) does not answer 404 for models that are being served."""
         self._watch = await self.runtime.store.watch_prefix(self.prefix)
-        self._task = asyncio.create_task(self._follow(self._watch), name="model-watcher")
+        caught_up = asyncio.Event()
+        self._task = asyncio.create_task(self._follow(self._watch, caught_up), name="model-watcher")
+        waiting = asyncio.ensure_future(caught_up.wait())
+        await asyncio.wait({waiting, self._task}, return_when=asyncio.FIRST_COMPLETED)  # a failed watcher: no wait
+        waiting.cancel()
 
     async def close(self) -> None:
         if self._watch is not None:
@@ -98,7 +104,10 @@ class ModelManager:
         return client
 
     # -- events --------------------------------------------------------------------------------
-    async def _follow(self, watch: Watch) -> None:
+    async def _follow(self, watch: Watch, caught_up: asyncio.Event) -> None:
+        applied = 0
+        if not watch.replayed:
+            caught_up.set()
         async for event in watch:
             try:
                 if event.kind == "put":
@@ -110,6 +119,9 @@ class ModelManager:
             self.changed.set()
             if self._on_change is not None:
                 self._on_change()
+            applied += 1
+            if applied == watch.replayed:
+                caught_up.set()
 
     async def _on_put(self, key: str, value: bytes) -> None:
         try:

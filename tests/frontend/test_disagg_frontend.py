@@ -363,3 +363,26 @@ async def test_the_serving_workers_card_configures_the_model_whoever_registers_f
     assert await model_with(1, 1) is model
     assert model.card.runtime_config.total_kv_blocks == 500
     assert model.pipeline.migration_limit == 2
+
+
+async def test_a_started_manager_already_serves_the_models_registered_before_it(
+        runtimes: Any, namespace: str, smollm2: str) -> None:
+    """A frontend (or a replica started again) opens its port only after start(): the cards already in
+    discovery are applied by then, so its first request does not get a 404 for a served model."""
+    workers = Workers()
+    for component in ("backend", "other"):
+        runtime = await runtimes()
+        endpoint = runtime.namespace(namespace).component(component).endpoint("generate")
+        await endpoint.start_serving(workers.decode)
+        await register_model(endpoint, build_card(smollm2, "m", kv_cache_block_size=BLOCK))
+    manager = ModelManager(await runtimes(), namespace=namespace, build_pipeline=lambda model: ModelPipeline(
+        model, manager, router_mode=RouterMode.ROUND_ROBIN, migration_limit=0, migration_max_seq_len=None,
+        load=LoadMonitor(LoadThresholds()), metrics=FrontendMetrics(CollectorRegistry())))
+    await manager.start()
+    model = manager.get("m")
+    assert model is not None and len(model.instances) == 2
+    await manager.close()
+    empty = ModelManager(await runtimes(), namespace=f"{namespace}-empty")
+    await asyncio.wait_for(empty.start(), 5)  # nothing registered: nothing to wait for
+    assert empty.served() == []
+    await empty.close()

@@ -29,7 +29,8 @@ def new_lease_id() -> int:
 
 class Watch:
     """An async iterator of WatchEvents for one prefix. It first replays the current keys as `put`
-    events, then streams changes. `close()` ends it; iteration then stops."""
+    events, then streams changes. `close()` ends it; iteration then stops. `replayed` counts the keys the
+    replay held, so a reader can tell when it has caught up with the store."""
 
     def __init__(self, prefix: str, on_close: Callable[[Watch], None] | None = None) -> None:
         self.prefix = prefix
@@ -37,6 +38,12 @@ class Watch:
         self._loop = asyncio.get_running_loop()
         self._on_close = on_close
         self._closed = False
+        self.replayed = 0
+
+    def _replay(self, key: str, value: bytes) -> None:
+        """One current key, as a `put`, before any change is pushed."""
+        self.replayed += 1
+        self._push(WatchEvent("put", key, value))
 
     def _push(self, event: WatchEvent) -> None:
         """Thread-safe: backends may deliver from their own threads."""

@@ -260,7 +260,7 @@ class EtcdStore(KeyValueStore):
         watch = Watch(prefix, on_close=self._forget)
         known, revision = await self._range(prefix)
         for key, value in known.items():
-            watch._push(WatchEvent("put", key, value))
+            watch._replay(key, value)
         seen = _Seen(known, revision)
         self._watches[watch] = asyncio.create_task(self._follow(watch, seen), name=f"etcd-watch {prefix}")
         return watch

@@ -196,7 +196,7 @@ class FileStore(KeyValueStore):
                     value = _read(path)
                     if value is not None:
                         state[key] = (inode, size)
-                        watch._push(WatchEvent("put", key, value))
+                        watch._replay(key, value)
         self._watch_state[id(watch)] = state
         self._watches.append(watch)
         if self._poller is None or self._poller.done():

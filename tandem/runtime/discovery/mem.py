@@ -73,7 +73,7 @@ class MemoryStore(KeyValueStore):
         with self._table.lock:
             for key, value in self._table.values.items():
                 if key.startswith(prefix):
-                    watch._push(WatchEvent("put", key, value))
+                    watch._replay(key, value)
             self._table.watches.append(watch)
         self._watches.append(watch)
         return watch
