@@ -100,9 +100,11 @@ def _dead_peers_key(root: Path, ttl: float) -> Path:
     """A key of a peer that died just now: written with an expiry `ttl` from now, never touched again."""
     path = root / "v1" / "instances" / "ns%2Fc%2Fe%2Fdead"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(b"dead")
+    staged = root.parent / "dead-key"  # given its expiry before it appears: the reaper may run at any moment
+    staged.write_bytes(b"dead")
     now = time.time()
-    os.utime(path, (now, now + ttl))
+    os.utime(staged, (now, now + ttl))
+    os.replace(staged, path)
     return path
 
 
