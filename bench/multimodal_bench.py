@@ -39,6 +39,11 @@ and 4:
               (and the engines' image caches) should win here; without the shared lead-in the image and the
               template's header (22 tokens) would fill no whole 32-token block
     url       as light, the image by http://127.0.0.1 URL from the image server
+    recurring 4 images (data URLs) + 16 tokens of text, the images drawn at random (the same draws for both
+              systems) from a set of --recurring-images (256) that recur: more than the engine's own encoder
+              cache holds (max_num_batched_tokens = 2,048 embeddings, 128 images), so each image is encoded
+              again when it comes back unless something else keeps its encoder output (tandem's
+              --multimodal-embedding-cache-capacity-gb, given with --tandem-args)
 
 Images and texts come from pools that start again at each system's start, so both systems get the same requests
 in the same order; no image or text is sent twice in a system's run unless a pool runs out (said on stderr;
@@ -101,6 +106,7 @@ class Shape(NamedTuple):
     source: str  # "data": data URLs; "url": http://127.0.0.1 from the image server
     repeated: bool  # the same image in every request
     label: str
+    recurring: bool = False  # images drawn from the small recurring set
 
 
 SHAPES = {
@@ -108,6 +114,7 @@ SHAPES = {
     "heavy": Shape(4, 16, "data", False, "image-heavy: 4 images + 16 tok"),
     "repeated": Shape(1, 200, "data", True, f"repeated: same image + {LEAD_TOKENS} same + 120 new tok"),
     "url": Shape(1, 200, "url", False, "image-light by http URL"),
+    "recurring": Shape(4, 16, "data", False, "recurring: 4 of a recurring set of images + 16 tok", recurring=True),
 }
 
 
@@ -184,12 +191,16 @@ class Images:
     """The image pool: PNGs kept in memory (sent as data URLs) and written to `folder` (served by URL); plus a
     probe image per slot and the repeated workload's image, outside the pool."""
 
-    def __init__(self, count: int, folder: str) -> None:
+    def __init__(self, count: int, folder: str, recurring: int) -> None:
         self.folder = folder
         os.makedirs(folder, exist_ok=True)
         self.pngs: dict[str, bytes] = {}
         for i in range(count):
             self._add(str(i), make_png(i, SIZES[i % len(SIZES)]))
+        for i in range(recurring):
+            self._add(f"r{i}", make_png(3 * 10**6 + i, SIZES[i % len(SIZES)]))
+        draws = random.Random(7)
+        self.recurring = Pool("recurring draws", [f"r{draws.randrange(recurring)}" for _ in range(100_000)])
         for k in range(MAX_IMAGES):
             self._add(f"probe{k}", make_png(10**6 + k, SIZES[(k * 3 + 1) % len(SIZES)]))
         self._add("repeated", make_png(2 * 10**6, (224, 160)))
@@ -228,6 +239,8 @@ def request_body(shape: Shape, images: Images, texts: Texts, probe: bool = False
         names = ["repeated"]
     elif probe:
         names = [f"probe{k}" for k in range(shape.images)]
+    elif shape.recurring:
+        names = [images.recurring.take() for _ in range(shape.images)]
     else:
         names = [images.pool.take() for _ in range(shape.images)]
     text = texts.probes[new] if probe else texts.pools[new].take()
@@ -365,6 +378,7 @@ def workloads() -> list[tuple[str, int]]:
 def run_system(impl: str, model: str, images: Images, texts: Texts, image_server: Proc | None,
                args: argparse.Namespace) -> dict[str, Any]:
     images.pool.reset()
+    images.recurring.reset()
     texts.reset()
     extra = shlex.split(args.vllm_args if impl == "vllm" else args.tandem_args)
     probe = request_body(SHAPES["light"], images, texts, probe=True)
@@ -506,6 +520,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds a request may take")
     parser.add_argument("--images", type=int, default=4000,
                         help="distinct images in the pool (~60 KB each; a system's run takes ~3,300 at the defaults)")
+    parser.add_argument("--recurring-images", type=int, default=256,
+                        help="distinct images the recurring workload draws from")
     parser.add_argument("--texts", type=int, default=3000,
                         help="distinct texts of each length (a run takes up to ~1,100 of one length)")
     _serve_compare.add_quiet_args(parser)
@@ -520,7 +536,7 @@ def main() -> None:
     try:
         model = build_model(args.model_dir or os.path.join(scratch, "model"), args.vision_tower)
         t = time.monotonic()
-        images = Images(args.images, os.path.join(scratch, "images"))
+        images = Images(args.images, os.path.join(scratch, "images"), args.recurring_images)
         texts = Texts(args.texts)
         print(f"{args.images} images ({sum(map(len, images.pngs.values())) / len(images.pngs) / 1e3:.0f} KB on "
               f"average) and texts ready in {time.monotonic() - t:.0f} s", file=sys.stderr, flush=True)

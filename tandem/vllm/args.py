@@ -147,6 +147,7 @@ class Config:
     ec_storage_path: str | None = None
     ec_extra_config: str | None = None  # JSON object, merged into the connector's extra config
     ec_consumer_mode: bool = False
+    multimodal_embedding_cache_capacity_gb: float = 0.0  # host memory for recent images' encoder outputs
     # tandem
     allow_private_media_urls: bool = False  # fetch image URLs of private, loopback and link-local hosts
     cpu_cores: str | None = None  # cores this engine's threads bind to ("0", "2-3"); CPU only

@@ -1,5 +1,6 @@
 """The flags of vLLM's encoder-cache connector roles (an encoder worker, or an aggregated worker in consumer
-mode; see encoder.py), their checks, and the ECTransferConfig they build for the engine."""
+mode, see encoder.py; or a worker with the multimodal embedding cache, see embedding_cache.py), their checks,
+and the ECTransferConfig they build for the engine."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import json
 from typing import TYPE_CHECKING, Any, Literal
 
 from tandem.runtime.options import Option
+
+CAPACITY_KEY = "multimodal_embedding_cache_capacity_gb"  # the embedding cache's size in its extra config
 
 if TYPE_CHECKING:
     from tandem.vllm.args import Config
@@ -28,16 +31,24 @@ ENCODER_OPTIONS = (
     Option("ec_consumer_mode", ("--ec-consumer-mode",), ("DYN_VLLM_EC_CONSUMER_MODE",),
            "an aggregated worker that has each request's images encoded by an encoder worker and loads their "
            "encoder output from the connector (it encodes them itself when no encoder can)", kind=bool),
+    Option("multimodal_embedding_cache_capacity_gb", ("--multimodal-embedding-cache-capacity-gb",),
+           ("DYN_MULTIMODAL_EMBEDDING_CACHE_CAPACITY_GB",),
+           "host memory (GB) that keeps the encoder outputs of recent images, least recently used dropped "
+           "first, so an image seen again is not encoded again (0: off)", kind=float, minimum=0.0),
 )
 
 
 def check_encoder_cache(config: Config) -> None:
-    """The encoder-cache connector's roles: an encoder worker, or an aggregated worker in consumer mode."""
-    role = ("--vllm-native-encoder-worker" if config.vllm_native_encoder_worker
-            else "--ec-consumer-mode" if config.ec_consumer_mode else None)
-    if config.vllm_native_encoder_worker and config.ec_consumer_mode:
-        raise ValueError("--vllm-native-encoder-worker and --ec-consumer-mode: a worker is the encoder or "
-                         "its consumer, not both")
+    """The encoder-cache connector's roles: an encoder worker, an aggregated worker in consumer mode, or a
+    worker with the embedding cache (an engine has one connector)."""
+    roles = [flag for flag, on in (("--vllm-native-encoder-worker", config.vllm_native_encoder_worker),
+                                   ("--ec-consumer-mode", config.ec_consumer_mode),
+                                   ("--multimodal-embedding-cache-capacity-gb",
+                                    config.multimodal_embedding_cache_capacity_gb > 0)) if on]
+    if len(roles) > 1:
+        raise ValueError(f"{' and '.join(roles)}: each uses the engine's one encoder-cache connector; "
+                         "choose one")
+    role = roles[0] if roles else None
     if role is None:
         return
     if not config.enable_multimodal:
@@ -46,6 +57,14 @@ def check_encoder_cache(config: Config) -> None:
         raise ValueError(f"{role}: images are encoded for a generation worker with token input")
     if config.engine_args.ec_transfer_config is not None:
         raise ValueError(f"Cannot specify both --ec-transfer-config and {role} (which builds it)")
+    if config.multimodal_embedding_cache_capacity_gb > 0:
+        given = [flag for flag, value in (
+            ("--ec-connector-backend", config.ec_connector_backend != EC_EXAMPLE_CONNECTOR),
+            ("--ec-storage-path", config.ec_storage_path), ("--ec-extra-config", config.ec_extra_config)) if value]
+        if given:
+            raise ValueError(f"{', '.join(given)}: the embedding cache is its own connector, in host memory; these "
+                             "configure the encoder worker's connector")
+        return
     if config.ec_connector_backend == EC_EXAMPLE_CONNECTOR and not config.ec_storage_path:
         raise ValueError(f"{role} with --ec-connector-backend {EC_EXAMPLE_CONNECTOR} needs --ec-storage-path "
                          "(a directory the encoder and its consumers share)")
@@ -60,9 +79,16 @@ def check_encoder_cache(config: Config) -> None:
 
 def ec_transfer_config(config: Config) -> Any:
     """vLLM's ECTransferConfig for this worker's role (None: no encoder cache)."""
+    from vllm.config import ECTransferConfig
+
+    capacity = config.multimodal_embedding_cache_capacity_gb
+    if capacity > 0:
+        return ECTransferConfig(ec_connector="EmbeddingCacheConnector", ec_role="ec_both",
+                                ec_connector_module_path="tandem.vllm.embedding_cache",
+                                engine_id=f"{config.namespace}.{config.component}.embedding-cache",
+                                ec_connector_extra_config={CAPACITY_KEY: capacity})
     if not (config.vllm_native_encoder_worker or config.ec_consumer_mode):
         return None
-    from vllm.config import ECTransferConfig
 
     extra = json.loads(config.ec_extra_config) if config.ec_extra_config else {}
     if config.ec_storage_path:

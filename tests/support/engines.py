@@ -220,7 +220,7 @@ GROUPS: dict[str, tuple[EngineSpec, ...]] = {
     "disaggregated": (EngineSpec(("--is-prefill-worker",), 0, DISAGG_ARGS),
                       EngineSpec(("--is-decode-worker",), 1, DISAGG_ARGS)),
     "embedding": (EngineSpec((), 0, EMBEDDING_ARGS),),
-    "vision": (EngineSpec((), 0, VISION_ARGS),),
+    "vision": (EngineSpec(("--multimodal-embedding-cache-capacity-gb", "0.01"), 0, VISION_ARGS),),
 }
 GROUP_ENV: dict[str, Callable[[EnginePool], dict[str, str]]] = {
     # Adapters load from under DYN_LORA_PATH only; a fixed hash seed keeps vLLM's block hashes stable.

@@ -321,7 +321,7 @@ def test_the_encoder_cache_roles(monkeypatch: pytest.MonkeyPatch, tmp_path) -> N
     assert build("--enable-multimodal").engine_args.ec_transfer_config is None
     for argv, message in (
         (["--vllm-native-encoder-worker"], "^Use --enable-multimodal with --vllm-native-encoder-worker"),
-        (["--enable-multimodal", "--vllm-native-encoder-worker", "--ec-consumer-mode"], "not both"),
+        (["--enable-multimodal", "--vllm-native-encoder-worker", "--ec-consumer-mode"], "one encoder-cache connector"),
         (["--enable-multimodal", "--vllm-native-encoder-worker", "--ec-storage-path", ""], "needs --ec-storage-path"),
         (["--enable-multimodal", "--ec-consumer-mode", "--ec-extra-config", "[1]"], "a JSON object"),
         (["--enable-multimodal", "--ec-consumer-mode", "--ec-extra-config", "{"], "is not JSON"),
@@ -330,6 +330,36 @@ def test_the_encoder_cache_roles(monkeypatch: pytest.MonkeyPatch, tmp_path) -> N
     ):
         with pytest.raises(ValueError, match=message):
             build(*argv)
+
+
+def test_the_embedding_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--multimodal-embedding-cache-capacity-gb (or its variable) puts tandem's host-memory connector in the
+    ec_both role; 0 is off; it takes the engine's one connector, so the encoder roles are refused with it."""
+    cached = build("--enable-multimodal", "--multimodal-embedding-cache-capacity-gb", "0.5")
+    ec = cached.engine_args.ec_transfer_config
+    assert (ec.ec_connector, ec.ec_role, ec.ec_connector_module_path) == (
+        "EmbeddingCacheConnector", "ec_both", "tandem.vllm.embedding_cache")
+    assert ec.ec_connector_extra_config == {"multimodal_embedding_cache_capacity_gb": 0.5}
+    monkeypatch.setenv("DYN_MULTIMODAL_EMBEDDING_CACHE_CAPACITY_GB", "2")
+    assert build("--enable-multimodal").engine_args.ec_transfer_config.ec_connector_extra_config == {
+        "multimodal_embedding_cache_capacity_gb": 2.0}
+    monkeypatch.setenv("DYN_MULTIMODAL_EMBEDDING_CACHE_CAPACITY_GB", "0")
+    assert build("--enable-multimodal").engine_args.ec_transfer_config is None
+    monkeypatch.delenv("DYN_MULTIMODAL_EMBEDDING_CACHE_CAPACITY_GB")
+    size = ("--multimodal-embedding-cache-capacity-gb", "1")
+    for argv, message in (
+        ([*size], "^Use --enable-multimodal with --multimodal-embedding-cache-capacity-gb"),
+        (["--enable-multimodal", *size, "--ec-consumer-mode"], "one encoder-cache connector"),
+        (["--enable-multimodal", *size, "--vllm-native-encoder-worker"], "one encoder-cache connector"),
+        (["--enable-multimodal", *size, "--ec-storage-path", "/tmp"], "^--ec-storage-path: the embedding cache"),
+        (["--enable-multimodal", *size, "--ec-connector-backend", "X"], "^--ec-connector-backend: the embedding"),
+        (["--enable-multimodal", *size, "--ec-transfer-config", '{"ec_connector": "X", "ec_role": "ec_both"}'],
+         "Cannot specify both --ec-transfer-config and --multimodal-embedding-cache-capacity-gb"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            build(*argv)
+    with pytest.raises(ValueError, match="--multimodal-embedding-cache-capacity-gb must be >= 0"):
+        build("--enable-multimodal", "--multimodal-embedding-cache-capacity-gb", "-1")
 
 
 @pytest.mark.parametrize(("flag", "env", "takes_value"), NOT_BUILT_FLAGS)

