@@ -25,6 +25,7 @@ import aiohttp
 
 from tandem.launch.cores import format_cores
 from tandem.launch.local_planner import run_planner
+from tandem.launch.plan import ENGINES as WORKER_COMMANDS
 from tandem.launch.plan import Plan
 from tandem.launch.spec import ENGINES, RunSpec, SpecError, build_spec, load_file
 from tandem.launch.supervisor import Child, LogMux, Supervisor, describe_exit
@@ -64,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--decode-workers", type=int, metavar="D", help="decode workers (disaggregated; needs --prefill-workers)")
     what.add_argument("--encode-workers", type=int, metavar="E",
                       help="encoder workers running the vision encoder for the aggregated workers (vLLM's "
-                      "encoder-cache connector; with --workers, vLLM only)")
+                      "encoder-cache connector, or the mocker's simulation of it; with --workers)")
     what.add_argument("--router-mode", choices=ROUTER_MODES, metavar="MODE", help=f"the frontend's routing: {', '.join(ROUTER_MODES)} [round-robin]")
     what.add_argument("--http-port", type=int, metavar="PORT", help="frontend port; 0 = any free one [default 8000]")
     what.add_argument("--namespace", metavar="NS", help="discovery namespace [env DYN_NAMESPACE, default dynamo]")
@@ -202,7 +203,8 @@ async def run_deployment(spec: RunSpec, model_path: str, mux: LogMux | None = No
         discovery_dir = tempfile.mkdtemp(prefix="tandem-run-")
     # Encoders and their consumers share a directory of encoder outputs (this host's; on several hosts, give
     # every worker --ec-storage-path of a shared one).
-    ec_storage = tempfile.mkdtemp(prefix="tandem-encoder-cache-") if spec.group("encode") else ""
+    ec_storage = (tempfile.mkdtemp(prefix="tandem-encoder-cache-")
+                  if spec.group("encode") and WORKER_COMMANDS[spec.engine].encoder_storage else "")
     plan = Plan(spec, model_path, discovery_dir, ec_storage=ec_storage, warn=say)
     supervisor = Supervisor(plan, mux)
     stop = asyncio.Event()

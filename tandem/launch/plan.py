@@ -28,20 +28,21 @@ class WorkerCommand:
     role_flags: Mapping[str, tuple[str, ...]]
     cpu_cores_flag: bool = False  # vLLM pins its OpenMP threads itself and must be told the cores
     agg_defaults: tuple[str, ...] = ()  # flag and value(s) for aggregated workers, unless the user gives the flag
+    encoder_storage: bool = False  # encoders and their consumers share a directory of encoder outputs
 
 
 _ROLE_SWITCHES = {"agg": (), "prefill": ("--is-prefill-worker",), "decode": ("--is-decode-worker",),
                   "encode": ("--enable-multimodal", "--vllm-native-encoder-worker")}
-# With encode workers, the aggregated workers take images and load their encoder outputs (vLLM workers only).
+# With encode workers, the aggregated workers take images and have the encoders encode them.
 _CONSUMER_FLAGS = ("--enable-multimodal", "--ec-consumer-mode")
 EC_STORAGE_FLAG = "--ec-storage-path"
 ENGINES: dict[str, WorkerCommand] = {
     # An aggregated vLLM worker moves no KV cache: without `--connector none` it would still set up NIXL.
     "vllm": WorkerCommand("tandem.vllm", "--model", "--served-model-name", _ROLE_SWITCHES, cpu_cores_flag=True,
-                          agg_defaults=("--connector", "none")),
+                          agg_defaults=("--connector", "none"), encoder_storage=True),
     "mocker": WorkerCommand("tandem.mocker", "--model-path", "--model-name",
                             {"agg": (), "prefill": ("--disaggregation-mode", "prefill"),
-                             "decode": ("--disaggregation-mode", "decode")}),
+                             "decode": ("--disaggregation-mode", "decode"), "encode": _ROLE_SWITCHES["encode"]}),
 }
 
 
@@ -144,7 +145,8 @@ class Plan:
             argv += engine.agg_defaults
         if group.role == "agg" and self.spec.group("encode"):
             argv += _CONSUMER_FLAGS
-        if group.role in ("agg", "encode") and self.spec.group("encode") and not _has_flag(group.args, EC_STORAGE_FLAG):
+        if (group.role in ("agg", "encode") and self.spec.group("encode") and engine.encoder_storage
+                and not _has_flag(group.args, EC_STORAGE_FLAG)):
             argv += [EC_STORAGE_FLAG, self.ec_storage]
         env = {**self.common_env, "DYN_VLLM_KV_EVENT_PORT": str(self.kv_event_port(slot))}
         if self.spec.system_port_base is not None:

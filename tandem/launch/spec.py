@@ -94,9 +94,6 @@ class RunSpec:
             if "agg" not in roles:
                 raise SpecError("encode workers encode the images of aggregated workers: add --workers N "
                                 "(prefill and decode workers for images are not built yet)")
-            if self.engine != "vllm":
-                raise SpecError(f"encode workers are vLLM workers (vLLM's encoder-cache connector); the "
-                                f"{self.engine} has none")
         if self.no_frontend:
             if self.discovery_backend == "file" and not env_str("DYN_FILE_KV"):
                 raise SpecError("--no-frontend: workers without a frontend join another deployment through its "

@@ -39,6 +39,7 @@ from tandem.worker.config import (
     check_durable_kv_events,
     parser_options,
 )
+from tandem.worker.encoders import ENCODER_COMPONENT
 from tandem.worker.images import SimulatedImages, add_image_args, simulated_images
 
 DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1,
@@ -74,6 +75,8 @@ class MockerConfig:
     dyn_tool_call_parser: str | None = None  # put in the card: the frontend parses the (synthetic) output with them
     dyn_reasoning_parser: str | None = None
     images: SimulatedImages | None = None
+    encoder: bool = False  # --vllm-native-encoder-worker: encodes the images of consumers' requests
+    ec_consumer: bool = False  # --ec-consumer-mode: has encoder workers encode its requests' images
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
     @property
@@ -177,6 +180,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="KV bytes per token [from config.json: layers*2*kv_heads*head_dim*dtype bytes]")
     disagg.add_argument("--kv-cache-dtype", default="auto", help="dtype of the simulated KV cache [the model's]")
     add_image_args(parser, _DEFAULTS)
+    roles = parser.add_argument_group("encoder workers (as vLLM's encoder-cache connector roles, simulated)")
+    roles.add_argument("--vllm-native-encoder-worker", action="store_true",
+                       help="serve as an encoder (component encoder, no model registered): encode the images of the "
+                       "requests of workers in --ec-consumer-mode, one request at a time, in --image-encode-ms each")
+    roles.add_argument("--ec-consumer-mode", action="store_true",
+                       help="have an encoder worker encode each request's images (this engine then spends no "
+                       "encode time on them; it does when no encoder answers)")
     parser.add_argument("--extra-engine-args", default=None,
                         help="JSON file of engine options (e.g. {\"speedup_ratio\": 10}) for those not given as flags")
     add_runtime_args(parser)
@@ -247,7 +257,9 @@ def _config(args: argparse.Namespace) -> MockerConfig:
     runtime = RuntimeConfig.from_args(args)
     durable_kv_events = bool(DURABLE_KV_EVENTS.value(args, _DEFAULTS.durable_kv_events))
     check_durable_kv_events(durable_kv_events, runtime.event_plane)
-    endpoint = _ENDPOINT.value(args) or f"dyn://{runtime.namespace}.{mode.default_component}.generate"
+    _check_encoder_roles(args, images)
+    component = ENCODER_COMPONENT if args.vllm_native_encoder_worker else mode.default_component
+    endpoint = _ENDPOINT.value(args) or f"dyn://{runtime.namespace}.{component}.generate"
     namespace, component, endpoint_name = parse_endpoint_path(endpoint)
     return MockerConfig(
         model_path=model_path,
@@ -259,8 +271,19 @@ def _config(args: argparse.Namespace) -> MockerConfig:
         durable_kv_events=durable_kv_events,
         kv_bytes_per_token=int(kv_bytes), runtime=runtime.replace(namespace=namespace), engine=engine,
         dyn_tool_call_parser=tool_call_parser, dyn_reasoning_parser=reasoning_parser, model_type=model_type,
-        answer_tokens=args.answer_tokens, images=images, **options,  # type: ignore[arg-type]
+        answer_tokens=args.answer_tokens, images=images, encoder=args.vllm_native_encoder_worker,
+        ec_consumer=args.ec_consumer_mode, **options,  # type: ignore[arg-type]
     )
+
+
+def _check_encoder_roles(args: argparse.Namespace, images: SimulatedImages | None) -> None:
+    role = ("--vllm-native-encoder-worker" if args.vllm_native_encoder_worker
+            else "--ec-consumer-mode" if args.ec_consumer_mode else None)
+    if args.vllm_native_encoder_worker and args.ec_consumer_mode:
+        raise ValueError("--vllm-native-encoder-worker and --ec-consumer-mode: a worker is the encoder or its "
+                         "consumer, not both")
+    if role is not None and images is None:
+        raise ValueError(f"Use --enable-multimodal with {role}")
 
 
 def _images(args: argparse.Namespace, model_config: dict[str, object], mode: DisaggregationMode,

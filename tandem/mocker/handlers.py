@@ -23,6 +23,7 @@ from tandem.router.hashing import MediaSpan, request_seed
 from tandem.runtime import Context
 from tandem.runtime.errors import InvalidRequestError
 from tandem.worker.config import DisaggregationMode
+from tandem.worker.encoders import Encoders
 from tandem.worker.images import ImagePrompts
 from tandem.worker.synthetic import synthetic_embedding
 
@@ -36,6 +37,7 @@ class MockerHandler:
         self.tokens = tokens
         self.worker_id = worker_id
         self.images = ImagePrompts(config.images, "the mocker")
+        self.encoders: Encoders | None = None  # --ec-consumer-mode: encoder workers encode the images (set by main)
 
     async def generate(self, request: PreprocessedRequest, context: Context) -> AsyncIterator[LLMEngineOutput]:
         if request.priority:  # the client's 400, never a priority silently dropped
@@ -44,8 +46,9 @@ class MockerHandler:
         prompt, media = request.token_ids, list[MediaSpan]()
         if request.multi_modal_data is not None:
             prompt, media = await self.images.expand(request)
+        encoded = bool(media) and self.encoders is not None and await self.encoders.encode(request)
         try:
-            sim = self._sim_request(request, context.id(), prompt, media)
+            sim = self._sim_request(request, context.id(), prompt, media, encoded)
             engine = self._engine(request)
             logprobs = self._logprobs(request)
         except ValueError as e:
@@ -133,7 +136,8 @@ class MockerHandler:
         return self.engines[rank]
 
     def _sim_request(self, request: PreprocessedRequest, request_id: str, token_ids: list[int],
-                     media: list[MediaSpan]) -> SimRequest:
+                     media: list[MediaSpan], encoded: bool) -> SimRequest:
+        """`encoded`: an encoder worker encoded the images, so the engine does not spend their encode time."""
         if not token_ids:
             raise ValueError("the request has no prompt tokens")
         prompt_len = len(token_ids)
@@ -156,7 +160,7 @@ class MockerHandler:
             output_token=self.tokens.for_request(token_ids, request.sampling_options.seed),
             hash_seed=request_seed(None, salt),
             prefilled=self.config.disaggregation_mode is DisaggregationMode.DECODE and handed_over,
-            media=media, encode_ms=self.config.images.encode_ms if self.config.images else 0.0,
+            media=media, encode_ms=self.config.images.encode_ms if self.config.images and not encoded else 0.0,
         )
 
     def _limit(self, request: PreprocessedRequest, prompt_len: int) -> int:
@@ -189,3 +193,23 @@ class EmbeddingMocker(MockerHandler):
     """The mocker as an embedding model: `generate` takes an `EmbeddingRequest`."""
 
     generate = MockerHandler.embed  # type: ignore[assignment]
+
+
+class MockEncoder:
+    """The mocker as an encoder worker (--vllm-native-encoder-worker): it encodes one request's images at a
+    time, each in the simulated --image-encode-ms (at the speedup ratio), and answers once they are done. Its
+    consumers have already fetched and checked the images; it does not read them again."""
+
+    def __init__(self, config: MockerConfig) -> None:
+        assert config.images is not None  # checked with the flags
+        self.seconds_per_image = config.images.encode_ms / 1000 / config.speedup_ratio
+        self._busy = asyncio.Lock()  # one encoder engine: one batch of images at a time
+
+    async def generate(self, request: PreprocessedRequest, context: Context) -> AsyncIterator[LLMEngineOutput]:
+        media = request.multi_modal_data
+        if media is None or not media.image_url:
+            raise InvalidRequestError("multi_modal_data: an encoder worker takes requests with images")
+        async with self._busy:
+            await asyncio.sleep(len(media.image_url) * self.seconds_per_image)
+        yield LLMEngineOutput([], finish_reason=FinishReason.STOP,
+                              completion_usage=CompletionUsage.of(len(request.token_ids), 0))

@@ -23,13 +23,14 @@ from tandem.llm.model_card import ModelRuntimeConfig, ModelType, hidden_size_of
 from tandem.llm.tokenizer import Tokenizer
 from tandem.mocker.args import MockerConfig, parse_args
 from tandem.mocker.engine import MockEngine, SyntheticTokens
-from tandem.mocker.handlers import EmbeddingMocker, MockerHandler
+from tandem.mocker.handlers import EmbeddingMocker, MockEncoder, MockerHandler
 from tandem.mocker.perf_model import load_perf_model
 from tandem.mocker.scheduler import Scheduler, SchedulerLoad, StepResult
 from tandem.router.protocols import KV_EVENT_TOPIC, KV_METRICS_TOPIC
 from tandem.router.publisher import KvEventPublisher, SupportsPublish
 from tandem.runtime import DistributedRuntime, configure_logging, run
 from tandem.runtime.runtime import install_signal_handlers
+from tandem.worker.encoders import Encoders, serve_encoder
 from tandem.worker.forward_pass import ForwardPassRecorder
 from tandem.worker.harness import WorkerSpec, serve_worker
 from tandem.worker.load import KvMetricsStatLogger
@@ -97,8 +98,11 @@ class EngineReports:
 
 
 async def start_worker(config: MockerConfig, runtime: DistributedRuntime, tokenizer: Tokenizer) -> list[MockEngine]:
-    """One worker instance on `runtime`: a simulated engine per data-parallel rank."""
+    """One worker instance on `runtime`: a simulated engine per data-parallel rank (an encoder worker: none)."""
     component = runtime.namespace(config.namespace).component(config.component)
+    if config.encoder:
+        await serve_encoder(component, config.endpoint, MockEncoder(config).generate, config.served_model_name)
+        return []
     worker_id = runtime.instance_id
     engine_config = config.engine
     event_plane: SupportsPublish | None = None
@@ -139,6 +143,9 @@ async def start_worker(config: MockerConfig, runtime: DistributedRuntime, tokeni
     handler = (EmbeddingMocker if embedding else MockerHandler)(config, engines, SyntheticTokens(tokenizer, config.seed),
                                                                worker_id, embedding_size)
     runtime.add_shutdown_hook(handler.images.close)  # the image fetcher's connections
+    if config.ec_consumer and isinstance(handler, MockerHandler):
+        handler.encoders = Encoders(runtime, config.namespace)
+        runtime.add_shutdown_hook(handler.encoders.close)
     spec = WorkerSpec(
         config.model_path, config.served_model_name, config.disaggregation_mode, engine_config.block_size,
         config.migration_limit, context_length=config.context_length, model_type=config.model_type,

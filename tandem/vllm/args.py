@@ -40,7 +40,6 @@ from tandem.runtime.options import (
 )
 from tandem.vllm.encoder_cache import (
     EC_EXAMPLE_CONNECTOR,
-    ENCODER_COMPONENT,
     ENCODER_OPTIONS,
     check_encoder_cache,
     ec_transfer_config,
@@ -59,6 +58,7 @@ from tandem.worker.config import (
     check_parser_options,
     custom_template_path,
 )
+from tandem.worker.encoders import ENCODER_COMPONENT
 
 if TYPE_CHECKING:
     from vllm.engine.arg_utils import AsyncEngineArgs

@@ -7,10 +7,7 @@ stalls, its engine encodes the images itself (the connector finds nothing to loa
 
 from __future__ import annotations
 
-import asyncio
-import logging
 from collections.abc import AsyncIterator
-from typing import Any
 
 from vllm.sampling_params import SamplingParams
 
@@ -19,11 +16,6 @@ from tandem.runtime import Context
 from tandem.runtime.errors import InvalidRequestError
 from tandem.vllm.abort import abort_monitor
 from tandem.vllm.handlers import BaseWorkerHandler
-
-log = logging.getLogger(__name__)
-
-# An encoder slower than this is left to finish alone; the consumer encodes the images itself.
-ENCODE_TIMEOUT_S = 60.0
 
 
 class EncoderWorkerHandler(BaseWorkerHandler):
@@ -41,36 +33,3 @@ class EncoderWorkerHandler(BaseWorkerHandler):
                                                                       request_id)):
                 pass
         yield LLMEngineOutput([], finish_reason=FinishReason.STOP, completion_usage=CompletionUsage.of(prompt_len, 0))
-
-
-class Encoders:
-    """A consumer's way to its encoder workers (found in discovery under `component`, taken in turn)."""
-
-    def __init__(self, runtime: Any, namespace: str, component: str) -> None:
-        self._endpoint = runtime.namespace(namespace).component(component).endpoint("generate")
-        self._client: Any = None
-        self.encoded = self.fell_back = 0  # requests an encoder encoded, requests the engine encoded itself
-
-    async def encode(self, request: PreprocessedRequest) -> None:
-        """Have an encoder store the request's images' encoder outputs; on any failure, log it and return
-        (the engine then encodes them itself)."""
-        if self._client is None:
-            self._client = await self._endpoint.client()
-        try:
-            async with asyncio.timeout(ENCODE_TIMEOUT_S):
-                stream = await self._client.round_robin(request, Context())
-                async for item in stream:
-                    if isinstance(item, dict) and item.get("finish_reason") == "error":
-                        raise RuntimeError(item.get("error") or "the encoder failed")
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - whatever went wrong, the engine can still encode
-            self.fell_back += 1
-            log.warning("images not encoded by an encoder worker (%s: %s): this worker encodes them",
-                        type(e).__name__, e)
-            return
-        self.encoded += 1
-
-    async def close(self) -> None:
-        if self._client is not None:
-            await self._client.close()

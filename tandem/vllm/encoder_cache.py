@@ -16,7 +16,6 @@ if TYPE_CHECKING:
 
 # vLLM's encoder-cache connector that keeps each image's encoder output in a file under a shared directory.
 EC_EXAMPLE_CONNECTOR = "ECExampleConnector"
-ENCODER_COMPONENT = "encoder"  # where encoder workers serve, and their consumers find them
 
 ENCODER_OPTIONS = (
     Option("vllm_native_encoder_worker", ("--vllm-native-encoder-worker",), ("DYN_VLLM_NATIVE_ENCODER_WORKER",),

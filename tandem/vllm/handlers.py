@@ -176,7 +176,7 @@ class BaseWorkerHandler:
         self.pending_prompts = pending_prompts or PendingPrompts()  # this engine's prefill queue, in tokens
         self._images: ImageLoader | None = None  # made on the first request with images
         # --ec-consumer-mode: has an encoder worker store a request's images' encoder outputs (set by main)
-        self.encode_images: Callable[[PreprocessedRequest], Awaitable[None]] | None = None
+        self.encode_images: Callable[[PreprocessedRequest], Awaitable[bool]] | None = None
         self.on_sleep: Callable[[], Awaitable[None]] | None = None  # leave / rejoin discovery, set by main
         self.on_wake: Callable[[], Awaitable[None]] | None = None
 

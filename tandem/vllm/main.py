@@ -22,13 +22,13 @@ from tandem.runtime.config import ConfigError
 from tandem.vllm.args import Config, dump_config, parse_args
 from tandem.vllm.bos_token import bos_token_id_of
 from tandem.vllm.checkpoint_restore import get_checkpoint_config
-from tandem.vllm.encoder import Encoders, EncoderWorkerHandler
-from tandem.vllm.encoder_cache import ENCODER_COMPONENT
+from tandem.vllm.encoder import EncoderWorkerHandler
 from tandem.vllm.engine_monitor import VllmEngineMonitor
 from tandem.vllm.forward_pass import ForwardPasses, ForwardPassLoggerFactory, enable_iteration_details
 from tandem.vllm.handlers import DisaggMetrics, handler_class
 from tandem.vllm.lifeline import mark_owner
 from tandem.vllm.publisher import StatLoggerFactory
+from tandem.worker.encoders import Encoders, serve_encoder
 from tandem.worker.harness import ServedWorker, WorkerSpec, serve_worker
 
 log = logging.getLogger("tandem.vllm")
@@ -158,7 +158,7 @@ async def _serve(config: Config, runtime: DistributedRuntime, shutdown_event: as
         runtime.add_shutdown_hook(abort_in_flight)
         runtime.add_shutdown_hook(handler.close_images)  # the image fetcher's connections
         if config.ec_consumer_mode:
-            encoders = Encoders(runtime, config.namespace, ENCODER_COMPONENT)
+            encoders = Encoders(runtime, config.namespace)
             handler.encode_images = encoders.encode
             runtime.add_shutdown_hook(encoders.close)
         monitor = VllmEngineMonitor(runtime, engine, shutdown_event)
@@ -176,7 +176,7 @@ async def _serve(config: Config, runtime: DistributedRuntime, shutdown_event: as
         runtime.register_engine_route("wake_up", handler.wake_up)
 
         if config.vllm_native_encoder_worker:
-            await _serve_encoder(component, handler, config)
+            await serve_encoder(component, config.endpoint, handler.generate, config.served_model_name)
             await runtime.wait_closed()
             await monitor.stop()
             return 0
@@ -229,18 +229,6 @@ async def _serve(config: Config, runtime: DistributedRuntime, shutdown_event: as
         return 0
     finally:
         engine.shutdown()
-
-
-async def _serve_encoder(component: Any, handler: Any, config: Config) -> None:
-    """An encoder worker serves its endpoint but registers no model: clients reach it through the consumers,
-    which find it in discovery under its component."""
-    from tandem.llm.protocols import PreprocessedRequest
-
-    served = await component.endpoint(config.endpoint).start_serving(
-        handler.generate, request_type=PreprocessedRequest, metrics_labels={"model": config.served_model_name})
-    component.runtime.set_ready()
-    log.info("encoding images of %s as dyn://%s", config.served_model_name, served.path)
-    print(f"READY {component.runtime.instance_id:x} {served.path}", flush=True)  # for launchers and tests
 
 
 def _embedding_config(model_config: Any, embedding: bool) -> dict[str, Any]:

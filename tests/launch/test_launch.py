@@ -89,7 +89,6 @@ def test_disaggregated_from_flags_and_from_file() -> None:
     ({}, {"workers": [{"role": "mixed"}]}, "workers[0].role: expected one of agg, prefill, decode, encode"),
     ({"prefill_workers": 1, "decode_workers": 1, "encode_workers": 1}, None,
      "encode workers encode the images of aggregated workers: add --workers N"),
-    ({"engine": "mocker", "encode_workers": 1}, None, "encode workers are vLLM workers"),
     ({"encode_workers": 0}, None, "--encode-workers: expected an integer >= 1"),
     ({}, {"workers": [{"role": "agg"}, {"role": "decode"}]}, "cannot be mixed"),
     ({}, {"workers": [{"cores": "0;x"}]}, "workers[0].cores"),
@@ -211,6 +210,13 @@ def test_encode_workers_and_their_consumers() -> None:
     assert argv.count("--ec-storage-path") == 1 and argv[-1] == "/shared"
     plain = spec_of({"workers": 2})
     assert "--ec-consumer-mode" not in plan_of(plain).worker(plain.workers[0], 0, 0).argv
+    # The mocker's encoders simulate the encoding: no directory to share.
+    mocked = spec_of({"engine": "mocker", "encode_workers": 1})
+    plan = Plan(mocked, "/m", "/tmp/kv", environ={}, cores=[0, 1], ec_storage="")
+    worker, encoder = plan.worker(mocked.workers[0], 0, 0), plan.worker(mocked.workers[1], 0, 1)
+    assert worker.argv[-2:] == ("--enable-multimodal", "--ec-consumer-mode")
+    assert encoder.argv[-2:] == ("--enable-multimodal", "--vllm-native-encoder-worker")
+    assert "--ec-storage-path" not in worker.argv + encoder.argv
 
 
 def test_served_name(tmp_path: Path) -> None:

@@ -123,3 +123,41 @@ def test_images_to_a_mocker_without_enable_multimodal_are_refused(tmp_path: Path
         assert r.status_code == 400 and "does not take images" in r.json()["error"]["message"], r.text
     finally:
         deployment.stop()
+
+
+def test_an_encoder_worker_encodes_a_consumers_images_until_it_dies(tmp_path: Path, vlm_folder: str) -> None:
+    """--vllm-native-encoder-worker: a mocker that encodes the images of a --ec-consumer-mode mocker's requests;
+    the consumer's engine then spends no encode time on them. With the encoder gone, the consumer encodes them
+    itself (its timing model counts the encode time again) and the request is served all the same."""
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", vlm_folder, "--vllm-native-encoder-worker"])  # without --enable-multimodal
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", vlm_folder, "--enable-multimodal", "--vllm-native-encoder-worker",
+                    "--ec-consumer-mode"])
+    assert parse_args(["--model-path", vlm_folder, "--enable-multimodal", "--vllm-native-encoder-worker"]
+                      ).component == "encoder"
+    encode_ms = ["--image-encode-ms", "5000"]  # 100 ms at speedup 50: far above a request's other steps here
+    consumer_port, encoder_port = free_port(), free_port()
+    deployment = Deployment(tmp_path, vlm_folder, engine_module="tandem.mocker", engines=[], instances=0)
+    try:
+        deployment.add_engine(*MOCKER, *encode_ms, "--ec-consumer-mode", env={"DYN_SYSTEM_PORT": str(consumer_port)})
+        encoder = deployment.add_engine(*MOCKER, *encode_ms, "--vllm-native-encoder-worker",
+                                        env={"DYN_SYSTEM_PORT": str(encoder_port)})
+        deployment.wait_for_instances(1)
+
+        def simulated() -> float:
+            return metric_sum(httpx.get(f"http://127.0.0.1:{consumer_port}/metrics").text,
+                              "tandem_mocker_simulated_seconds_total")
+
+        def consumer_seconds(color: str) -> float:
+            before = simulated()
+            assert ask(deployment, png(color)).usage.completion_tokens == 2
+            return simulated() - before
+
+        served = served_counts([encoder_port])[0]
+        assert consumer_seconds("red") < 0.1
+        assert served_counts([encoder_port])[0] == served + 1
+        encoder.stop()
+        assert consumer_seconds("green") >= 0.1
+    finally:
+        deployment.stop()

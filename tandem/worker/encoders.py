@@ -1,0 +1,68 @@
+"""Encoder workers and their consumers, for every engine kind. An encoder worker serves the component
+`encoder` and registers no model: it runs the vision encoder of the images of the requests a consumer sends it
+and answers once they are done (where the outputs go is the engine's business: vLLM's encoder-cache connector,
+or nowhere in a simulation). A consumer (an aggregated worker in --ec-consumer-mode) sends each request with
+images to an encoder first and never depends on one: with none reachable, or one that fails or stalls, it
+encodes the images itself."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from tandem.llm.protocols import LLMEngineOutput, PreprocessedRequest
+from tandem.runtime import Context
+
+log = logging.getLogger(__name__)
+
+ENCODER_COMPONENT = "encoder"  # where encoder workers serve, and their consumers find them
+# An encoder slower than this is left to finish alone; the consumer encodes the images itself.
+ENCODE_TIMEOUT_S = 60.0
+
+
+class Encoders:
+    """A consumer's way to its encoder workers (found in discovery under `component`, taken in turn)."""
+
+    def __init__(self, runtime: Any, namespace: str, component: str = ENCODER_COMPONENT) -> None:
+        self._endpoint = runtime.namespace(namespace).component(component).endpoint("generate")
+        self._client: Any = None
+        self.encoded = self.fell_back = 0  # requests an encoder encoded, requests the engine encoded itself
+
+    async def encode(self, request: PreprocessedRequest) -> bool:
+        """Have an encoder encode the request's images: True once it has; on any failure, log it and return
+        False (the engine then encodes them itself)."""
+        if self._client is None:
+            self._client = await self._endpoint.client()
+        try:
+            async with asyncio.timeout(ENCODE_TIMEOUT_S):
+                stream = await self._client.round_robin(request, Context())
+                async for item in stream:
+                    if isinstance(item, dict) and item.get("finish_reason") == "error":
+                        raise RuntimeError(item.get("error") or "the encoder failed")
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever went wrong, the engine can still encode
+            self.fell_back += 1
+            log.warning("images not encoded by an encoder worker (%s: %s): this worker encodes them",
+                        type(e).__name__, e)
+            return False
+        self.encoded += 1
+        return True
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+
+
+async def serve_encoder(component: Any, endpoint: str,
+                        generate: Callable[[PreprocessedRequest, Context], AsyncIterator[LLMEngineOutput]],
+                        model_name: str) -> None:
+    """Serve an encoder worker's endpoint, registering no model (clients reach it through the consumers, which
+    find it in discovery under its component), and say READY."""
+    served = await component.endpoint(endpoint).start_serving(
+        generate, request_type=PreprocessedRequest, metrics_labels={"model": model_name})
+    component.runtime.set_ready()
+    log.info("encoding images of %s as dyn://%s", model_name, served.path)
+    print(f"READY {component.runtime.instance_id:x} {served.path}", flush=True)  # for launchers and tests
