@@ -2,11 +2,13 @@
 runs the vision encoder of a request's images, and its engine's connector stores each image's encoder output
 under the image's content digest. A worker in `--ec-consumer-mode` first has an encoder do that, then runs the
 request: its engine's connector finds the stored outputs by the same digests and loads them instead of running
-its own vision encoder. The consumer never depends on an encoder: with none reachable, or one that fails or
-stalls, its engine encodes the images itself (the connector finds nothing to load), so the answer is the same."""
+its own vision encoder; an image whose output is stored already goes to no encoder again. The consumer never
+depends on an encoder: with none reachable, or one that fails or stalls, its engine encodes the images itself
+(the connector finds nothing to load), so the answer is the same."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 
 from vllm.sampling_params import SamplingParams
@@ -16,6 +18,7 @@ from tandem.runtime import Context
 from tandem.runtime.errors import InvalidRequestError
 from tandem.vllm.abort import abort_monitor
 from tandem.vllm.handlers import BaseWorkerHandler
+from tandem.worker.encoders import Encoders
 
 
 class EncoderWorkerHandler(BaseWorkerHandler):
@@ -33,3 +36,21 @@ class EncoderWorkerHandler(BaseWorkerHandler):
                                                                       request_id)):
                 pass
         yield LLMEngineOutput([], finish_reason=FinishReason.STOP, completion_usage=CompletionUsage.of(prompt_len, 0))
+
+
+class StoredEncoderOutputs:
+    """A consumer's encoder outputs in the connector's storage: a request whose images all have their output
+    stored already (ECExampleConnector: `<storage>/<digest>/encoder_cache.safetensors`, named by the image's
+    content digest) is not sent to an encoder again; the engine loads them. Other connectors: always sent."""
+
+    def __init__(self, encoders: Encoders, storage: str | None) -> None:
+        self.encoders = encoders
+        self.storage = storage  # None: the connector's storage cannot be looked into
+        self.reused = 0  # requests whose images were all stored
+
+    async def encode(self, request: PreprocessedRequest, digests: list[str]) -> bool:
+        if self.storage is not None and all(
+                os.path.isfile(os.path.join(self.storage, digest, "encoder_cache.safetensors")) for digest in digests):
+            self.reused += 1
+            return True
+        return await self.encoders.encode(request)

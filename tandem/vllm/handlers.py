@@ -175,8 +175,9 @@ class BaseWorkerHandler:
         self.disagg_metrics = disagg_metrics
         self.pending_prompts = pending_prompts or PendingPrompts()  # this engine's prefill queue, in tokens
         self._images: ImageLoader | None = None  # made on the first request with images
-        # --ec-consumer-mode: has an encoder worker store a request's images' encoder outputs (set by main)
-        self.encode_images: Callable[[PreprocessedRequest], Awaitable[bool]] | None = None
+        # --ec-consumer-mode: has an encoder worker store the encoder outputs of a request's images, given with
+        # their content digests (set by main)
+        self.encode_images: Callable[[PreprocessedRequest, list[str]], Awaitable[bool]] | None = None
         self.on_sleep: Callable[[], Awaitable[None]] | None = None  # leave / rejoin discovery, set by main
         self.on_wake: Callable[[], Awaitable[None]] | None = None
 
@@ -251,13 +252,16 @@ class BaseWorkerHandler:
 
     async def _stream_tokens(
         self, request: PreprocessedRequest, context: Context, sampling: SamplingParams, *, prefill: bool,
-        remote_prefill: bool = False,
+        remote_prefill: bool = False, prepared: tuple[Any, int] | None = None,
     ) -> AsyncIterator[LLMEngineOutput]:
         """Run one request on the engine and yield its outputs, new tokens only. A `remote_prefill`
-        request's first output also reports its KV wait as `kv_transfer_ms`."""
+        request's first output also reports its KV wait as `kv_transfer_ms`. `prepared`: the prompt and its
+        length, already built."""
         media = request.multi_modal_data
         try:
-            if request.prompt_embeds is not None:
+            if prepared is not None:
+                prompt, prompt_len = prepared
+            elif request.prompt_embeds is not None:
                 # Loading a tensor of thousands of embeddings takes a while: not on the event loop.
                 prompt, prompt_len = await asyncio.to_thread(self._prompt, request)
             elif media is not None:
@@ -370,10 +374,19 @@ class DecodeWorkerHandler(BaseWorkerHandler):
             sampling.extra_args = {**(sampling.extra_args or {}), "kv_transfer_params": kv_params}
             if self.disagg_metrics is not None:
                 self.disagg_metrics.remote_prefills.inc()
+        prepared = None
         if self.encode_images is not None and request.multi_modal_data is not None:
-            await self.encode_images(request)
+            # The images are read first: their digests name the encoder outputs already stored.
+            try:
+                prepared = await self._multimodal_prompt(request, request.multi_modal_data)
+            except InvalidRequestError:
+                raise  # the client's 400
+            except Exception as e:
+                yield LLMEngineOutput.failed(f"Invalid prompt: {e}")
+                return
+            await self.encode_images(request, prepared[0]["multi_modal_uuids"]["image"])
         async for item in self._stream_tokens(request, context, sampling, prefill=False,
-                                              remote_prefill=kv_params is not None):
+                                              remote_prefill=kv_params is not None, prepared=prepared):
             yield item
 
 

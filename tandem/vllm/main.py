@@ -22,7 +22,8 @@ from tandem.runtime.config import ConfigError
 from tandem.vllm.args import Config, dump_config, parse_args
 from tandem.vllm.bos_token import bos_token_id_of
 from tandem.vllm.checkpoint_restore import get_checkpoint_config
-from tandem.vllm.encoder import EncoderWorkerHandler
+from tandem.vllm.encoder import EncoderWorkerHandler, StoredEncoderOutputs
+from tandem.vllm.encoder_cache import EC_EXAMPLE_CONNECTOR
 from tandem.vllm.engine_monitor import VllmEngineMonitor
 from tandem.vllm.forward_pass import ForwardPasses, ForwardPassLoggerFactory, enable_iteration_details
 from tandem.vllm.handlers import DisaggMetrics, handler_class
@@ -159,7 +160,9 @@ async def _serve(config: Config, runtime: DistributedRuntime, shutdown_event: as
         runtime.add_shutdown_hook(handler.close_images)  # the image fetcher's connections
         if config.ec_consumer_mode:
             encoders = Encoders(runtime, config.namespace)
-            handler.encode_images = encoders.encode
+            stored = StoredEncoderOutputs(encoders, config.ec_storage_path
+                                          if config.ec_connector_backend == EC_EXAMPLE_CONNECTOR else None)
+            handler.encode_images = stored.encode
             runtime.add_shutdown_hook(encoders.close)
         monitor = VllmEngineMonitor(runtime, engine, shutdown_event)
         monitor.start()

@@ -362,7 +362,8 @@ def test_kv_routing_sends_a_repeated_image_to_the_worker_holding_it(engine_pool,
 def test_an_encoder_worker_encodes_a_consumers_images_and_the_consumer_outlives_it(vision, engine_pool, tmp_path):
     """--vllm-native-encoder-worker stores each image's encoder output (vLLM's ECExampleConnector, a shared
     directory); a worker in --ec-consumer-mode has it encode a request's images and loads them: the same answer
-    as the aggregated worker's. When the encoder dies holding a request, the consumer encodes the images itself."""
+    as the aggregated worker's, and sends an image whose output is stored to no encoder again. When the encoder
+    dies holding a request, the consumer encodes the images itself."""
     import hashlib
     from concurrent.futures import ThreadPoolExecutor
 
@@ -380,6 +381,15 @@ def test_an_encoder_worker_encodes_a_consumers_images_and_the_consumer_outlives_
         assert generate(vision, [data_url(teal)], worker=consumer) == generate(vision, [data_url(teal)])
         # the encoder's output, by the image's digest (the consumer's lookups make the folders, not the files)
         assert (store / hashlib.sha256(teal).hexdigest() / "encoder_cache.safetensors").is_file()
+
+        def encoded() -> float:
+            return metric_sum(encoder.metrics(), "dynamo_component_requests_total", dynamo_endpoint="generate")
+
+        # Stored already: the image goes to no encoder again (a new cache salt: the engine needs the output).
+        served = encoded()
+        assert generate(vision, [data_url(teal)], worker=consumer, salt="again") == generate(
+            vision, [data_url(teal)], salt="again")
+        assert encoded() == served
         # The encoder dies while it holds the consumer's next request: the consumer encodes the image itself.
         with ThreadPoolExecutor(1) as pool, encoder.engine_frozen():
             answer = pool.submit(generate, vision, [data_url(olive)], worker=consumer)
