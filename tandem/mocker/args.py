@@ -39,7 +39,7 @@ from tandem.worker.config import (
     check_durable_kv_events,
     parser_options,
 )
-from tandem.worker.encoders import ENCODER_COMPONENT
+from tandem.worker.encoders import ENCODER_COMPONENT, chosen_role
 from tandem.worker.images import SimulatedImages, add_image_args, simulated_images
 
 DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1,
@@ -257,7 +257,9 @@ def _config(args: argparse.Namespace) -> MockerConfig:
     runtime = RuntimeConfig.from_args(args)
     durable_kv_events = bool(DURABLE_KV_EVENTS.value(args, _DEFAULTS.durable_kv_events))
     check_durable_kv_events(durable_kv_events, runtime.event_plane)
-    _check_encoder_roles(args, images)
+    chosen_role((("--vllm-native-encoder-worker", args.vllm_native_encoder_worker),
+                 ("--ec-consumer-mode", args.ec_consumer_mode)), images is not None,
+                "a worker is the encoder or its consumer, not both")
     component = ENCODER_COMPONENT if args.vllm_native_encoder_worker else mode.default_component
     endpoint = _ENDPOINT.value(args) or f"dyn://{runtime.namespace}.{component}.generate"
     namespace, component, endpoint_name = parse_endpoint_path(endpoint)
@@ -274,16 +276,6 @@ def _config(args: argparse.Namespace) -> MockerConfig:
         answer_tokens=args.answer_tokens, images=images, encoder=args.vllm_native_encoder_worker,
         ec_consumer=args.ec_consumer_mode, **options,  # type: ignore[arg-type]
     )
-
-
-def _check_encoder_roles(args: argparse.Namespace, images: SimulatedImages | None) -> None:
-    role = ("--vllm-native-encoder-worker" if args.vllm_native_encoder_worker
-            else "--ec-consumer-mode" if args.ec_consumer_mode else None)
-    if args.vllm_native_encoder_worker and args.ec_consumer_mode:
-        raise ValueError("--vllm-native-encoder-worker and --ec-consumer-mode: a worker is the encoder or its "
-                         "consumer, not both")
-    if role is not None and images is None:
-        raise ValueError(f"Use --enable-multimodal with {role}")
 
 
 def _images(args: argparse.Namespace, model_config: dict[str, object], mode: DisaggregationMode,

@@ -46,6 +46,10 @@ class EmbeddingCacheMetadata(ECConnectorMetadata):
 class EmbeddingCacheStats(ECConnectorStats):
     """Counts since the last report, and the bytes held when it was taken."""
 
+    def __post_init__(self) -> None:
+        for name in _COUNTS:
+            self.data.setdefault(name, 0)
+
     def reset(self) -> None:
         self.data = {name: 0 for name in _COUNTS}
 
@@ -98,7 +102,6 @@ class EmbeddingCacheConnector(ECConnectorBase):
         self._used = 0
         self._step = EmbeddingCacheMetadata()
         self._stats = EmbeddingCacheStats()
-        self._stats.reset()
         # worker side: identifier -> encoder output on the host
         self._store: dict[str, torch.Tensor] = {}
 
@@ -143,7 +146,6 @@ class EmbeddingCacheConnector(ECConnectorBase):
         if self._stats.is_empty():
             return None
         stats, self._stats = self._stats, EmbeddingCacheStats()
-        self._stats.reset()
         stats.data["bytes"] = self._used
         return stats
 

@@ -8,6 +8,7 @@ import json
 from typing import TYPE_CHECKING, Any, Literal
 
 from tandem.runtime.options import Option
+from tandem.worker.encoders import chosen_role
 
 CAPACITY_KEY = "multimodal_embedding_cache_capacity_gb"  # the embedding cache's size in its extra config
 
@@ -40,18 +41,12 @@ ENCODER_OPTIONS = (
 def check_encoder_cache(config: Config) -> None:
     """The encoder-cache connector's roles: an encoder worker, an aggregated worker in consumer mode, or a
     worker with the embedding cache (an engine has one connector)."""
-    roles = [flag for flag, on in (("--vllm-native-encoder-worker", config.vllm_native_encoder_worker),
-                                   ("--ec-consumer-mode", config.ec_consumer_mode),
-                                   ("--multimodal-embedding-cache-capacity-gb",
-                                    config.multimodal_embedding_cache_capacity_gb > 0)) if on]
-    if len(roles) > 1:
-        raise ValueError(f"{' and '.join(roles)}: each uses the engine's one encoder-cache connector; "
-                         "choose one")
-    role = roles[0] if roles else None
+    role = chosen_role((("--vllm-native-encoder-worker", config.vllm_native_encoder_worker),
+                        ("--ec-consumer-mode", config.ec_consumer_mode),
+                        ("--multimodal-embedding-cache-capacity-gb", config.multimodal_embedding_cache_capacity_gb > 0)),
+                       config.enable_multimodal, "each uses the engine's one encoder-cache connector; choose one")
     if role is None:
         return
-    if not config.enable_multimodal:
-        raise ValueError(f"Use --enable-multimodal with {role}")
     if config.embedding_worker or config.use_vllm_tokenizer:
         raise ValueError(f"{role}: images are encoded for a generation worker with token input")
     if config.engine_args.ec_transfer_config is not None:

@@ -252,16 +252,13 @@ class BaseWorkerHandler:
 
     async def _stream_tokens(
         self, request: PreprocessedRequest, context: Context, sampling: SamplingParams, *, prefill: bool,
-        remote_prefill: bool = False, prepared: tuple[Any, int] | None = None,
+        remote_prefill: bool = False,
     ) -> AsyncIterator[LLMEngineOutput]:
         """Run one request on the engine and yield its outputs, new tokens only. A `remote_prefill`
-        request's first output also reports its KV wait as `kv_transfer_ms`. `prepared`: the prompt and its
-        length, already built."""
+        request's first output also reports its KV wait as `kv_transfer_ms`."""
         media = request.multi_modal_data
         try:
-            if prepared is not None:
-                prompt, prompt_len = prepared
-            elif request.prompt_embeds is not None:
+            if request.prompt_embeds is not None:
                 # Loading a tensor of thousands of embeddings takes a while: not on the event loop.
                 prompt, prompt_len = await asyncio.to_thread(self._prompt, request)
             elif media is not None:
@@ -273,6 +270,9 @@ class BaseWorkerHandler:
         except Exception as e:
             yield LLMEngineOutput.failed(f"Invalid prompt: {e}")
             return
+        if self.encode_images is not None and media is not None:
+            # The images are read by now: their digests name the encoder outputs already stored.
+            await self.encode_images(request, prompt["multi_modal_uuids"]["image"])
         try:
             lora_request = self._lora_request(request)
         except LookupError as e:  # a prefill worker's failure makes the frontend prefill on the decode worker
@@ -374,19 +374,8 @@ class DecodeWorkerHandler(BaseWorkerHandler):
             sampling.extra_args = {**(sampling.extra_args or {}), "kv_transfer_params": kv_params}
             if self.disagg_metrics is not None:
                 self.disagg_metrics.remote_prefills.inc()
-        prepared = None
-        if self.encode_images is not None and request.multi_modal_data is not None:
-            # The images are read first: their digests name the encoder outputs already stored.
-            try:
-                prepared = await self._multimodal_prompt(request, request.multi_modal_data)
-            except InvalidRequestError:
-                raise  # the client's 400
-            except Exception as e:
-                yield LLMEngineOutput.failed(f"Invalid prompt: {e}")
-                return
-            await self.encode_images(request, prepared[0]["multi_modal_uuids"]["image"])
         async for item in self._stream_tokens(request, context, sampling, prefill=False,
-                                              remote_prefill=kv_params is not None, prepared=prepared):
+                                              remote_prefill=kv_params is not None):
             yield item
 
 

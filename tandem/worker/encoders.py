@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from tandem.llm.protocols import LLMEngineOutput, PreprocessedRequest
@@ -20,6 +20,17 @@ log = logging.getLogger(__name__)
 ENCODER_COMPONENT = "encoder"  # where encoder workers serve, and their consumers find them
 # An encoder slower than this is left to finish alone; the consumer encodes the images itself.
 ENCODE_TIMEOUT_S = 60.0
+
+
+def chosen_role(roles: Sequence[tuple[str, bool]], multimodal: bool, why: str) -> str | None:
+    """The one role flag given among `roles` ((flag, given) pairs), None for none; ValueError for two (`why`
+    says why not) or for one without --enable-multimodal."""
+    given = [flag for flag, on in roles if on]
+    if len(given) > 1:
+        raise ValueError(f"{' and '.join(given)}: {why}")
+    if given and not multimodal:
+        raise ValueError(f"Use --enable-multimodal with {given[0]}")
+    return given[0] if given else None
 
 
 class Encoders:
