@@ -24,6 +24,8 @@ from collections import OrderedDict
 
 from tokenizers import Tokenizer as _HFTokenizer
 
+from tandem.llm.piece_encoder import PieceEncoder
+
 # Text that stresses the boundary rule: runs of mixed whitespace, punctuation, digits, contractions,
 # non-Latin scripts, emoji, and text glued to special tokens.
 _SELF_CHECK_UNITS = (
@@ -94,8 +96,11 @@ class ChunkedEncoder:
         self.enabled: bool | None = None if _uses_safe_pre_tokenizer(tokenizer) else False
         self.hits = 0
         self.misses = 0
+        self._pieces = PieceEncoder.for_tokenizer(tokenizer)
 
     def _encode_many(self, texts: list[str]) -> list[list[int]]:
+        if self._pieces is not None:
+            return [self._pieces.encode(text) for text in texts]
         # encode_batch_fast skips offsets: the same ids for about half the memory.
         fast = getattr(self._tok, "encode_batch_fast", None) or self._tok.encode_batch
         return [e.ids for e in fast(texts, add_special_tokens=False)]

@@ -19,6 +19,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders as _decoders
 
 from tandem.llm.chunked_encoder import ChunkedEncoder, TooManyTokens
+from tandem.llm.piece_encoder import BYTE_LEVEL_ALPHABET
 
 # tokenizers >= 0.21 has a Rust DecodeStream (seedable with prompt ids since 0.22); else PyDecodeStream.
 _NativeDecodeStream: Any = getattr(_decoders, "DecodeStream", None)
@@ -35,24 +36,8 @@ class TokenizerError(ValueError):
     """The model folder has no usable tokenizer."""
 
 
-def _bytes_to_unicode() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, inverted: printable stand-in character -> the byte it encodes."""
-    bs = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
-
-
-_BYTE_DECODER = _bytes_to_unicode()
+# GPT-2's byte-level alphabet, inverted: printable stand-in character -> the byte it encodes.
+_BYTE_DECODER = {c: b for b, c in BYTE_LEVEL_ALPHABET.items()}
 
 
 def _read_json(path: str) -> dict[str, Any]:
