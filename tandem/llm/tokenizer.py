@@ -118,6 +118,9 @@ class Tokenizer:
                 types = set()
         self._byte_level = "ByteLevel" in types
         self._byte_fallback = "ByteFallback" in types
+        # A decoder that is byte-level alone: streams decode in Python from each token's bytes.
+        self._byte_level_pieces: ByteLevelPieces | None = (
+            ByteLevelPieces(tokenizer, self.special_token_ids) if types == {"ByteLevel"} else None)
         self._text_cache: dict[int, str] = {}
         self._bytes_cache: dict[int, list[int]] = {}
         self._chunked = ChunkedEncoder(tokenizer)
@@ -257,20 +260,24 @@ class Tokenizer:
         seed: list[int] = list(prompt_ids[-SEED_TOKENS:]) if prompt_ids else []
         pending: list[int] = []
         skip = ""
+        pieces = self._byte_level_pieces
+        decode = self._tok.decode if pieces is None else pieces.decode
         if seed:
             # A prompt given as token ids may end inside a character. Its last, incomplete tokens are
             # stepped through the stream (so the generated token that completes the character emits
             # it), and the complete text they also hold, which belongs to the prompt, is cut off the
             # first emitted piece.
-            full = self._tok.decode(seed, skip_special_tokens=skip_special_tokens)
+            full = decode(seed, skip_special_tokens=skip_special_tokens)
             if full.endswith(REPLACEMENT_CHAR):
                 for cut in range(1, min(4, len(seed)) + 1):
-                    head = self._tok.decode(seed[:-cut], skip_special_tokens=skip_special_tokens)
+                    head = decode(seed[:-cut], skip_special_tokens=skip_special_tokens)
                     if not head.endswith(REPLACEMENT_CHAR):
                         pending = seed[-cut:]
                         seed = seed[:-cut]
                         skip = full[len(head) :].rstrip(REPLACEMENT_CHAR) if full.startswith(head) else ""
                         break
+        if pieces is not None:
+            return ByteLevelStream(pieces, pending, skip, skip_special_tokens)
         if _NativeDecodeStream is not None:
             return _NativeStream(self._tok, seed, pending, skip, skip_special_tokens)
         return PyDecodeStream(self._tok, seed, pending, skip, skip_special_tokens)
@@ -327,6 +334,72 @@ class _NativeStream(DecodeStream):
         if self._skip:
             return self._cut_skip(piece)
         return piece
+
+
+class ByteLevelPieces:
+    """What a byte-level decoder makes of each token: its bytes (the byte-level alphabet mapped back, or the
+    UTF-8 of a token holding other characters, as `tokenizers`' ByteLevel decoder does), and its text when
+    those bytes are whole characters by themselves. Shared by a tokenizer's streams, filled as tokens come."""
+
+    def __init__(self, tokenizer: _HFTokenizer, special_ids: frozenset[int]) -> None:
+        self._tok = tokenizer
+        self.special_ids = special_ids
+        self.whole: dict[int, str] = {}  # token -> its text, for tokens whose bytes are whole characters
+        self._bytes: dict[int, bytes] = {}
+
+    def token_bytes(self, token_id: int) -> bytes:
+        cached = self._bytes.get(token_id)
+        if cached is None:
+            piece = self._tok.id_to_token(token_id)
+            if piece is None:
+                cached = b""  # `tokenizers` drops ids it does not know
+            else:
+                try:
+                    cached = bytes([_BYTE_DECODER[c] for c in piece])
+                except KeyError:
+                    cached = piece.encode("utf-8")
+            self._bytes[token_id] = cached
+        return cached
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        special = self.special_ids if skip_special_tokens else frozenset()
+        return b"".join(self.token_bytes(i) for i in ids if i not in special).decode("utf-8", "replace")
+
+
+class ByteLevelStream(DecodeStream):
+    """Incremental decoding for byte-level decoders, in Python: the bytes held since the last text, decoded
+    once they end in a whole character (the text `tokenizers`' DecodeStream gives, without a call into it
+    per token); a token that is whole characters by itself is one dict lookup."""
+
+    __slots__ = ("_pieces", "_whole", "_skipped", "_pending")
+
+    def __init__(self, pieces: ByteLevelPieces, pending: list[int], skip: str, skip_special_tokens: bool) -> None:
+        super().__init__()
+        self._pieces = pieces
+        self._whole = pieces.whole
+        self._skipped = pieces.special_ids if skip_special_tokens else frozenset()
+        self._pending = b""
+        for token_id in pending:
+            self.step(token_id)
+        self._skip = skip
+
+    def step(self, token_id: int) -> str:
+        if not self._pending:
+            text = self._whole.get(token_id)
+            if text is not None and token_id not in self._skipped:
+                return self._cut_skip(text) if self._skip else text
+        if token_id in self._skipped:
+            return ""
+        data = self._pieces.token_bytes(token_id)
+        pending = self._pending + data if self._pending else data
+        text = pending.decode("utf-8", "replace")
+        if not text or text.endswith(REPLACEMENT_CHAR):
+            self._pending = pending
+            return ""
+        if not self._pending:
+            self._whole[token_id] = text
+        self._pending = b""
+        return self._cut_skip(text) if self._skip else text
 
 
 class PyDecodeStream(DecodeStream):

@@ -8,11 +8,13 @@ import shutil
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
 from tandem.llm import tokenizer as tokenizer_module
-from tandem.llm.tokenizer import PyDecodeStream, Tokenizer, TokenizerError
+from tandem.llm.tokenizer import ByteLevelPieces, ByteLevelStream, PyDecodeStream, Tokenizer, TokenizerError
 
 MULTIBYTE_TEXTS = [
     " Héllo 😀 世界! naïve café 🎉🎉 ok",
@@ -127,9 +129,12 @@ def test_token_text_and_bytes(tok: Tokenizer) -> None:
 # --- incremental detokenization ------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["native", "python"])
-def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run with tokenizers' DecodeStream and with the Python fallback (vLLM's algorithm)."""
+@pytest.fixture(params=["bytelevel", "native", "python"])
+def impl(request: pytest.FixtureRequest, tok: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run with the byte-level streams (SmolLM2's decoder), tokenizers' DecodeStream and the Python fallback
+    (vLLM's algorithm)."""
+    if request.param != "bytelevel":
+        monkeypatch.setattr(tok, "_byte_level_pieces", None)
     if request.param == "python":
         monkeypatch.setattr(tokenizer_module, "_NativeDecodeStream", None)
     return str(request.param)
@@ -144,6 +149,7 @@ def test_decode_stream_multibyte(tok: Tokenizer, impl: str) -> None:
         for seed in (prompt, None, []):
             stream = tok.decode_stream(seed)
             assert isinstance(stream, PyDecodeStream) == (impl == "python")
+            assert isinstance(stream, ByteLevelStream) == (impl == "bytelevel")
             pieces = [stream.step(i) for i in ids]
             assert not any("\ufffd" in p for p in pieces), pieces
             assert "".join(pieces) == tok.decode(ids)
@@ -188,6 +194,14 @@ def test_decode_stream_long_prompt_is_cheap(tok: Tokenizer, monkeypatch: pytest.
     would cost O(prompt) per request)."""
     import tandem.llm.tokenizer as module
 
+    pieces = tok._byte_level_pieces
+    assert pieces is not None
+    decoded: list[int] = []
+    monkeypatch.setattr(pieces, "decode", lambda ids, **kw: decoded.append(len(ids)) or ByteLevelPieces.decode(pieces, ids, **kw))
+    prompt = tok.encode("The quick brown fox jumps over the lazy dog. " * 2000)
+    assert tok.decode_stream(prompt).step(tok.encode(" Yes")[0]) == " Yes"
+    assert decoded and max(decoded) <= module.SEED_TOKENS
+    monkeypatch.setattr(tok, "_byte_level_pieces", None)  # the native and Python streams
     seeds: list[int] = []
     native = module._NativeDecodeStream
     if native is not None:
@@ -254,7 +268,8 @@ def test_decode_stream_random_token_soup(tok: Tokenizer, impl: str) -> None:
         assert rest == emitted or rest.endswith("\ufffd")
 
 
-def test_native_stream_error_restarts(tok: Tokenizer) -> None:
+def test_native_stream_error_restarts(tok: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tok, "_byte_level_pieces", None)
     stream = tok.decode_stream([1])
     if isinstance(stream, PyDecodeStream):
         pytest.skip("tokenizers has no DecodeStream")
@@ -266,3 +281,27 @@ def test_native_stream_error_restarts(tok: Tokenizer) -> None:
     stream._stream = Broken()  # type: ignore[attr-defined]
     assert stream.step(100) == ""
     assert stream.step(tok.encode(" ok")[0]) == " ok"
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_byte_level_stream_equals_tokenizers_decode_stream(tok: Tokenizer, data: st.DataObject) -> None:
+    """Any ids (parts of characters in any order, special tokens, ids past the vocabulary), any prompt end, with
+    and without skipping special tokens: the same pieces as tokenizers' own DecodeStream."""
+    native = tokenizer_module._NativeDecodeStream
+    if native is None:
+        pytest.skip("tokenizers without DecodeStream")
+    partial = [i for i in range(tok.vocab_size) if "\ufffd" in tok.token_text(i)][:200]
+    ids_of = st.one_of(st.sampled_from(partial), st.integers(0, 40), st.integers(0, tok.vocab_size + 5),
+                       st.sampled_from(tok.encode("a😀b 世界 naïve")))
+    seed = data.draw(st.lists(ids_of, max_size=8))
+    ids = data.draw(st.lists(ids_of, max_size=40))
+    skip = data.draw(st.booleans())
+    ours = tok.decode_stream(seed, skip_special_tokens=skip)
+    assert isinstance(ours, ByteLevelStream)
+    tok._byte_level_pieces, pieces = None, tok._byte_level_pieces
+    try:
+        theirs = tok.decode_stream(seed, skip_special_tokens=skip)
+    finally:
+        tok._byte_level_pieces = pieces
+    assert [ours.step(i) for i in ids] == [theirs.step(i) for i in ids]
