@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -89,7 +89,9 @@ class Tracked:
         self.endpoint = endpoint
         self.request_type = "stream" if stream else "unary"
         self.generation = generation  # it makes tokens: queued until its first, and its TTFT and ITL observed
-        self.request_id = uuid.uuid4().hex  # never the client's x-request-id: two clients may send the same one
+        # 128 random bits like a UUID4's (a fifth of its cost); never the client's x-request-id: two clients may send
+        # the same one
+        self.request_id = os.urandom(16).hex()
         self.context = Context(self.request_id)
         self.attempt = Attempt()
         self.outcome = Outcome()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import uuid
+import os
 from collections.abc import Callable
 
 
@@ -18,7 +18,7 @@ class Context:
     __slots__ = ("_id", "_stopped", "_killed", "_stop_event", "_children", "_callbacks", "metadata")
 
     def __init__(self, request_id: str | None = None) -> None:
-        self._id = request_id or uuid.uuid4().hex
+        self._id = request_id or os.urandom(16).hex()
         self._stopped = False
         self._killed = False
         self._stop_event: asyncio.Event | None = None

@@ -410,6 +410,27 @@ async def test_frame_reader_handles_byte_by_byte_input():
     assert frames == [(framed.DATA, 5, b"hello"), (framed.END, 5, b"")]
 
 
+async def test_frame_reader_gives_the_same_frames_however_the_reads_are_cut():
+    """Reads ending anywhere (inside a header, a payload, an oversized payload being skipped, or exactly on a
+    frame's end): the frames of the whole stream, each once, and nothing held back after the last."""
+    import random
+
+    big = 100
+    frames = [(framed.DATA, 1, b"x" * 7), (framed.DATA, 2, b""), (framed.DATA, 3, b"y" * big), (framed.END, 1, b""),
+              (framed.DATA, 4, b"z" * 50), (framed.DATA, 5, bytes(range(40)))]
+    data = b"".join(tcp._frame(*f) for f in frames)
+    expected = [f if len(f[2]) <= 64 else (f[0], f[1], len(f[2])) for f in frames]
+    rng = random.Random(7)
+    for _ in range(300):
+        reader = tcp._FrameReader(64, framed.SERVER_KINDS)
+        cuts = sorted(rng.sample(range(1, len(data)), rng.randint(0, 12)))
+        got = []
+        for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True):
+            got += reader.feed(data[a:b])
+        assert got == expected, cuts
+        assert not reader.buf and not reader.skip
+
+
 async def test_context_killed_before_the_request_kills_it_on_arrival(runtimes, namespace):
     async def forever(request, context):
         while not context.is_killed():

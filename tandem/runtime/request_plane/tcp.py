@@ -89,8 +89,12 @@ class _FrameReader:
     def feed(self, data: bytes) -> list[tuple[int, int, bytes | int]]:
         """Frames completed by `data`: (kind, stream id, payload), or (kind, stream id, size) for an
         oversized frame whose payload was dropped. Raises ValueError on an unknown frame kind."""
-        buf = self.buf
-        buf += data
+        # The usual read holds whole frames and nothing is buffered: the payloads are sliced straight out of it.
+        held = self.buf
+        buffered = bool(held)
+        if buffered:
+            held += data
+        buf: bytes | bytearray = held if buffered else data
         frames: list[tuple[int, int, bytes | int]] = []
         pos = 0
         end = len(buf)
@@ -114,10 +118,12 @@ class _FrameReader:
             if end - pos - HEADER_SIZE < length:
                 break
             start = pos + HEADER_SIZE
-            frames.append((kind, stream_id, bytes(buf[start : start + length])))
             pos = start + length
-        if pos:
-            del buf[:pos]
+            frames.append((kind, stream_id, bytes(buf[start:pos])))
+        if buffered:
+            del held[:pos]
+        elif pos < end:
+            held += memoryview(data)[pos:]
         return frames
 
 

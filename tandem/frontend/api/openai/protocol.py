@@ -90,6 +90,9 @@ def _json_schema(value: dict[str, Any] | str, param: str) -> Any:
 
 def _guided(raw: GenerationBody) -> GuidedDecoding | None:
     """The one guided-decoding mode the request asks for (several at once is an error)."""
+    if (raw.response_format is None and raw.structured_outputs is None and raw.guided_json is None
+            and raw.guided_regex is None and raw.guided_choice is None and raw.guided_grammar is None):
+        return None  # the usual request: no mode asked for
     modes: list[tuple[str, GuidedDecoding]] = []
     rf = raw.response_format
     if rf is not None:
