@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from multidict import CIMultiDict, CIMultiDictProxy
+
 from tandem.frontend.protocol.errors import fail
 from tandem.frontend.requests import AnyRequest
 from tandem.llm.protocols import RoutingHints
@@ -61,7 +63,9 @@ def routing_hints(req: AnyRequest | None, headers: Mapping[str, str] | None = No
     hints: dict[str, Any] = {name: getattr(req.ext, name) for name in _NVEXT_HINTS} if req is not None else {}
     if req is not None and req.ext.agent_context is not None:
         hints["session_id"] = _session_id(req.ext.agent_context.session_id, "nvext.agent_context.session_id")
-    lower = {k.lower(): v for k, v in headers.items()} if headers else {}
+    # An HTTP request's headers match names in any case already; other mappings are lowered once.
+    lower = headers if isinstance(headers, CIMultiDictProxy | CIMultiDict) else {
+        k.lower(): v for k, v in (headers or {}).items()}
     if lower:
         key = next((k for k in SESSION_HEADERS if k in lower), None)
         if key is not None and lower[key]:

@@ -91,8 +91,8 @@ class OutputProcessor:
         sc = stop_conditions
         self._tok = tokenizer
         self._step = tokenizer.decode_stream(prompt_ids, bool(output.skip_special_tokens)).step
-        matcher = StopStringMatcher(sc.stop or [], bool(sampling.include_stop_str_in_output))
-        self._matcher: StopStringMatcher | None = matcher if matcher.stops else None
+        matcher = StopStringMatcher(sc.stop, bool(sampling.include_stop_str_in_output)) if sc.stop else None
+        self._matcher: StopStringMatcher | None = matcher if matcher is not None and matcher.stops else None
         self._hidden: frozenset[int] = (
             frozenset() if sc.ignore_eos else frozenset(sc.stop_token_ids_hidden or ())
         )
