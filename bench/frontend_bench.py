@@ -5,6 +5,7 @@ tandem's frontend + its test engine against Dynamo 1.6.1's frontend + its mocker
     python bench/frontend_bench.py --dynamo-python PATH  # Python with ai-dynamo + ai-dynamo-runtime 1.6.1
     python bench/frontend_bench.py --impl tandem --profile prof.out   # cProfile tandem's frontend
     python bench/frontend_bench.py --impl tandem --baseline-tree WORKTREE  # vs tandem at another commit
+    python bench/frontend_bench.py --impl tandem --baseline-tree WORKTREE --paired 8  # CPU per request, paired
 
 `bash bench/setup_baselines.sh` creates the Dynamo venv at .bench/dynamo-venv. Both deployments
 use file discovery and the TCP request plane; the frontend is pinned to core 0, the engine and the
@@ -19,6 +20,10 @@ Per implementation and run:
   * RSS (the frontend's process tree) idle after warm-up, and its peak while --streams streams are
     open at once against a slow engine (tandem: --delay-ms 50 per token; Dynamo: the mocker at
     --speedup-ratio 0.4, ~43 ms per token at that batch), each streaming --stream-tokens tokens.
+With --paired N, the frontends' CPU per request is compared in N rounds during which both deployments (tandem and
+--baseline-tree, or tandem and Dynamo) serve the same load at the same time, both frontends on core 0: a change in
+the host's speed (which moves single runs by a third here) hits both alike, so the ratio of each round resolves ~2%
+where sequential runs spread ±20%.
 The load generator ACKs at once (TCP_QUICKACK): Dynamo's HTTP listener leaves Nagle on, so with
 Linux's delayed ACKs every keep-alive request through it waits ~40 ms; one row shows that case.
 The medians of --repeat runs (tandem and Dynamo interleaved) are reported; on a shared machine a
@@ -396,6 +401,74 @@ ROWS = [  # key, label, better: "low" / "high" / None
 ]
 
 
+PAIRED_LEVELS = ((64, 32), (1, 1))  # (concurrency, max_tokens)
+
+
+def run_paired(args: argparse.Namespace, other: str) -> dict[str, float]:
+    """Tandem and `other` ("base" or "dynamo") up at once, frontends on core 0; each round puts the same load
+    on both at the same time. Per level: each side's median CPU per request and the rounds' ratios."""
+    import uvloop
+
+    deployments: list[tuple[Proc, Proc, str]] = []
+    dirs = []
+    try:
+        for impl in ("tandem", other):
+            kv = tempfile.mkdtemp(prefix=f"fbench-paired-{impl}-")
+            dirs.append(kv)
+            os.makedirs(os.path.join(kv, "logs"))
+            python = args.dynamo_python if impl == "dynamo" else sys.executable
+            env = file_discovery_env(kv, NAMESPACE, args.baseline_tree if impl == "base" else REPO)
+            deployments.append(start_deployment(impl, python, env, os.path.join(kv, "logs"), False, None))
+        os.sched_setaffinity(0, {ENGINE_CORE})
+
+        async def together(concurrency: int, seconds: float, max_tokens: int) -> list[dict[str, float]]:
+            return list(await asyncio.gather(*(load(url, concurrency, seconds, max_tokens, frontend.pid, engine.pid)
+                                               for engine, frontend, url in deployments)))
+
+        uvloop.run(together(16, 2.0, 32))  # warm up
+        result: dict[str, float] = {}
+        for concurrency, max_tokens in PAIRED_LEVELS:
+            level = f"c{concurrency}" + ("_1tok" if max_tokens == 1 else "")
+            ratios, ours, theirs = [], [], []
+            for round_ in range(args.paired):
+                mine, base = uvloop.run(together(concurrency, args.duration, max_tokens))
+                ours.append(mine["frontend_cpu_us_per_req"])
+                theirs.append(base["frontend_cpu_us_per_req"])
+                ratios.append(ours[-1] / theirs[-1])
+                print(f"  {level} round {round_ + 1}: tandem {ours[-1]:.0f} µs, {other} {theirs[-1]:.0f} µs per request, "
+                      f"ratio {ratios[-1]:.3f}", file=sys.stderr, flush=True)
+            result.update({f"cpu_us_{level}_tandem": statistics.median(ours), f"cpu_us_{level}_{other}":
+                           statistics.median(theirs), f"ratio_{level}": statistics.median(ratios),
+                           f"ratio_{level}_min": min(ratios), f"ratio_{level}_max": max(ratios)})
+        return result
+    except BaseException:
+        for _, frontend, _ in deployments:
+            print(f"--- {frontend.name} log ---\n{frontend.tail()}", file=sys.stderr)
+        raise
+    finally:
+        for engine, frontend, _ in deployments:
+            frontend.stop()
+            engine.stop()
+        for kv in dirs:
+            shutil.rmtree(kv, ignore_errors=True)
+
+
+def paired_report(args: argparse.Namespace, impls: list[str]) -> None:
+    for other in (impl for impl in impls if impl != "tandem"):
+        _wait_quiet(args.max_others)
+        r = run_paired(args, other)
+        print(f"\nfrontend CPU per request, tandem and {other} serving the same load at the same time, {args.paired} "
+              f"rounds of {args.duration:g} s per level (medians; the ratio is the median of the rounds' ratios):\n")
+        print(f"| level | tandem (µs) | {other} (µs) | tandem / {other} | rounds' ratios |")
+        print("|---|---|---|---|---|")
+        for concurrency, max_tokens in PAIRED_LEVELS:
+            level = f"c{concurrency}" + ("_1tok" if max_tokens == 1 else "")
+            print(f"| c={concurrency}, max_tokens {max_tokens} | {r[f'cpu_us_{level}_tandem']:,.0f} | "
+                  f"{r[f'cpu_us_{level}_{other}']:,.0f} | {r[f'ratio_{level}']:.3f} | "
+                  f"{r[f'ratio_{level}_min']:.3f}-{r[f'ratio_{level}_max']:.3f} |")
+        print("\n" + json.dumps({other: r}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--role", choices=["orchestrate", "client", "direct"], default="orchestrate")
@@ -410,6 +483,9 @@ def main() -> None:
     parser.add_argument("--max-others", type=float, default=15.0,
                         help="discard a run if other processes used more than this %% of a core meanwhile")
     parser.add_argument("--attempts", type=int, default=4, help="runs tried per reported run")
+    parser.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
+                        help="instead of the full benchmark: the frontends' CPU per request with both deployments "
+                        "serving the same load at once, this many rounds per level")
     parser.add_argument("--profile", default=None, help="(tandem) write a cProfile of the frontend to this file")
     parser.add_argument("--dynamo-python", default=os.path.join(REPO, ".bench", "dynamo-venv", "bin", "python"))
     parser.add_argument("--token-ids", default="[]", help=argparse.SUPPRESS)
@@ -433,6 +509,9 @@ def main() -> None:
             impls.append("dynamo")
         else:
             print(f"(no Dynamo baseline: {args.dynamo_python} lacks ai-dynamo; run bash bench/setup_baselines.sh)")
+    if args.paired:
+        paired_report(args, impls)
+        return
     all_runs: dict[str, list[dict[str, float]]] = {impl: [] for impl in impls}
     for _ in range(args.repeat):  # interleaved, so that a change in the machine's load hits both
         for impl in impls:

@@ -48,7 +48,7 @@ class FrontendServer:
     # -- app -----------------------------------------------------------------------------------
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.body_limit_bytes,
-                              middlewares=[self._errors, self._gate, self._auth])
+                              middlewares=[self._errors, self._admit])
         for mount in self.mounts:
             app.add_routes(mount.routes)
         app.add_routes([web.get("/health", self.health), web.get("/live", self.live),
@@ -104,21 +104,19 @@ class FrontendServer:
             return self._error(request, RequestError("internal error while serving the request", status=500))
 
     @web.middleware
-    async def _gate(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        if self.draining and request.method == "POST" and request.path.startswith(_GUARDED):
-            error = RequestError("the server is shutting down; send the request to another frontend", status=503)
-            response = self._error(request, error)
-            response.headers["Connection"] = "close"
-            return response
-        return await handler(request)
-
-    @web.middleware
-    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        key = self.config.api_key
-        if key and request.path.startswith(_GUARDED):
+    async def _admit(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """Generation routes: refused while draining (503), and without the API key when one is set (401)."""
+        if request.path.startswith(_GUARDED):
+            if self.draining and request.method == "POST":
+                error = RequestError("the server is shutting down; send the request to another frontend", status=503)
+                response = self._error(request, error)
+                response.headers["Connection"] = "close"
+                return response
+            key = self.config.api_key
             headers = request.headers
             # Anthropic's clients send the key as x-api-key, OpenAI's as a bearer token: either will do.
-            if not (bearer_matches(headers.get("Authorization", ""), key) or key_matches(headers.get("x-api-key"), key)):
+            if key and not (bearer_matches(headers.get("Authorization", ""), key)
+                            or key_matches(headers.get("x-api-key"), key)):
                 return self._error(request, RequestError("Incorrect or missing API key", status=401,
                                                          type="invalid_request_error", code="invalid_api_key"))
         return await handler(request)
