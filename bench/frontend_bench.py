@@ -22,8 +22,9 @@ Per implementation and run:
     --speedup-ratio 0.4, ~43 ms per token at that batch), each streaming --stream-tokens tokens.
 With --paired N, the frontends' CPU per request is compared in N rounds during which both deployments (tandem and
 --baseline-tree, or tandem and Dynamo) serve the same load at the same time, both frontends on core 0: a change in
-the host's speed (which moves single runs by a third here) hits both alike, so the ratio of each round resolves ~2%
-where sequential runs spread ±20%.
+the host's speed (which moves single runs by a third here) hits both alike, so the rounds' ratios spread ~±2%
+where sequential runs spread ±20%. An A/A run (the same tree on both sides) reads 1.00-1.03: the first-started
+deployment (tandem's) pays up to 3% whichever load starts first, so the ratios err against this tree.
 The load generator ACKs at once (TCP_QUICKACK): Dynamo's HTTP listener leaves Nagle on, so with
 Linux's delayed ACKs every keep-alive request through it waits ~40 ms; one row shows that case.
 The medians of --repeat runs (tandem and Dynamo interleaved) are reported; on a shared machine a
@@ -421,9 +422,13 @@ def run_paired(args: argparse.Namespace, other: str) -> dict[str, float]:
             deployments.append(start_deployment(impl, python, env, os.path.join(kv, "logs"), False, None))
         os.sched_setaffinity(0, {ENGINE_CORE})
 
-        async def together(concurrency: int, seconds: float, max_tokens: int) -> list[dict[str, float]]:
-            return list(await asyncio.gather(*(load(url, concurrency, seconds, max_tokens, frontend.pid, engine.pid)
-                                               for engine, frontend, url in deployments)))
+        async def together(concurrency: int, seconds: float, max_tokens: int, flip: bool = False) -> list[dict[str, float]]:
+            """Both loads at once; `flip` starts the second deployment's first (rounds alternate, so that
+            neither side always goes first)."""
+            order = deployments[::-1] if flip else deployments
+            results = list(await asyncio.gather(*(load(url, concurrency, seconds, max_tokens, frontend.pid, engine.pid)
+                                                  for engine, frontend, url in order)))
+            return results[::-1] if flip else results
 
         uvloop.run(together(16, 2.0, 32))  # warm up
         result: dict[str, float] = {}
@@ -431,7 +436,7 @@ def run_paired(args: argparse.Namespace, other: str) -> dict[str, float]:
             level = f"c{concurrency}" + ("_1tok" if max_tokens == 1 else "")
             ratios, ours, theirs = [], [], []
             for round_ in range(args.paired):
-                mine, base = uvloop.run(together(concurrency, args.duration, max_tokens))
+                mine, base = uvloop.run(together(concurrency, args.duration, max_tokens, flip=bool(round_ % 2)))
                 ours.append(mine["frontend_cpu_us_per_req"])
                 theirs.append(base["frontend_cpu_us_per_req"])
                 ratios.append(ours[-1] / theirs[-1])

@@ -106,13 +106,13 @@ class FrontendServer:
     @web.middleware
     async def _admit(self, request: web.Request, handler: Any) -> web.StreamResponse:
         """Generation routes: refused while draining (503), and without the API key when one is set (401)."""
-        if request.path.startswith(_GUARDED):
+        key = self.config.api_key
+        if (self.draining or key) and request.path.startswith(_GUARDED):
             if self.draining and request.method == "POST":
                 error = RequestError("the server is shutting down; send the request to another frontend", status=503)
                 response = self._error(request, error)
                 response.headers["Connection"] = "close"
                 return response
-            key = self.config.api_key
             headers = request.headers
             # Anthropic's clients send the key as x-api-key, OpenAI's as a bearer token: either will do.
             if key and not (bearer_matches(headers.get("Authorization", ""), key)
