@@ -20,6 +20,7 @@ import re
 from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers import models
 
 # The byte-level pre-tokenizer's pattern ('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|
 # \s+(?!\S)|\s+) over ASCII: letters [A-Za-z], digits [0-9], and Unicode White_Space, which in ASCII is
@@ -94,10 +95,10 @@ class PieceEncoder:
         pre = _state(tokenizer.pre_tokenizer) if tokenizer.pre_tokenizer is not None else None
         if pre is not None and pre.get("type") == "Sequence" and len(pre.get("pretokenizers") or ()) == 1:
             pre = pre["pretokenizers"][0]
-        model = _state(tokenizer.model)
-        if (tokenizer.normalizer is not None or pre is None or model is None
+        model = tokenizer.model  # (its state would be the whole vocabulary as JSON: its attributes instead)
+        if (tokenizer.normalizer is not None or pre is None
                 or pre.get("type") != "ByteLevel" or pre.get("add_prefix_space") or not pre.get("use_regex", True)
-                or model.get("type") != "BPE" or model.get("dropout") is not None
+                or not isinstance(model, models.BPE) or model.dropout is not None
                 or getattr(tokenizer, "encode_special_tokens", False)):
             return None
         if any(t.lstrip or t.rstrip or t.single_word for t in tokenizer.get_added_tokens_decoder().values()):

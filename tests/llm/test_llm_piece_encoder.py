@@ -119,6 +119,12 @@ def test_other_shapes_are_left_to_tokenizers() -> None:
     stripping = _bpe(add_prefix_space=False)
     stripping.add_special_tokens([AddedToken("<x>", lstrip=True)])
     assert PieceEncoder.for_tokenizer(stripping) is None
+    dropout = HFTokenizer(models.BPE({"a": 0, "b": 1, "ab": 2}, [("a", "b")], dropout=0.5))
+    dropout.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    assert PieceEncoder.for_tokenizer(dropout) is None  # random merges: nothing to remember
+    wordlevel = HFTokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    wordlevel.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    assert PieceEncoder.for_tokenizer(wordlevel) is None
     metaspace = HFTokenizer(models.BPE({"a": 0, "▁": 1}, []))
     metaspace.pre_tokenizer = pre_tokenizers.Metaspace()
     assert PieceEncoder.for_tokenizer(metaspace) is None
