@@ -40,6 +40,9 @@ from tandem.runtime import Context, DistributedRuntime, RemoteError, StreamIncom
 log = logging.getLogger("tandem.frontend")
 
 SSE_BATCH = 16  # most SSE events held back for one write while the worker's outputs are already here
+# Loop turns a stream whose burst is already here lets pass after its first token: a new request needs a
+# few turns (its body, the worker's acceptance and first output, the write) before its own first token.
+FIRST_TOKEN_YIELDS = 3
 # (request id, the prepared request) -> the request's answer in its route's format
 AnswerFactory = Callable[[str, Prepared], Answer]
 ErrorShape = Callable[[RequestError], dict[str, Any]]
@@ -327,8 +330,8 @@ class Serving:
         answer, attempt = exchange.answer, exchange.tracked.attempt
         # Events wait in `pending` while the worker's next output is already here, so a burst goes out
         # in one write; the first content, and any event before a wait, go out at once. Once its first token
-        # is out, a stream whose burst is here steps back once behind the requests ready to run, so a burst
-        # does not hold back the first tokens of the streams whose outputs came with it.
+        # is out, a stream whose burst is here steps back a few loop turns behind the requests ready to run, so
+        # a burst does not hold back the first tokens of the streams that came with or after it.
         pending: list[bytes] = answer.opening()
         flushed = False
         try:
@@ -340,7 +343,8 @@ class Serving:
                     if not flushed:
                         flushed = True
                         if attempt.output_ready:
-                            await asyncio.sleep(0)
+                            for _ in range(FIRST_TOKEN_YIELDS):
+                                await asyncio.sleep(0)
         except STREAM_ERRORS as e:
             log.warning("request %s failed mid-stream: %s", exchange.tracked.request_id, e)
             pending.append(answer.failure(public_error(e)))
