@@ -434,17 +434,22 @@ def run_paired(args: argparse.Namespace, other: str) -> dict[str, float]:
         result: dict[str, float] = {}
         for concurrency, max_tokens in PAIRED_LEVELS:
             level = f"c{concurrency}" + ("_1tok" if max_tokens == 1 else "")
-            ratios, ours, theirs = [], [], []
+            ratios, ours, theirs, ttfts = [], [], [], ([], [])
             for round_ in range(args.paired):
                 mine, base = uvloop.run(together(concurrency, args.duration, max_tokens, flip=bool(round_ % 2)))
                 ours.append(mine["frontend_cpu_us_per_req"])
                 theirs.append(base["frontend_cpu_us_per_req"])
                 ratios.append(ours[-1] / theirs[-1])
+                ttfts[0].append(mine["ttft_p50_ms"])
+                ttfts[1].append(base["ttft_p50_ms"])
                 print(f"  {level} round {round_ + 1}: tandem {ours[-1]:.0f} µs, {other} {theirs[-1]:.0f} µs per request, "
-                      f"ratio {ratios[-1]:.3f}", file=sys.stderr, flush=True)
+                      f"ratio {ratios[-1]:.3f}; TTFT p50 {ttfts[0][-1]:.1f} and {ttfts[1][-1]:.1f} ms",
+                      file=sys.stderr, flush=True)
             result.update({f"cpu_us_{level}_tandem": statistics.median(ours), f"cpu_us_{level}_{other}":
                            statistics.median(theirs), f"ratio_{level}": statistics.median(ratios),
-                           f"ratio_{level}_min": min(ratios), f"ratio_{level}_max": max(ratios)})
+                           f"ratio_{level}_min": min(ratios), f"ratio_{level}_max": max(ratios),
+                           f"ttft_ms_{level}_tandem": statistics.median(ttfts[0]),
+                           f"ttft_ms_{level}_{other}": statistics.median(ttfts[1])})
         return result
     except BaseException:
         for _, frontend, _ in deployments:
@@ -464,13 +469,14 @@ def paired_report(args: argparse.Namespace, impls: list[str]) -> None:
         r = run_paired(args, other)
         print(f"\nfrontend CPU per request, tandem and {other} serving the same load at the same time, {args.paired} "
               f"rounds of {args.duration:g} s per level (medians; the ratio is the median of the rounds' ratios):\n")
-        print(f"| level | tandem (µs) | {other} (µs) | tandem / {other} | rounds' ratios |")
-        print("|---|---|---|---|---|")
+        print(f"| level | tandem (µs) | {other} (µs) | tandem / {other} | rounds' ratios | TTFT p50, tandem / {other} (ms) |")
+        print("|---|---|---|---|---|---|")
         for concurrency, max_tokens in PAIRED_LEVELS:
             level = f"c{concurrency}" + ("_1tok" if max_tokens == 1 else "")
             print(f"| c={concurrency}, max_tokens {max_tokens} | {r[f'cpu_us_{level}_tandem']:,.0f} | "
                   f"{r[f'cpu_us_{level}_{other}']:,.0f} | {r[f'ratio_{level}']:.3f} | "
-                  f"{r[f'ratio_{level}_min']:.3f}-{r[f'ratio_{level}_max']:.3f} |")
+                  f"{r[f'ratio_{level}_min']:.3f}-{r[f'ratio_{level}_max']:.3f} | "
+                  f"{r[f'ttft_ms_{level}_tandem']:.2f} / {r[f'ttft_ms_{level}_{other}']:.2f} |")
         print("\n" + json.dumps({other: r}))
 
 
