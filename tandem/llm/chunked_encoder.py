@@ -15,7 +15,6 @@ and only after a self-check on tricky text gives exactly the plain encoding.
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 import threading
@@ -24,7 +23,7 @@ from collections import OrderedDict
 
 from tokenizers import Tokenizer as _HFTokenizer
 
-from tandem.llm.piece_encoder import PieceEncoder
+from tandem.llm.piece_encoder import PieceEncoder, component_state
 
 # Text that stresses the boundary rule: runs of mixed whitespace, punctuation, digits, contractions,
 # non-Latin scripts, emoji, and text glued to special tokens.
@@ -43,9 +42,8 @@ def _uses_safe_pre_tokenizer(tokenizer: _HFTokenizer) -> bool:
     no added token that strips neighbouring whitespace or contains any."""
     if tokenizer.normalizer is not None or tokenizer.pre_tokenizer is None:
         return False
-    try:
-        state = json.loads(tokenizer.pre_tokenizer.__getstate__())
-    except (AttributeError, TypeError, ValueError):
+    state = component_state(tokenizer.pre_tokenizer)
+    if state is None:
         return False
     parts = state.get("pretokenizers", [state]) if state.get("type") == "Sequence" else [state]
     types = [p.get("type") for p in parts]

@@ -57,7 +57,8 @@ BYTE_LEVEL_ALPHABET = _byte_level_alphabet()
 _ASCII_TO_BYTE_LEVEL = {b: c for b, c in BYTE_LEVEL_ALPHABET.items() if b < 128}
 
 
-def _state(component: Any) -> dict[str, Any] | None:
+def component_state(component: Any) -> dict[str, Any] | None:
+    """A tokenizer component's settings (its JSON state), or None if it has none to read."""
     try:
         state = json.loads(component.__getstate__())
     except (AttributeError, TypeError, ValueError):
@@ -92,7 +93,7 @@ class PieceEncoder:
     @classmethod
     def for_tokenizer(cls, tokenizer: _HFTokenizer) -> PieceEncoder | None:
         """A PieceEncoder if the tokenizer has the shape it reproduces and the self-check agrees, else None."""
-        pre = _state(tokenizer.pre_tokenizer) if tokenizer.pre_tokenizer is not None else None
+        pre = component_state(tokenizer.pre_tokenizer) if tokenizer.pre_tokenizer is not None else None
         if pre is not None and pre.get("type") == "Sequence" and len(pre.get("pretokenizers") or ()) == 1:
             pre = pre["pretokenizers"][0]
         model = tokenizer.model  # (its state would be the whole vocabulary as JSON: its attributes instead)

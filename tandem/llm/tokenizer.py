@@ -38,6 +38,7 @@ class TokenizerError(ValueError):
 
 # GPT-2's byte-level alphabet, inverted: printable stand-in character -> the byte it encodes.
 _BYTE_DECODER = {c: b for b, c in BYTE_LEVEL_ALPHABET.items()}
+_NO_IDS: frozenset[int] = frozenset()
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -362,7 +363,7 @@ class ByteLevelPieces:
         return cached
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        special = self.special_ids if skip_special_tokens else frozenset()
+        special = self.special_ids if skip_special_tokens else _NO_IDS
         return b"".join(self.token_bytes(i) for i in ids if i not in special).decode("utf-8", "replace")
 
 
@@ -377,7 +378,7 @@ class ByteLevelStream(DecodeStream):
         super().__init__()
         self._pieces = pieces
         self._whole = pieces.whole
-        self._skipped = pieces.special_ids if skip_special_tokens else frozenset()
+        self._skipped = pieces.special_ids if skip_special_tokens else _NO_IDS
         self._pending = b""
         for token_id in pending:
             self.step(token_id)
