@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+import weakref
 from pathlib import Path
 
 import httpx
@@ -24,8 +27,6 @@ class ServerProcess:
 
     def __init__(self, root: Path, host: str = "127.0.0.1", netns: str | None = None) -> None:
         """`host`: the address it serves on; `netns`: the network namespace it runs in."""
-        import shutil
-
         self.host = host
         self.netns = netns
         binary = os.path.join(sys.prefix, "bin", self.NAME)
@@ -84,10 +85,17 @@ class EtcdServer(ServerProcess):
         self.client_port, self.peer_port = client, client + 1
         self.tls = tls
         self.url = f"{'https' if tls else 'http'}://{self.host}:{self.client_port}"
+        # Its data in memory where the machine has a tmpfs: etcd fsyncs every write, and on a disk busy with
+        # the suite's engines one fsync can stall a lease grant for seconds (longer than a client's connect
+        # timeout). Removed when this object goes, kept across stop() and start().
+        self.data = root / "data"
+        if os.access("/dev/shm", os.W_OK):
+            self.data = Path(tempfile.mkdtemp(prefix="tandem-etcd-", dir="/dev/shm"))
+            weakref.finalize(self, shutil.rmtree, self.data, True)
 
     def start(self) -> None:
         peer = f"http://{self.host}:{self.peer_port}"
-        self._run(["--name", "tandem-test", "--data-dir", str(self.root / "data"), "--listen-client-urls", self.url,
+        self._run(["--name", "tandem-test", "--data-dir", str(self.data), "--listen-client-urls", self.url,
                    "--advertise-client-urls", self.url, "--listen-peer-urls", peer, "--initial-advertise-peer-urls",
                    peer, "--initial-cluster", f"tandem-test={peer}",
                    *(["--cert-file", str(self.tls[0]), "--key-file", str(self.tls[1])] if self.tls else []),
