@@ -110,7 +110,7 @@ def test_a_worker_shutting_down_hands_its_stream_over(deployments) -> None:  # t
     text, leaving = _interrupted(deployment, workers, signal.SIGTERM)
     assert text == expected
     assert _migrations(deployment) - before == 1
-    assert leaving.process.proc.wait(30) == 0
+    assert leaving.process.proc.wait(30) == 0, leaving.process.stderr()
 
 
 def test_sigkill_of_the_decode_worker_migrates_a_disaggregated_stream(deployments) -> None:  # type: ignore[no-untyped-def]
