@@ -232,10 +232,15 @@ def _config(args: argparse.Namespace) -> MockerConfig:
     if args.answer_tokens is not None and args.answer_tokens < 1:
         raise ValueError(f"--answer-tokens must be at least 1, got {args.answer_tokens}")
     try:
-        mode = options["disaggregation_mode"] = DisaggregationMode(options["disaggregation_mode"])
+        mode = DisaggregationMode(options["disaggregation_mode"])
     except ValueError:
-        raise ValueError(f"disaggregation_mode must be agg, prefill or decode, got "
+        raise ValueError(f"disaggregation_mode must be one of {', '.join(DisaggregationMode)}, got "
                          f"{options['disaggregation_mode']!r}") from None
+    if mode is DisaggregationMode.ENCODE:  # the encoder role, whichever way it was named
+        if not args.enable_multimodal:
+            raise ValueError("Use --enable-multimodal with --disaggregation-mode encode")
+        args.vllm_native_encoder_worker, mode = True, DisaggregationMode.AGGREGATED
+    options["disaggregation_mode"] = mode
     if options["planner_profile_data"] and not os.path.isfile(str(options["planner_profile_data"])):
         raise ValueError(f"--planner-profile-data {options['planner_profile_data']}: no such file")
 

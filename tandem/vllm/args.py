@@ -48,6 +48,7 @@ from tandem.vllm.engine_args import CPU_BLOCK_SIZE, GPU_BLOCK_SIZE, apply_engine
 from tandem.worker.config import (
     CUSTOM_JINJA_TEMPLATE,
     DEFAULT_ENDPOINT_TYPES,
+    DISAGGREGATION_MODE,
     DURABLE_KV_EVENTS,
     ENDPOINT_TYPES,
     IS_DECODE_WORKER,
@@ -292,6 +293,7 @@ def build_dynamo_parser() -> argparse.ArgumentParser:
         "more (KVBM's PdConnector) are refused, not built yet; pass `--connector none` to give your own "
         "--kv-transfer-config [env DYN_CONNECTOR, space or comma separated, default nixl]",
     )
+    DISAGGREGATION_MODE.add_to(g, DisaggregationMode.AGGREGATED.value)
     add_options(g, _DYNAMO_OPTIONS, Config)
     try:
         import vllm
@@ -413,6 +415,14 @@ def build_config(argv: list[str] | None = None, *, is_cpu: bool | None = None, a
         is_cpu=is_cpu,
     )
     apply_options(config, _DYNAMO_OPTIONS + _MEDIA_OPTIONS + _CPU_OPTIONS + ENCODER_OPTIONS, dyn)
+    # The role, as --disaggregation-mode names it or its older shorthands do: one set of switches downstream.
+    mode = DisaggregationMode.of(DISAGGREGATION_MODE.value(dyn), config.is_prefill_worker, config.is_decode_worker)
+    config.is_prefill_worker = mode is DisaggregationMode.PREFILL
+    config.is_decode_worker = mode is DisaggregationMode.DECODE
+    if mode is DisaggregationMode.ENCODE:
+        if not config.enable_multimodal:
+            raise ValueError("Use --enable-multimodal with --disaggregation-mode encode")
+        config.vllm_native_encoder_worker = True
     config.namespace = config.runtime.namespace
     config.component = (ENCODER_COMPONENT if config.vllm_native_encoder_worker
                         else config.disaggregation_mode.default_component)

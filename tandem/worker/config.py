@@ -18,14 +18,19 @@ from tandem.runtime.options import Option
 
 
 class DisaggregationMode(StrEnum):
-    """Dynamo's `--disaggregation-mode`: whole requests, or one side of disaggregated serving."""
+    """Dynamo's `--disaggregation-mode`: whole requests, one side of disaggregated serving, or the encoder of
+    other workers' images (`encode`: the role of `--vllm-native-encoder-worker`, which registers no model)."""
 
     AGGREGATED = "agg"
     PREFILL = "prefill"
     DECODE = "decode"
+    ENCODE = "encode"
 
     @property
     def worker_type(self) -> WorkerType:
+        """The type of the model a worker in this role registers (an encoder registers none)."""
+        if self is DisaggregationMode.ENCODE:
+            raise ValueError("an encoder worker registers no model")
         return {DisaggregationMode.AGGREGATED: WorkerType.Aggregated, DisaggregationMode.PREFILL: WorkerType.Prefill,
                 DisaggregationMode.DECODE: WorkerType.Decode}[self]
 
@@ -65,9 +70,10 @@ CUSTOM_JINJA_TEMPLATE = Option("custom_jinja_template", ("--custom-jinja-templat
                                "chat template file overriding the model's (~ and $VARS expanded)", kind=str,
                                metavar="FILE")
 # The worker's role: --disaggregation-mode, or Dynamo's older shorthands (see `DisaggregationMode.of`).
-DISAGGREGATION_MODE = Option("disaggregation_mode", ("--disaggregation-mode",), (),
-                             "whole requests (agg) or one side of disaggregated serving (as --is-prefill-worker, "
-                             "--is-decode-worker)", kind=DisaggregationMode,
+DISAGGREGATION_MODE = Option("disaggregation_mode", ("--disaggregation-mode",), ("DYN_VLLM_DISAGGREGATION_MODE",),
+                             "whole requests (agg), one side of disaggregated serving (as --is-prefill-worker, "
+                             "--is-decode-worker), or the encoder of other workers' images (encode: as "
+                             "--vllm-native-encoder-worker)", kind=DisaggregationMode,
                              choices=tuple(mode.value for mode in DisaggregationMode))
 IS_PREFILL_WORKER = Option("is_prefill_worker", ("--is-prefill-worker",), ("DYN_VLLM_IS_PREFILL_WORKER",),
                            "prefill-only worker (component prefill)", kind=bool)

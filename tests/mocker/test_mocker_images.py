@@ -125,6 +125,19 @@ def test_images_to_a_mocker_without_enable_multimodal_are_refused(tmp_path: Path
         deployment.stop()
 
 
+def test_disaggregation_mode_encode_is_the_encoder_role(vlm_folder: str) -> None:
+    """--disaggregation-mode encode (or disaggregation_mode in --extra-engine-args) makes the encoder worker
+    that --vllm-native-encoder-worker makes; it needs --enable-multimodal and cannot also be a consumer."""
+    encoder = parse_args(["--model-path", vlm_folder, "--enable-multimodal", "--disaggregation-mode", "encode"])
+    named = parse_args(["--model-path", vlm_folder, "--enable-multimodal", "--vllm-native-encoder-worker"])
+    assert encoder == named and encoder.component == "encoder" and encoder.encoder
+    for argv in (["--disaggregation-mode", "encode"],
+                 ["--enable-multimodal", "--disaggregation-mode", "encode", "--ec-consumer-mode"],
+                 ["--enable-multimodal", "--disaggregation-mode", "encode", "--is-prefill-worker"]):
+        with pytest.raises(SystemExit):
+            parse_args(["--model-path", vlm_folder, *argv])
+
+
 def test_an_encoder_worker_encodes_a_consumers_images_until_it_dies(tmp_path: Path, vlm_folder: str) -> None:
     """--vllm-native-encoder-worker: a mocker that encodes the images of a --ec-consumer-mode mocker's requests;
     the consumer's engine then spends no encode time on them. With the encoder gone, the consumer encodes them

@@ -332,6 +332,34 @@ def test_the_encoder_cache_roles(monkeypatch: pytest.MonkeyPatch, tmp_path) -> N
             build(*argv)
 
 
+def test_disaggregation_mode_names_the_role(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """--disaggregation-mode (env DYN_VLLM_DISAGGREGATION_MODE) names what --is-prefill-worker,
+    --is-decode-worker and --vllm-native-encoder-worker do; the older flags agreeing with it are taken, a
+    contradiction is refused."""
+    prefill = build("--disaggregation-mode", "prefill")
+    assert prefill.is_prefill_worker and not prefill.is_decode_worker and prefill.component == "prefill"
+    assert transfer_json(prefill) == transfer_json(build("--is-prefill-worker"))
+    decode = build("--disaggregation-mode", "decode")
+    assert decode.is_decode_worker and decode.component == "backend" and not decode.use_kv_events
+    agg = build("--disaggregation-mode", "agg")
+    assert not (agg.is_prefill_worker or agg.is_decode_worker) and agg.use_kv_events
+    assert build("--disaggregation-mode", "prefill", "--is-prefill-worker").is_prefill_worker
+    encoder = build("--disaggregation-mode", "encode", "--enable-multimodal", "--ec-storage-path", str(tmp_path))
+    assert encoder.vllm_native_encoder_worker and encoder.component == "encoder" and encoder.connector == []
+    assert encoder.engine_args.ec_transfer_config.ec_role == "ec_producer"
+    monkeypatch.setenv("DYN_VLLM_DISAGGREGATION_MODE", "decode")
+    assert build().is_decode_worker
+    monkeypatch.delenv("DYN_VLLM_DISAGGREGATION_MODE")
+    for argv, message in (
+        (["--disaggregation-mode", "agg", "--is-prefill-worker"], "--disaggregation-mode agg contradicts"),
+        (["--disaggregation-mode", "decode", "--is-prefill-worker"], "contradicts --is-prefill-worker"),
+        (["--disaggregation-mode", "encode"], "^Use --enable-multimodal with --disaggregation-mode encode"),
+        (["--disaggregation-mode", "encode", "--enable-multimodal", "--ec-consumer-mode"], "one encoder-cache"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            build(*argv)
+
+
 def test_the_embedding_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     """--multimodal-embedding-cache-capacity-gb (or its variable) puts tandem's host-memory connector in the
     ec_both role; 0 is off; it takes the engine's one connector, so the encoder roles are refused with it."""
