@@ -146,3 +146,37 @@ def test_xpyd_run_serves_disaggregated_then_sigterm_then_sigkill_mid_drain(tagge
     run.proc.kill()  # as a process supervisor does when its stop timeout runs out
     run.proc.wait()
     tagged.assert_all_gone()
+
+
+def test_an_encode_run_serves_images_through_its_encoder_and_removes_their_folder(tagged: Tagged, engine_pool) -> None:  # type: ignore[no-untyped-def]
+    """`tandem run --encode-workers 1` with the tiny vision-language model: the encoder worker stores the image's
+    encoder output in the folder the launcher made for it and its consumer, the consumer answers, and the
+    folder is gone once the launcher has stopped."""
+    import hashlib
+
+    from tests.support.images import data_url, png
+
+    image = png("teal")
+    run = Run("--model", engine_pool.vision_model(), "--ready-timeout", "300", "--workers", "1", "--encode-workers",
+              "1", "--", *VLLM_TEST_ARGS, *engine_memory_args(on_cpu()), "--max-model-len", "1024",
+              env=tagged.env)
+    client = run.client(run.wait_for(r"==> serving \S+ at (\S+)", timeout=300).group(1))
+    tagged.find_chain()
+
+    def storage_of(role: str) -> str:
+        [pid] = run.children_running(role)
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().decode().split("\0")
+        return argv[argv.index("--ec-storage-path") + 1]
+
+    store = storage_of("--vllm-native-encoder-worker")
+    assert storage_of("--ec-consumer-mode") == store
+    reply = client.chat.completions.create(
+        model=client.models.list().data[0].id, max_tokens=4, temperature=0,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "What colour is this?"},
+                                               {"type": "image_url", "image_url": {"url": data_url(image)}}]}])
+    assert reply.usage is not None and reply.usage.completion_tokens == 4
+    assert os.path.isfile(os.path.join(store, hashlib.sha256(image).hexdigest(), "encoder_cache.safetensors"))
+    assert run.stop(signal.SIGINT, timeout=120) == 0
+    assert not os.path.exists(store)
+    tagged.assert_all_gone()
