@@ -37,6 +37,7 @@ from tandem.worker.config import (
     SERVED_MODEL_NAME,
     DisaggregationMode,
     check_durable_kv_events,
+    encoder_role,
     parser_options,
 )
 from tandem.worker.encoders import ENCODER_COMPONENT, chosen_role
@@ -236,9 +237,7 @@ def _config(args: argparse.Namespace) -> MockerConfig:
     except ValueError:
         raise ValueError(f"disaggregation_mode must be one of {', '.join(DisaggregationMode)}, got "
                          f"{options['disaggregation_mode']!r}") from None
-    if mode is DisaggregationMode.ENCODE:  # the encoder role, whichever way it was named
-        if not args.enable_multimodal:
-            raise ValueError("Use --enable-multimodal with --disaggregation-mode encode")
+    if encoder_role(mode, args.enable_multimodal):  # the encoder role, whichever way it was named
         args.vllm_native_encoder_worker, mode = True, DisaggregationMode.AGGREGATED
     options["disaggregation_mode"] = mode
     if options["planner_profile_data"] and not os.path.isfile(str(options["planner_profile_data"])):

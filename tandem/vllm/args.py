@@ -58,6 +58,7 @@ from tandem.worker.config import (
     check_durable_kv_events,
     check_parser_options,
     custom_template_path,
+    encoder_role,
 )
 from tandem.worker.encoders import ENCODER_COMPONENT
 
@@ -419,9 +420,7 @@ def build_config(argv: list[str] | None = None, *, is_cpu: bool | None = None, a
     mode = DisaggregationMode.of(DISAGGREGATION_MODE.value(dyn), config.is_prefill_worker, config.is_decode_worker)
     config.is_prefill_worker = mode is DisaggregationMode.PREFILL
     config.is_decode_worker = mode is DisaggregationMode.DECODE
-    if mode is DisaggregationMode.ENCODE:
-        if not config.enable_multimodal:
-            raise ValueError("Use --enable-multimodal with --disaggregation-mode encode")
+    if encoder_role(mode, config.enable_multimodal):
         config.vllm_native_encoder_worker = True
     config.namespace = config.runtime.namespace
     config.component = (ENCODER_COMPONENT if config.vllm_native_encoder_worker

@@ -51,6 +51,16 @@ class DisaggregationMode(StrEnum):
         return shorthand or cls(mode or cls.AGGREGATED)
 
 
+def encoder_role(mode: DisaggregationMode, multimodal: bool) -> bool:
+    """Whether `mode` is the encoder role (what --vllm-native-encoder-worker makes); ValueError without
+    --enable-multimodal."""
+    if mode is not DisaggregationMode.ENCODE:
+        return False
+    if not multimodal:
+        raise ValueError("Use --enable-multimodal with --disaggregation-mode encode")
+    return True
+
+
 DEFAULT_ENDPOINT_TYPES = "chat,completions"
 
 # The flags every worker kind takes, each declared once. A default belongs to the worker kind, not to the
