@@ -135,6 +135,9 @@ async def start_worker(config: MockerConfig, runtime: DistributedRuntime, tokeni
                             decode_speedup_ratio=config.decode_speedup_ratio, on_load=reports.on_load,
                             on_step=reports.on_step)
         engine.start()
+        # Stopped after the drain and before the event planes close: a step emitting KV events must not
+        # run against a closed publisher.
+        runtime.add_shutdown_hook(engine.stop)
         reports.recorder.start()
         runtime.add_shutdown_hook(reports.recorder.stop)
         engines.append(engine)

@@ -74,6 +74,16 @@ async def test_publisher_never_blocks_without_subscribers_or_when_flooded(runtim
     assert sent + publisher.dropped == 300_000  # every call returned at once, dropped or queued
 
 
+async def test_a_closed_publisher_drops_what_is_published_after_without_raising(runtimes, namespace):
+    """A worker's engine may still emit an event while its runtime shuts down."""
+    rt = await runtimes()
+    publisher = await rt.namespace(namespace).component("backend").event_publisher("late")
+    await rt.shutdown()
+    dropped = publisher.dropped
+    assert publisher.publish({"after": "close"}) is False
+    assert publisher.dropped == dropped + 1
+
+
 @pytest.mark.parametrize("plane", ["zmq"], indirect=True)
 async def test_closed_publisher_leaves_discovery(runtimes, namespace):
     sub_rt, pub_rt = await runtimes(), await runtimes()

@@ -14,7 +14,7 @@ from typing import Any
 class EventPublisher(ABC):
     @abstractmethod
     def publish(self, event: Any) -> bool:
-        """Send `event` (msgpack-able). Never blocks; False if it was dropped."""
+        """Send `event` (msgpack-able). Never blocks; False if it was dropped (overload, or closed)."""
 
     @abstractmethod
     async def close(self) -> None: ...

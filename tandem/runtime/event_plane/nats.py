@@ -76,19 +76,21 @@ class NatsPublisher(EventPublisher):
         self.subject = event_subject(scope, topic)
         self._outbox = outbox if outbox is not None else Outbox(connection, SEND_QUEUE)
         self._full = 0
+        self._closed = False
 
     @property
     def dropped(self) -> int:
         return self._full + self._outbox.failed
 
     def publish(self, event: Any) -> bool:
-        if len(self._outbox) >= SEND_QUEUE:
+        if self._closed or len(self._outbox) >= SEND_QUEUE:
             self._full += 1
             return False
         self._outbox.put(self.subject, _encode(event))
         return True
 
     async def close(self) -> None:
+        self._closed = True
         await self._outbox.close(linger=1.0)  # give what is queued a moment to leave
 
 

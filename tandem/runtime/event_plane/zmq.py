@@ -50,6 +50,9 @@ class ZmqPublisher(EventPublisher):
         await self._store.put(self._key, json.dumps({"address": self.address}).encode())
 
     def publish(self, event: Any) -> bool:
+        if self._socket.closed:  # the process is shutting down; what it still emits has no one to reach
+            self.dropped += 1
+            return False
         try:
             self._socket.send_multipart((self._topic, _encode(event)), flags=zmq.NOBLOCK, copy=False)
             return True
