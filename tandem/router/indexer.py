@@ -8,23 +8,26 @@ the root and scores each worker by the number of consecutive prefix blocks it ho
 
 Performance notes (this runs on the frontend's event loop): workers are bits of an int mask over
 a dense worker index. A node's children are split into plain ones (held by every worker holding
-the node) and boundary ones (`RadixTree`), so the match walk is one dict lookup per block down
-plain edges and compares masks only at the few boundary edges; workers dropping out (rare) are the
-only per-worker work. Nodes holding equal masks share one int object (`RadixTree._share`), which
-saves memory and lets updates reuse a computed mask. Nodes are int ids into flat lists, and each
-node's children a dict of ints: the index holds no container the garbage collector tracks per
-node (a tree of 1M node objects made each full collection pause the loop for ~0.5 s).
+the node) and boundary ones (`RadixTree`), so the match walk compares masks only at the few
+boundary edges; and down the paths stored as chains (lanes, `RadixTree`) it compares a prompt's
+blocks with the path's a list slice at a time, not one dict lookup per block. Workers dropping out
+(rare) are the only per-worker work. Nodes holding equal masks share one int object
+(`RadixTree._share`), which saves memory and lets updates reuse a computed mask. Nodes are int ids
+into flat lists, and each node's children a dict of ints: the index holds no container the garbage
+collector tracks per node (a tree of 1M node objects made each full collection pause the loop for
+~0.5 s); a lane is a few such containers for a whole chain.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
-from operator import length_hint
 
 from tandem.router.protocols import RouterEvent
 
@@ -38,10 +41,21 @@ WorkerKey = tuple[int, int]
 class OverlapScores:
     scores: dict[WorkerKey, int] = field(default_factory=dict)
     """Consecutive prefix blocks matched, only for workers with at least one."""
-    frequencies: list[int] = field(default_factory=list)
-    """`frequencies[d]`: number of workers holding the first `d + 1` blocks of the request."""
     tree_sizes: dict[WorkerKey, int] = field(default_factory=dict)
     """Blocks indexed per matched worker."""
+
+    @property
+    def frequencies(self) -> list[int]:
+        """`frequencies[d]`: number of workers holding the first `d + 1` blocks of the request (from
+        `scores`, when asked: the walk does not build a list as long as the prompt)."""
+        ends = [0] * (max(self.scores.values(), default=0) + 1)  # workers whose match ends at each depth
+        for blocks in self.scores.values():
+            ends[blocks] += 1
+        out, held = [], len(self.scores)
+        for depth in range(len(ends) - 1):
+            held -= ends[depth]
+            out.append(held)
+        return out
 
 
 @dataclass(frozen=True)
@@ -54,6 +68,54 @@ class EventGap:
 
 
 ROOT = 0  # node id of the root
+NO_LANE = -1  # lane head of a node in no lane
+
+# Blocks in the first slice `_shared_run` compares.
+_RUN_CHUNK = 32
+
+# Blocks a store must bring to start a lane: a shorter chain walks as fast block by block, and a lane
+# is a few containers the garbage collector tracks.
+_LANE_MIN_BLOCKS = 32
+
+
+class _Lane:
+    """A path of nodes below a head node, each the child of the one before: `find_matches` compares a
+    prompt's blocks against `hashes` one list slice at a time (`nodes` is an array: nothing in it for
+    the garbage collector). `stops`: the positions (ascending) whose edge from the node before is a
+    boundary edge, where the walk compares masks."""
+
+    __slots__ = ("hashes", "nodes", "stops")
+
+    def __init__(self) -> None:
+        self.hashes: list[int] = []  # local hashes of `nodes`
+        self.nodes = array("q")
+        self.stops: list[int] = []
+
+
+def _shared_run(query: list[int], start: int, hashes: list[int]) -> int:
+    """How many of `hashes` the prompt `query` repeats from `start` on: slices of doubling length, then
+    halving ones around the first difference, so the cost follows the length shared."""
+    if query[start] != hashes[0]:
+        return 0
+    size = min(len(hashes), len(query) - start)
+    low, step = 1, _RUN_CHUNK  # the first `low` are shared
+    while low < size:
+        high = min(low + step, size)
+        if query[start + low:start + high] != hashes[low:high]:
+            break
+        low, step = high, step * 2
+    else:
+        return size
+    while high - low > 8:
+        middle = (low + high) // 2
+        if query[start + low:start + middle] == hashes[low:middle]:
+            low = middle
+        else:
+            high = middle
+    while query[start + low] == hashes[low]:
+        low += 1
+    return low
+
 
 # Children of every leaf: shared, never mutated (saves a dict per leaf).
 _NO_CHILDREN: dict[int, int] = {}
@@ -73,7 +135,15 @@ class RadixTree:
     A node's children are split: those held by every worker holding the node (a superset mask)
     are its plain children (`_children`), the others its boundary children (`_boundary`). Going
     down a plain edge nobody drops out of a match, so `find_matches` only looks at masks where it
-    crosses a boundary edge; every mask change re-places the edges it can flip (`_restep`)."""
+    crosses a boundary edge; every mask change re-places the edges it can flip (`_restep`).
+
+    Lanes: a node created below the last node of a lane extends that lane, else, when the store
+    brings at least `_LANE_MIN_BLOCKS` blocks, it starts one headed by its parent (unless the parent
+    heads one already); children of the root are in none.
+    A lane follows tree edges, plain or boundary (its `stops`), so it stays valid while its nodes
+    live: a node freed (childless) is the last of its lane and leaves it, and an edge changing
+    sides moves a stop. A prompt stored as one chain is then one or a few lanes however its
+    holders split it."""
 
     def __init__(self) -> None:
         # per node id: workers holding it (bit mask), parent, local hash, children {local hash: id}
@@ -92,6 +162,11 @@ class RadixTree:
         self._by_index: list[WorkerKey | None] = []  # bit index -> worker (None: free)
         self._lookups: list[dict[int, int]] = []  # bit index -> {block_hash: node id}
         self._free: list[int] = []
+        self._lanes: dict[int, _Lane] = {}  # head node -> its lane
+        # per node: the head of its lane (NO_LANE: none) and its position there; left stale when the
+        # node leaves the lane, so `_lane_of` checks them against the lane
+        self._lane_heads: list[int] = [NO_LANE]
+        self._lane_positions: list[int] = [0]
 
     # -- workers ---------------------------------------------------------------------------------
     def _worker_index(self, worker: WorkerKey) -> int:
@@ -135,8 +210,13 @@ class RadixTree:
         bit = 1 << idx
         children, masks, free_ids, boundary = self._children, self._masks, self._free_ids, self._boundary
         restep = self._restep
+        heads, positions = self._lane_heads, self._lane_positions
         before = after = None  # the last mask taken from and the mask it became
         gained = False  # whether `node` took the worker's bit in this call
+        lane: _Lane | None = None  # the lane `node` was just appended to, headed by `head`
+        head = NO_LANE
+        starts = len(blocks) >= _LANE_MIN_BLOCKS  # whether this chain may start a lane
+        placed = False  # whether a new node came yet: the later ones are below it (its lane, or one they start)
         for block_hash, local_hash in blocks:
             siblings = children[node]
             child = found = siblings.get(local_hash)
@@ -151,19 +231,36 @@ class RadixTree:
                     self._parents[child] = node
                     self._locals[child] = local_hash
                     children[child] = _NO_CHILDREN
+                    heads[child] = NO_LANE
                 else:
                     child = len(masks)
                     masks.append(0)
                     self._parents.append(node)
                     self._locals.append(local_hash)
                     children.append(_NO_CHILDREN)
+                    heads.append(NO_LANE)
+                    positions.append(0)
                 above = masks[node]
-                if above and above != bit:  # the new node (the worker alone) misses one of its parent's
+                stop = above != 0 and above != bit  # the new node (the worker alone) misses one of its parent's
+                if stop:
                     boundary.setdefault(node, {})[local_hash] = child
                 elif siblings is _NO_CHILDREN:
                     children[node] = {local_hash: child}
                 else:
                     siblings[local_hash] = child
+                if lane is not None:  # (`_lane_add` inline: `node` ends `lane`)
+                    heads[child] = head
+                    positions[child] = position = len(lane.nodes)
+                    if stop:
+                        lane.stops.append(position)
+                    lane.hashes.append(local_hash)
+                    lane.nodes.append(child)
+                elif starts or not placed:
+                    lane = self._lane_add(node, child, local_hash, stop, starts)
+                    head = heads[child]
+                    placed = True
+            else:
+                lane = None
             # The split of `node`'s children: when `node` took the bit, its other plain children lacking
             # it now miss one of its workers; `child`'s edge flips only if `child` took the bit and `node`
             # did not (both taking it changes nothing). `child`'s own children wait for the next block.
@@ -213,11 +310,50 @@ class RadixTree:
                     self._children[parent] = {local: node}
                 else:
                     plain[local] = node
+                lane, position = self._lane_of(node)
+                if lane is not None:
+                    lane.stops.remove(position)
         elif local in plain:
             del plain[local]
             if not plain:
                 self._children[parent] = _NO_CHILDREN
             self._boundary.setdefault(parent, {})[local] = node
+            lane, position = self._lane_of(node)
+            if lane is not None:
+                bisect.insort(lane.stops, position)
+
+    # -- lanes -----------------------------------------------------------------------------------
+    def _lane_of(self, node: int) -> tuple[_Lane | None, int]:
+        """The lane holding `node` and its position there; (None, 0) when none does."""
+        lane = self._lanes.get(self._lane_heads[node])
+        if lane is not None:
+            position = self._lane_positions[node]
+            if position < len(lane.nodes) and lane.nodes[position] == node:
+                return lane, position
+        return None, 0
+
+    def _lane_add(self, parent: int, child: int, local: int, stop: bool, start: bool) -> _Lane | None:
+        """`child` is new below `parent` (over a boundary edge if `stop`): it extends the lane ending at
+        `parent`, else (if `start`) starts one headed by `parent` unless `parent` heads one. Returns
+        its lane."""
+        self._lane_heads[child] = NO_LANE
+        if parent == ROOT:
+            return None
+        lane, position = self._lane_of(parent)
+        if lane is not None and position == len(lane.nodes) - 1:
+            head = self._lane_heads[parent]
+        elif not start or parent in self._lanes:
+            return None
+        else:
+            head, lane = parent, _Lane()
+            self._lanes[parent] = lane
+        self._lane_heads[child] = head
+        self._lane_positions[child] = len(lane.nodes)
+        if stop:
+            lane.stops.append(len(lane.nodes))
+        lane.hashes.append(local)
+        lane.nodes.append(child)
+        return lane
 
     def _share(self, mask: int) -> int:
         """The one object held for the value `mask`: a chain of nodes held by the same workers
@@ -246,6 +382,7 @@ class RadixTree:
         node unless another one remains, then drop the nodes left empty and childless."""
         masks, children, aliases, boundary = self._masks, self._children, self._aliases, self._boundary
         parents, locals_ = self._parents, self._locals
+        lanes, heads = self._lanes, self._lane_heads
         keep = ~(1 << idx)
         before = after = None  # the last mask taken from and the mask it became
         lost = []  # the nodes the worker is off now
@@ -277,6 +414,16 @@ class RadixTree:
                     del steps[local]
                     if not steps:
                         del boundary[parent]
+                # A freed node is childless: the last of its lane, if any (the lane ends before it).
+                head = heads[node]
+                lane = lanes.get(head)
+                if lane is not None and lane.nodes[-1] == node:
+                    lane.nodes.pop()
+                    lane.hashes.pop()
+                    if lane.stops and lane.stops[-1] == len(lane.nodes):
+                        lane.stops.pop()
+                    if not lane.nodes:
+                        del lanes[head]
                 freed.add(node)
                 self._free_ids.append(node)
                 self._num_nodes -= 1
@@ -342,7 +489,7 @@ class RadixTree:
         by_index, lookups = self._by_index, self._lookups
         scores: dict[WorkerKey, int] = {}
         tree_sizes: dict[WorkerKey, int] = {}
-        frequencies: list[int] = []
+        matched = 1  # blocks the workers still active hold
 
         def score(workers: int, depth: int) -> None:
             """Give every worker whose bit is set in `workers` the score `depth`."""
@@ -353,46 +500,57 @@ class RadixTree:
                 tree_sizes[by_index[i]] = len(lookups[i])  # type: ignore[index]
                 workers ^= low
 
-        if early_exit and active & (active - 1) == 0:
-            matched = 1
-        else:
-            # The walk is the hot loop (a 32k-token prompt is 2,048 blocks): one list and one dict
-            # subscript per block, down plain edges only, where nobody drops out. A block not among
-            # the plain children is a KeyError: then it is a boundary child, where the masks are
-            # compared, or the end of the match. The depth comes from the iterator's remaining length.
-            if type(local_hashes) is not list and type(local_hashes) is not tuple:
-                local_hashes = list(local_hashes)
-            total = matched = len(local_hashes)
-            boundary = self._boundary
-            blocks = iter(local_hashes)
-            next(blocks)
-            while True:
-                try:
-                    for local_hash in blocks:
-                        node = children[node][local_hash]
-                    break
-                except KeyError:
-                    pass
-                steps = boundary.get(node)
-                child = None if steps is None else steps.get(local_hash)
-                depth = total - length_hint(blocks) - 1
+        def cross(child: int, depth: int) -> bool:
+            """The walk goes down a boundary edge to `child`, the prompt's block `depth`: workers
+            lacking it score `depth`. True when the walk ends there."""
+            nonlocal active, matched
+            still = masks[child] & active
+            if still != active:
+                score(active ^ still, depth)
+                active = still
+                if not active or (early_exit and active & (active - 1) == 0):
+                    matched = depth + 1  # the remaining worker holds this block too
+                    return True
+            return False
+
+        if not early_exit or active & (active - 1):
+            # The walk is the hot loop (a 32k-token prompt is 2,048 blocks). Along a lane, the blocks the
+            # prompt shares with it are one slice compare, and masks are compared only at its stops; off
+            # lanes, one dict lookup per block, comparing masks only at boundary edges.
+            query = local_hashes if type(local_hashes) is list else list(local_hashes)
+            total = matched = len(query)
+            lanes, boundary = self._lanes, self._boundary
+            depth = 1  # blocks matched so far, the last at `node`
+            while depth < total:
+                lane = lanes.get(node)
+                if lane is not None:
+                    run = _shared_run(query, depth, lane.hashes)
+                    if run:
+                        for stop in lane.stops:
+                            if stop >= run or cross(lane.nodes[stop], depth + stop):
+                                break
+                        else:
+                            stop = run
+                        if stop < run:  # the walk ended at a stop
+                            break
+                        node = lane.nodes[run - 1]
+                        depth += run
+                        continue
+                local_hash = query[depth]
+                child = children[node].get(local_hash)
                 if child is None:
-                    matched = depth
-                    break
-                node = child
-                still = masks[node] & active
-                if still != active:
-                    # workers dropping out score the depth reached so far
-                    frequencies.extend([active.bit_count()] * (depth - len(frequencies)))
-                    score(active ^ still, depth)
-                    active = still
-                    if not active or (early_exit and active & (active - 1) == 0):
-                        matched = depth + 1  # the remaining worker holds this block too
+                    steps = boundary.get(node)
+                    child = None if steps is None else steps.get(local_hash)
+                    if child is None:
+                        matched = depth
                         break
+                    if cross(child, depth):
+                        break
+                node = child
+                depth += 1
         if active:
-            frequencies.extend([active.bit_count()] * (matched - len(frequencies)))
             score(active, matched)
-        return OverlapScores(scores, frequencies, tree_sizes)
+        return OverlapScores(scores, tree_sizes)
 
 
 class KvIndexer:

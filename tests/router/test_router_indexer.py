@@ -4,7 +4,9 @@ operation sequences, KvIndexer event ids and gap recovery, ApproxIndexer TTL and
 from __future__ import annotations
 
 import array
+import contextlib
 import random
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import given, settings
@@ -242,9 +244,27 @@ OPS = st.one_of(
 )
 
 
+@contextlib.contextmanager
+def lanes_from(blocks: int) -> Iterator[None]:
+    """Stores of at least `blocks` blocks start lanes (the index's threshold is longer than these chains)."""
+    default = indexer_module._LANE_MIN_BLOCKS
+    indexer_module._LANE_MIN_BLOCKS = blocks
+    try:
+        yield
+    finally:
+        indexer_module._LANE_MIN_BLOCKS = default
+
+
+@pytest.mark.parametrize("lane_min_blocks", [1, 3])
 @settings(max_examples=500, deadline=None)
 @given(ops=st.lists(OPS, max_size=40), queries=st.lists(PATHS, min_size=1, max_size=5))
-def test_radix_tree_matches_naive_reference(ops: list[tuple], queries: list[tuple[int, ...]]) -> None:
+def test_radix_tree_matches_naive_reference(ops: list[tuple], queries: list[tuple[int, ...]],
+                                            lane_min_blocks: int) -> None:
+    with lanes_from(lane_min_blocks):
+        check_against_naive_reference(ops, queries)
+
+
+def check_against_naive_reference(ops: list[tuple], queries: list[tuple[int, ...]]) -> None:
     tree, naive = RadixTree(), NaiveIndex()
     for op in ops:
         if op[0] == "store":
@@ -302,6 +322,28 @@ def assert_children_split(tree: RadixTree) -> None:
             assert masks[child] & masks[parent] != masks[parent]
             assert tree._parents[child] == parent and tree._locals[child] == local
             assert local not in tree._children[parent]
+    assert_lanes(tree)
+
+
+def assert_lanes(tree: RadixTree) -> None:
+    """Each lane is a path of live nodes below its head, each node the child (by its local hash) of the one
+    before, with a stop exactly where that edge is a boundary edge; a node is in at most one lane."""
+    live = set(range(len(tree._masks))) - set(tree._free_ids)
+    seen: set[int] = set()
+    for head, lane in tree._lanes.items():
+        assert head in live and head != 0 and lane.nodes
+        assert len(lane.hashes) == len(lane.nodes)
+        parent = head
+        for position, (local, node) in enumerate(zip(lane.hashes, lane.nodes, strict=True)):
+            assert node in live and node not in seen
+            seen.add(node)
+            assert tree._parents[node] == parent and tree._locals[node] == local
+            assert tree._lane_of(node) == (lane, position)
+            at_boundary = local in tree._boundary.get(parent, {})
+            assert at_boundary or tree._children[parent].get(local) == node
+            assert (position in lane.stops) == at_boundary
+            parent = node
+        assert lane.stops == sorted(set(lane.stops))
 
 
 def early_exit_scores(scores: dict[WorkerKey, int]) -> dict[WorkerKey, int]:
@@ -313,15 +355,17 @@ def early_exit_scores(scores: dict[WorkerKey, int]) -> dict[WorkerKey, int]:
     return {w: (depth + 1 if w in left else s) for w, s in scores.items()}
 
 
-@pytest.mark.parametrize("seed,shared_masks", [(0, None), (1, None), (2, 3), (3, 1)])
-def test_find_matches_at_scale_matches_reference(seed: int, shared_masks: int | None,
+@pytest.mark.parametrize("seed,shared_masks,lane_min_blocks", [(0, None, 16), (1, None, 1), (2, 3, 4), (3, 1, 16)])
+def test_find_matches_at_scale_matches_reference(seed: int, shared_masks: int | None, lane_min_blocks: int,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Long chains over 70 workers (masks wider than a machine word) with branches, stores in chunks below
     their parent, removals of ranges, reused engine hashes, clears and departures: scores, tree sizes and
     frequencies equal the naive reference's, with and without early exit, for lists, tuples and other
-    sequences. `shared_masks` shrinks the table of shared mask objects so it starts over often."""
+    sequences. `shared_masks` shrinks the table of shared mask objects so it starts over often;
+    `lane_min_blocks`: the stores that start lanes."""
     if shared_masks is not None:
         monkeypatch.setattr(indexer_module, "_MAX_SHARED_MASKS", shared_masks)
+    monkeypatch.setattr(indexer_module, "_LANE_MIN_BLOCKS", lane_min_blocks)
     rng = random.Random(seed)
     workers = [(w, rank) for w in range(35) for rank in range(2)]
     prefixes = [tuple(rng.randint(1, 4) for _ in range(rng.randint(3, 30))) for _ in range(4)]
