@@ -18,6 +18,7 @@ import pytest
 
 from tests.support.deployment import MODEL, VLLM_TEST_ARGS, deltas, metric_sum, prompt_sources
 from tests.support.engines import engine_memory_args, on_cpu, wait_until
+from tests.support.images import data_url, png
 from tests.support.k8s import (
     CHART,
     RenderError,
@@ -157,6 +158,12 @@ def test_a_variable_that_nothing_reads_fails_the_check() -> None:
                   "loadBasedScaling": True}}, "planner.mode prefill plans a pool of a disaggregated deployment"),
     ({"planner": {"prometheusEndpoint": "http://prometheus:9090"}}, "planner.enabled is false: nothing would use it"),
     ({"planner": {"mode": "both"}}, "at '/planner/mode'"),
+    ({"mode": "disagg", "workers": {"encode": {"replicas": 1}}}, "workers.encode runs encoders for the aggregated"),
+    ({"workers": {"encode": {"replicas": 1}}}, "workers.encode with engine vllm: set workers.encode.storageVolume"),
+    ({"workers": {"encode": {"replicas": 1, "storageVolume": {"emptyDir": {}}}}}, "an emptyDir is one pod's own"),
+    ({"workers": {"encode": {"storageVolume": {"hostPath": {"path": "/ec"}}}}}, "no vLLM encoder runs"),
+    ({"engine": "mocker", "workers": {"encode": {"replicas": 1, "storageVolume": {"hostPath": {"path": "/ec"}}}}},
+     "no vLLM encoder runs"),
     ({"frontend": {"numProcesses": 2}, "planner": {"enabled": True, "rbac": {"create": True}, "profile": {
         "volume": {"configMap": {"name": "p"}}}, "prometheusEndpoint": "http://prometheus:9090"}},
      "Prometheus scrapes a frontend pod's port, which one of its processes answers each time"),
@@ -249,6 +256,37 @@ IMAGES = [Image("registry.example.com/tandem", {"tandem": venv_program("tandem")
           Image("nats", {"nats-server": venv_program("nats-server")})]
 
 
+@pytest.mark.parametrize("engine", ["vllm", "mocker"])
+def test_an_encoder_group_encodes_the_aggregated_workers_images_through_a_shared_volume(engine: str) -> None:
+    """workers.encode: an encoder Deployment (--disaggregation-mode encode) next to the aggregated workers, which take
+    images and have them encoded (--ec-consumer-mode); with vLLM both mount the storage volume at the folder
+    --ec-storage-path names. The planner, when on, scales the aggregated pool and leaves the encoders alone."""
+    volume = {"persistentVolumeClaim": {"claimName": "encoder-cache"}}  # as examples/encode.yaml names it
+    files = ("encode.yaml",) if engine == "vllm" else ("mocker.yaml",)
+    docs = render("agg.yaml", *files, "planner.yaml", values={"workers": {"encode": {"replicas": 2}}})
+    assert schema_problems(docs) == [] and reference_problems(docs) == []
+    encoder = next(w for w in workloads(docs) if w["metadata"]["name"] == "llm-tandem-encoder")
+    assert encoder["spec"]["replicas"] == 2
+    cache = ["--ec-storage-path", "/encoder-cache"] if engine == "vllm" else []
+    encoder_args, worker_args = container(docs, "llm-tandem-encoder")["args"], container(docs, "llm-tandem-worker")["args"]
+    assert flag(encoder_args, "--disaggregation-mode") == "encode" and "--ec-consumer-mode" not in encoder_args
+    assert "--ec-consumer-mode" in worker_args and flag(worker_args, "--disaggregation-mode") is None
+    for name in ("llm-tandem-encoder", "llm-tandem-worker"):
+        args = container(docs, name)["args"]
+        assert "--enable-multimodal" in args and flag(args, "--ec-storage-path") == (cache[1] if cache else None)
+        pod = next(w for w in workloads(docs) if w["metadata"]["name"] == name)["spec"]["template"]["spec"]
+        mounted = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+        assert mounted.get("encoder-cache") == ("/encoder-cache" if cache else None)
+        assert ({v["name"]: v for v in pod["volumes"]}.get("encoder-cache") ==
+                ({"name": "encoder-cache", **volume} if cache else None))
+    planner = " ".join(container(docs, "llm-tandem-planner")["args"])
+    assert "encoder" not in planner
+    # Without encoders nothing of theirs renders.
+    plain = render("agg.yaml")
+    assert "llm-tandem-encoder" not in {w["metadata"]["name"] for w in workloads(plain)}
+    assert "--enable-multimodal" not in container(plain, "llm-tandem-worker")["args"]
+
+
 def local_values(smollm2: str, **more: object) -> dict:
     """The mocker on the SmolLM2 folder of this machine, mounted as the model volume (a hostPath)."""
     folder = Path(smollm2)
@@ -287,6 +325,36 @@ def test_an_aggregated_release_runs_pod_by_pod_and_serves_through_its_service(sm
         for pod in cluster.pods_of("llm-tandem-worker"):
             assert "dynamo_component_requests_total" in httpx.get(f"http://{pod.ip}:9090/metrics").text
         # Deleting the release stops etcd along with the rest: every process still exits on SIGTERM.
+        assert cluster.stop() == []
+    finally:
+        cluster.stop()
+
+
+@needs_root
+def test_a_release_with_an_encoder_group_has_its_images_encoded_by_the_encoder_pod(vlm_folder: str,
+                                                                                    tmp_path: Path) -> None:
+    """Mocker engines of the tiny vision-language model: an image question through the frontend's Service is
+    answered by the aggregated worker pod, whose image the encoder pod encoded (its request count moves)."""
+    mocker = [*MOCKER, "--image-encode-ms", "100"]
+    docs = render("agg.yaml", values=local_values(vlm_folder, workers={"agg": {"extraArgs": mocker},
+                                                                        "encode": {"replicas": 1, "extraArgs": mocker}}))
+    cluster = LocalCluster(docs, tmp_path, IMAGES, namespace="serving")
+    try:
+        cluster.wait_ready(timeout=90)
+        (encoder,) = cluster.pods_of("llm-tandem-encoder")
+
+        def encoded() -> float:
+            text = httpx.get(f"http://{encoder.ip}:9090/metrics").text
+            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith("dynamo_component_requests_total{") and 'endpoint="generate"' in line)
+
+        url = cluster.service_url("llm-tandem-frontend", "http")
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        before = encoded()
+        reply = client.chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": data_url(png("red"))}}]}])
+        assert reply.usage.completion_tokens == 2 and reply.usage.prompt_tokens > 64  # the image's tokens counted
+        assert encoded() == before + 1
         assert cluster.stop() == []
     finally:
         cluster.stop()

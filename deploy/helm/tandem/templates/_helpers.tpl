@@ -89,6 +89,18 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- if and (not .Values.model.download) (or (not .Values.model.volume) (hasKey .Values.model.volume "emptyDir")) -}}
 {{- fail "model.download is false but model.volume is an emptyDir: nothing would put the model there" -}}
 {{- end -}}
+{{- $encode := .Values.workers.encode -}}
+{{- if gt (int $encode.replicas) 0 -}}
+{{- if ne .Values.mode "agg" -}}
+{{- fail "workers.encode runs encoders for the aggregated workers' images: it needs mode agg" -}}
+{{- end -}}
+{{- if and (eq .Values.engine "vllm") (or (not $encode.storageVolume) (hasKey $encode.storageVolume "emptyDir")) -}}
+{{- fail "workers.encode with engine vllm: set workers.encode.storageVolume, a volume every encoder and aggregated worker pod mounts (an emptyDir is one pod's own), such as a ReadWriteMany PersistentVolumeClaim" -}}
+{{- end -}}
+{{- end -}}
+{{- if and $encode.storageVolume (or (eq (int $encode.replicas) 0) (eq .Values.engine "mocker")) -}}
+{{- fail "workers.encode.storageVolume is set but no vLLM encoder runs (workers.encode.replicas is 0, or the engine is the mocker, whose encoders keep no files): nothing would use it" -}}
+{{- end -}}
 {{- $p := .Values.planner -}}
 {{- if $p.enabled -}}
 {{- if and (not $p.rbac.create) (not $p.rbac.serviceAccountName) -}}
