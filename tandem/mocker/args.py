@@ -34,9 +34,11 @@ from tandem.worker.config import (
     IS_PREFILL_WORKER,
     MODEL_PATH,
     PARSER_OPTIONS,
+    ROUTE_TO_ENCODER,
     SERVED_MODEL_NAME,
     DisaggregationMode,
     check_durable_kv_events,
+    consumer_role,
     encoder_role,
     parser_options,
 )
@@ -188,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     roles.add_argument("--ec-consumer-mode", action="store_true",
                        help="have an encoder worker encode each request's images (this engine then spends no "
                        "encode time on them; it does when no encoder answers)")
+    ROUTE_TO_ENCODER.add_to(roles, False)
     parser.add_argument("--extra-engine-args", default=None,
                         help="JSON file of engine options (e.g. {\"speedup_ratio\": 10}) for those not given as flags")
     add_runtime_args(parser)
@@ -237,6 +240,8 @@ def _config(args: argparse.Namespace) -> MockerConfig:
     except ValueError:
         raise ValueError(f"disaggregation_mode must be one of {', '.join(DisaggregationMode)}, got "
                          f"{options['disaggregation_mode']!r}") from None
+    args.ec_consumer_mode = consumer_role(mode, bool(ROUTE_TO_ENCODER.value(args)), args.ec_consumer_mode,
+                                          args.enable_multimodal)
     if encoder_role(mode, args.enable_multimodal):  # the encoder role, whichever way it was named
         args.vllm_native_encoder_worker, mode = True, DisaggregationMode.AGGREGATED
     options["disaggregation_mode"] = mode

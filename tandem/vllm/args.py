@@ -54,9 +54,11 @@ from tandem.worker.config import (
     IS_DECODE_WORKER,
     IS_PREFILL_WORKER,
     PARSER_OPTIONS,
+    ROUTE_TO_ENCODER,
     DisaggregationMode,
     check_durable_kv_events,
     check_parser_options,
+    consumer_role,
     custom_template_path,
     encoder_role,
 )
@@ -295,6 +297,7 @@ def build_dynamo_parser() -> argparse.ArgumentParser:
         "--kv-transfer-config [env DYN_CONNECTOR, space or comma separated, default nixl]",
     )
     DISAGGREGATION_MODE.add_to(g, DisaggregationMode.AGGREGATED.value)
+    ROUTE_TO_ENCODER.add_to(g, False)
     add_options(g, _DYNAMO_OPTIONS, Config)
     try:
         import vllm
@@ -420,6 +423,8 @@ def build_config(argv: list[str] | None = None, *, is_cpu: bool | None = None, a
     mode = DisaggregationMode.of(DISAGGREGATION_MODE.value(dyn), config.is_prefill_worker, config.is_decode_worker)
     config.is_prefill_worker = mode is DisaggregationMode.PREFILL
     config.is_decode_worker = mode is DisaggregationMode.DECODE
+    config.ec_consumer_mode = consumer_role(mode, bool(ROUTE_TO_ENCODER.value(dyn)), config.ec_consumer_mode,
+                                            config.enable_multimodal)
     if encoder_role(mode, config.enable_multimodal):
         config.vllm_native_encoder_worker = True
     config.namespace = config.runtime.namespace

@@ -51,6 +51,19 @@ class DisaggregationMode(StrEnum):
         return shorthand or cls(mode or cls.AGGREGATED)
 
 
+def consumer_role(mode: DisaggregationMode, route_to_encoder: bool, ec_consumer_mode: bool, multimodal: bool) -> bool:
+    """Whether the worker has encoder workers encode its images: --ec-consumer-mode, or its newer name
+    --route-to-encoder, which needs --enable-multimodal and a worker that takes the prompt (ValueError)."""
+    if not route_to_encoder:
+        return ec_consumer_mode
+    if mode in (DisaggregationMode.DECODE, DisaggregationMode.ENCODE):
+        raise ValueError(f"--route-to-encoder with --disaggregation-mode {mode}: only a worker that takes the prompt "
+                         "(agg, prefill) has its images encoded by encoder workers")
+    if not multimodal:
+        raise ValueError("Use --enable-multimodal with --route-to-encoder")
+    return True
+
+
 def encoder_role(mode: DisaggregationMode, multimodal: bool) -> bool:
     """Whether `mode` is the encoder role (what --vllm-native-encoder-worker makes); ValueError without
     --enable-multimodal."""
@@ -85,6 +98,10 @@ DISAGGREGATION_MODE = Option("disaggregation_mode", ("--disaggregation-mode",), 
                              "--is-decode-worker), or the encoder of other workers' images (encode: as "
                              "--vllm-native-encoder-worker)", kind=DisaggregationMode,
                              choices=tuple(mode.value for mode in DisaggregationMode))
+# The newer name of --ec-consumer-mode (see `consumer_role`).
+ROUTE_TO_ENCODER = Option("route_to_encoder", ("--route-to-encoder",), ("DYN_VLLM_ROUTE_TO_ENCODER",),
+                          "have encoder workers encode this worker's images (as --ec-consumer-mode; agg workers)",
+                          kind=bool)
 IS_PREFILL_WORKER = Option("is_prefill_worker", ("--is-prefill-worker",), ("DYN_VLLM_IS_PREFILL_WORKER",),
                            "prefill-only worker (component prefill)", kind=bool)
 IS_DECODE_WORKER = Option("is_decode_worker", ("--is-decode-worker",), ("DYN_VLLM_IS_DECODE_WORKER",),

@@ -138,6 +138,21 @@ def test_disaggregation_mode_encode_is_the_encoder_role(vlm_folder: str) -> None
             parse_args(["--model-path", vlm_folder, *argv])
 
 
+def test_route_to_encoder_is_the_consumer_role(vlm_folder: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--route-to-encoder (env DYN_VLLM_ROUTE_TO_ENCODER) makes the consumer --ec-consumer-mode makes; not on a
+    worker that gets no prompt, and not without --enable-multimodal."""
+    model = ["--model-path", vlm_folder]
+    named = parse_args([*model, "--enable-multimodal", "--route-to-encoder"])
+    assert named == parse_args([*model, "--enable-multimodal", "--ec-consumer-mode"]) and named.ec_consumer
+    monkeypatch.setenv("DYN_VLLM_ROUTE_TO_ENCODER", "1")
+    assert parse_args([*model, "--enable-multimodal"]).ec_consumer
+    monkeypatch.delenv("DYN_VLLM_ROUTE_TO_ENCODER")
+    for argv in (["--route-to-encoder"], ["--enable-multimodal", "--route-to-encoder", "--disaggregation-mode", "decode"],
+                 ["--enable-multimodal", "--route-to-encoder", "--disaggregation-mode", "encode"]):
+        with pytest.raises(SystemExit):
+            parse_args([*model, *argv])
+
+
 def test_an_encoder_worker_encodes_a_consumers_images_until_it_dies(tmp_path: Path, vlm_folder: str) -> None:
     """--vllm-native-encoder-worker: a mocker that encodes the images of a --ec-consumer-mode mocker's requests;
     the consumer's engine then spends no encode time on them. With the encoder gone, the consumer encodes them

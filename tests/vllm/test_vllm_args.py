@@ -332,6 +332,30 @@ def test_the_encoder_cache_roles(monkeypatch: pytest.MonkeyPatch, tmp_path) -> N
             build(*argv)
 
 
+def test_route_to_encoder_is_the_consumer_role(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """--route-to-encoder (env DYN_VLLM_ROUTE_TO_ENCODER), Dynamo's newer name for the consumer, builds what
+    --ec-consumer-mode builds; a worker that gets no prompt refuses it, and a prefill worker's images are not built."""
+    store = ["--ec-storage-path", str(tmp_path)]
+    named = build("--enable-multimodal", "--route-to-encoder", *store)
+    older = build("--enable-multimodal", "--ec-consumer-mode", *store)
+    assert named.ec_consumer_mode and named.component == "backend"
+    assert named.engine_args.ec_transfer_config == older.engine_args.ec_transfer_config
+    assert named.engine_args.ec_transfer_config.ec_role == "ec_consumer"
+    monkeypatch.setenv("DYN_VLLM_ROUTE_TO_ENCODER", "true")
+    assert build("--enable-multimodal", *store).ec_consumer_mode
+    assert not build("--enable-multimodal", "--no-route-to-encoder", *store).ec_consumer_mode
+    monkeypatch.delenv("DYN_VLLM_ROUTE_TO_ENCODER")
+    for argv, message in (
+        ([], "^Use --enable-multimodal with --route-to-encoder$"),
+        (["--disaggregation-mode", "decode"], "--route-to-encoder with --disaggregation-mode decode: only a worker"),
+        (["--disaggregation-mode", "encode"], "--route-to-encoder with --disaggregation-mode encode: only a worker"),
+        (["--disaggregation-mode", "prefill", "--enable-multimodal"], "images is not built yet"),
+        (["--enable-multimodal", "--multimodal-embedding-cache-capacity-gb", "1"], "one encoder-cache connector"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            build(*argv, "--route-to-encoder", *store)
+
+
 def test_disaggregation_mode_names_the_role(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """--disaggregation-mode (env DYN_VLLM_DISAGGREGATION_MODE) names what --is-prefill-worker,
     --is-decode-worker and --vllm-native-encoder-worker do; the older flags agreeing with it are taken, a
