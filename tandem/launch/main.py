@@ -64,8 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--prefill-workers", type=int, metavar="P", help="prefill workers (disaggregated; needs --decode-workers)")
     what.add_argument("--decode-workers", type=int, metavar="D", help="decode workers (disaggregated; needs --prefill-workers)")
     what.add_argument("--encode-workers", type=int, metavar="E",
-                      help="encoder workers running the vision encoder for the aggregated workers (vLLM's "
-                      "encoder-cache connector, or the mocker's simulation of it; with --workers)")
+                      help="encoder workers running the vision encoder for the aggregated or prefill workers "
+                      "(vLLM's encoder-cache connector; the mocker simulates it for aggregated workers)")
     what.add_argument("--router-mode", choices=ROUTER_MODES, metavar="MODE", help=f"the frontend's routing: {', '.join(ROUTER_MODES)} [round-robin]")
     what.add_argument("--http-port", type=int, metavar="PORT", help="frontend port; 0 = any free one [default 8000]")
     what.add_argument("--namespace", metavar="NS", help="discovery namespace [env DYN_NAMESPACE, default dynamo]")

@@ -33,8 +33,10 @@ class WorkerCommand:
 
 _ROLE_SWITCHES = {"agg": (), "prefill": ("--is-prefill-worker",), "decode": ("--is-decode-worker",),
                   "encode": ("--enable-multimodal", "--vllm-native-encoder-worker")}
-# With encode workers, the aggregated workers take images and have the encoders encode them.
+# With encode workers, the workers that compute prompts (aggregated or prefill) take images and have the encoders
+# encode them; decode workers take the images too (the prompt they continue holds them) and compute none of it.
 _CONSUMER_FLAGS = ("--enable-multimodal", "--ec-consumer-mode")
+_DECODE_IMAGE_FLAGS = ("--enable-multimodal",)
 EC_STORAGE_FLAG = "--ec-storage-path"
 ENGINES: dict[str, WorkerCommand] = {
     # An aggregated vLLM worker moves no KV cache: without `--connector none` it would still set up NIXL.
@@ -143,9 +145,11 @@ class Plan:
             argv += ["--cpu-cores", format_cores(cores)]
         if group.role == "agg" and engine.agg_defaults and not _has_flag(group.args, engine.agg_defaults[0]):
             argv += engine.agg_defaults
-        if group.role == "agg" and self.spec.group("encode"):
+        if group.role in ("agg", "prefill") and self.spec.group("encode"):
             argv += _CONSUMER_FLAGS
-        if (group.role in ("agg", "encode") and self.spec.group("encode") and engine.encoder_storage
+        if group.role == "decode" and self.spec.group("encode"):
+            argv += _DECODE_IMAGE_FLAGS
+        if (group.role in ("agg", "prefill", "encode") and self.spec.group("encode") and engine.encoder_storage
                 and not _has_flag(group.args, EC_STORAGE_FLAG)):
             argv += [EC_STORAGE_FLAG, self.ec_storage]
         env = {**self.common_env, "DYN_VLLM_KV_EVENT_PORT": str(self.kv_event_port(slot))}

@@ -206,9 +206,9 @@ class Config:
                 f"--block-size {block_size} is not supported on CPU: vLLM's CPU attention backend needs a "
                 f"multiple of {CPU_BLOCK_MULTIPLE} (e.g. {CPU_BLOCK_SIZE} or 64)"
             )
-        if self.enable_multimodal and (self.is_prefill_worker or self.is_decode_worker):
-            raise ValueError("--enable-multimodal with --is-prefill-worker or --is-decode-worker: disaggregated "
-                             "serving of images is not built yet in tandem; serve images from an aggregated worker")
+        if self.ec_consumer_mode and self.is_decode_worker:
+            raise ValueError("--ec-consumer-mode with --is-decode-worker: a decode worker gets the prompt's KV cache "
+                             "from its prefill worker; make the prefill worker the encoders' consumer")
         check_encoder_cache(self)
         if self.is_cpu and self.engine_args.enable_sleep_mode:
             raise ValueError(

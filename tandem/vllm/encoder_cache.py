@@ -29,8 +29,8 @@ ENCODER_OPTIONS = (
     Option("ec_extra_config", ("--ec-extra-config",), ("DYN_VLLM_EC_EXTRA_CONFIG",),
            "JSON object merged into the connector's extra config", kind=str, metavar="JSON"),
     Option("ec_consumer_mode", ("--ec-consumer-mode",), ("DYN_VLLM_EC_CONSUMER_MODE",),
-           "an aggregated worker that has each request's images encoded by an encoder worker and loads their "
-           "encoder output from the connector (it encodes them itself when no encoder can)", kind=bool),
+           "an aggregated or prefill worker that has each request's images encoded by an encoder worker and "
+           "loads their encoder output from the connector (it encodes them itself when no encoder can)", kind=bool),
     Option("multimodal_embedding_cache_capacity_gb", ("--multimodal-embedding-cache-capacity-gb",),
            ("DYN_MULTIMODAL_EMBEDDING_CACHE_CAPACITY_GB",),
            "host memory (GB) that keeps the encoder outputs of recent images, least recently used dropped "
@@ -39,8 +39,8 @@ ENCODER_OPTIONS = (
 
 
 def check_encoder_cache(config: Config) -> None:
-    """The encoder-cache connector's roles: an encoder worker, an aggregated worker in consumer mode, or a
-    worker with the embedding cache (an engine has one connector)."""
+    """The encoder-cache connector's roles: an encoder worker, an aggregated or prefill worker in consumer
+    mode, or a worker with the embedding cache (an engine has one connector)."""
     role = chosen_role((("--vllm-native-encoder-worker", config.vllm_native_encoder_worker),
                         ("--ec-consumer-mode", config.ec_consumer_mode),
                         ("--multimodal-embedding-cache-capacity-gb", config.multimodal_embedding_cache_capacity_gb > 0)),

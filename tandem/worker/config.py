@@ -57,8 +57,8 @@ def consumer_role(mode: DisaggregationMode, route_to_encoder: bool, ec_consumer_
     if not route_to_encoder:
         return ec_consumer_mode
     if mode in (DisaggregationMode.DECODE, DisaggregationMode.ENCODE):
-        raise ValueError(f"--route-to-encoder with --disaggregation-mode {mode}: only a worker that takes the prompt "
-                         "(agg, prefill) has its images encoded by encoder workers")
+        raise ValueError(f"--route-to-encoder with --disaggregation-mode {mode}: only a worker that computes the "
+                         "prompt (agg, prefill) has its images encoded by encoder workers")
     if not multimodal:
         raise ValueError("Use --enable-multimodal with --route-to-encoder")
     return True
@@ -100,7 +100,8 @@ DISAGGREGATION_MODE = Option("disaggregation_mode", ("--disaggregation-mode",), 
                              choices=tuple(mode.value for mode in DisaggregationMode))
 # The newer name of --ec-consumer-mode (see `consumer_role`).
 ROUTE_TO_ENCODER = Option("route_to_encoder", ("--route-to-encoder",), ("DYN_VLLM_ROUTE_TO_ENCODER",),
-                          "have encoder workers encode this worker's images (as --ec-consumer-mode; agg workers)",
+                          "have encoder workers encode this worker's images (as --ec-consumer-mode; agg and "
+                          "prefill workers)",
                           kind=bool)
 IS_PREFILL_WORKER = Option("is_prefill_worker", ("--is-prefill-worker",), ("DYN_VLLM_IS_PREFILL_WORKER",),
                            "prefill-only worker (component prefill)", kind=bool)

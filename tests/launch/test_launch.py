@@ -87,8 +87,9 @@ def test_disaggregated_from_flags_and_from_file() -> None:
     ({}, {"workers": [{"role": "agg", "count": 0}]}, "workers[0].count: expected an integer >= 1"),
     ({}, {"workers": [{"role": "agg"}, {"role": "agg"}]}, "workers[1].role: a second group"),
     ({}, {"workers": [{"role": "mixed"}]}, "workers[0].role: expected one of agg, prefill, decode, encode"),
-    ({"prefill_workers": 1, "decode_workers": 1, "encode_workers": 1}, None,
-     "encode workers encode the images of aggregated workers: add --workers N"),
+    ({}, {"workers": [{"role": "encode"}]}, "encode workers encode the images of the workers that compute prompts"),
+    ({"engine": "mocker", "prefill_workers": 1, "decode_workers": 1, "encode_workers": 1}, None,
+     "the mocker simulates images on aggregated workers only"),
     ({"encode_workers": 0}, None, "--encode-workers: expected an integer >= 1"),
     ({}, {"workers": [{"role": "agg"}, {"role": "decode"}]}, "cannot be mixed"),
     ({}, {"workers": [{"cores": "0;x"}]}, "workers[0].cores"),
@@ -217,6 +218,20 @@ def test_encode_workers_and_their_consumers() -> None:
     assert worker.argv[-2:] == ("--enable-multimodal", "--ec-consumer-mode")
     assert encoder.argv[-2:] == ("--enable-multimodal", "--vllm-native-encoder-worker")
     assert "--ec-storage-path" not in worker.argv + encoder.argv
+
+
+def test_encode_workers_with_prefill_and_decode_workers() -> None:
+    """E+P+D: the prefill workers are the encoders' consumers and share their directory; the decode workers take
+    images (the prompt they continue holds them) and no encoder-cache role."""
+    spec = spec_of({"prefill_workers": 1, "decode_workers": 1, "encode_workers": 1})
+    assert [(g.role, g.count) for g in spec.workers] == [("prefill", 1), ("decode", 1), ("encode", 1)]
+    plan = Plan(spec, "/models/vlm", "/tmp/kv", environ={}, cores=[0, 1], ec_storage="/tmp/ec")
+    prefill, decode, encoder = (plan.worker(group, 0, slot) for slot, group in enumerate(spec.workers))
+    assert prefill.argv[-4:] == ("--enable-multimodal", "--ec-consumer-mode", "--ec-storage-path", "/tmp/ec")
+    assert "--is-prefill-worker" in prefill.argv
+    assert decode.argv[-1] == "--enable-multimodal" and "--is-decode-worker" in decode.argv
+    assert not {"--ec-consumer-mode", "--ec-storage-path"} & set(decode.argv)
+    assert encoder.argv[encoder.argv.index("--ec-storage-path") + 1] == "/tmp/ec"
 
 
 def test_served_name(tmp_path: Path) -> None:

@@ -148,19 +148,25 @@ def test_xpyd_run_serves_disaggregated_then_sigterm_then_sigkill_mid_drain(tagge
     tagged.assert_all_gone()
 
 
-def test_an_encode_run_serves_images_through_its_encoder_and_removes_their_folder(tagged: Tagged, engine_pool) -> None:  # type: ignore[no-untyped-def]
-    """`tandem run --encode-workers 1` with the tiny vision-language model: the encoder worker stores the image's
-    encoder output in the folder the launcher made for it and its consumer, the consumer answers, and the
-    folder is gone once the launcher has stopped."""
+def test_an_encode_prefill_decode_run_serves_images_and_removes_their_folder(tagged: Tagged, engine_pool) -> None:  # type: ignore[no-untyped-def]
+    """`tandem run --prefill-workers 1 --decode-workers 1 --encode-workers 1` (E+P+D) with the tiny vision-language
+    model: the encoder worker stores each image's encoder output in the folder the launcher made for it and the
+    prefill worker, the prefill worker computes the prompt from it, the decode worker pulls its KV cache and
+    answers (differently for another image), and the folder is gone once the launcher has stopped. (The aggregated
+    consumer is tested in test_vllm_vision.py.)"""
     import hashlib
 
+    import httpx
+
+    from tests.support.deployment import metric_sum
     from tests.support.images import data_url, png
 
-    image = png("teal")
-    run = Run("--model", engine_pool.vision_model(), "--ready-timeout", "300", "--workers", "1", "--encode-workers",
-              "1", "--", *VLLM_TEST_ARGS, *engine_memory_args(on_cpu()), "--max-model-len", "1024",
-              env=tagged.env)
-    client = run.client(run.wait_for(r"==> serving \S+ at (\S+)", timeout=300).group(1))
+    images = [png("teal"), png("red")]
+    run = Run("--model", engine_pool.vision_model(), "--ready-timeout", "300", "--prefill-workers", "1",
+              "--decode-workers", "1", "--encode-workers", "1", "--", *VLLM_TEST_ARGS, *engine_memory_args(on_cpu()),
+              "--max-model-len", "1024", env=tagged.env)
+    url = run.wait_for(r"==> serving \S+ at (\S+)", timeout=300).group(1)
+    client = run.client(url)
     tagged.find_chain()
 
     def storage_of(role: str) -> str:
@@ -170,13 +176,19 @@ def test_an_encode_run_serves_images_through_its_encoder_and_removes_their_folde
         return argv[argv.index("--ec-storage-path") + 1]
 
     store = storage_of("--vllm-native-encoder-worker")
-    assert storage_of("--ec-consumer-mode") == store
-    reply = client.chat.completions.create(
-        model=client.models.list().data[0].id, max_tokens=4, temperature=0,
-        messages=[{"role": "user", "content": [{"type": "text", "text": "What colour is this?"},
-                                               {"type": "image_url", "image_url": {"url": data_url(image)}}]}])
-    assert reply.usage is not None and reply.usage.completion_tokens == 4
-    assert os.path.isfile(os.path.join(store, hashlib.sha256(image).hexdigest(), "encoder_cache.safetensors"))
+    assert storage_of("--ec-consumer-mode") == store  # the prefill worker's, the decode worker has no folder
+    assert run.children_running("--ec-consumer-mode") == run.children_running("--is-prefill-worker")
+    answers = []
+    for image in images:
+        reply = client.chat.completions.create(
+            model=client.models.list().data[0].id, max_tokens=4, temperature=0, logprobs=True,
+            messages=[{"role": "user", "content": [{"type": "text", "text": "What colour is this?"},
+                                                   {"type": "image_url", "image_url": {"url": data_url(image)}}]}])
+        assert reply.usage is not None and reply.usage.completion_tokens == 4
+        assert os.path.isfile(os.path.join(store, hashlib.sha256(image).hexdigest(), "encoder_cache.safetensors"))
+        answers.append([token.logprob for token in reply.choices[0].logprobs.content])
+    assert answers[0] != answers[1]  # the answer depends on the image
+    assert metric_sum(httpx.get(f"{url}/metrics").text, "dynamo_frontend_remote_prefills_total", outcome="ok") == 2
     assert run.stop(signal.SIGINT, timeout=120) == 0
     assert not os.path.exists(store)
     tagged.assert_all_gone()

@@ -289,7 +289,7 @@ def test_underscore_spelling_of_dynamo_flags() -> None:
     assert config.engine_args.max_model_len == 256
 
 
-def test_enable_multimodal_is_taken_by_an_aggregated_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_enable_multimodal_is_taken_by_every_worker_role(monkeypatch: pytest.MonkeyPatch) -> None:
     config = build("--enable-multimodal")
     assert config.enable_multimodal and not config.allow_private_media_urls
     assert not build().enable_multimodal
@@ -297,9 +297,10 @@ def test_enable_multimodal_is_taken_by_an_aggregated_worker(monkeypatch: pytest.
     monkeypatch.setenv("TANDEM_ALLOW_PRIVATE_MEDIA_URLS", "1")
     config = build()
     assert config.enable_multimodal and config.allow_private_media_urls
-    for role in ("--is-prefill-worker", "--is-decode-worker"):
-        with pytest.raises(ValueError, match="disaggregated serving of images is not built yet"):
-            build("--enable-multimodal", role)
+    monkeypatch.delenv("DYN_VLLM_ENABLE_MULTIMODAL")
+    for role in ("--is-prefill-worker", "--is-decode-worker"):  # a prompt with images, prefilled and decoded apart
+        disaggregated = build("--enable-multimodal", role)
+        assert disaggregated.enable_multimodal and disaggregated.engine_args.kv_transfer_config is not None
 
 
 def test_the_encoder_cache_roles(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -326,7 +327,7 @@ def test_the_encoder_cache_roles(monkeypatch: pytest.MonkeyPatch, tmp_path) -> N
         (["--enable-multimodal", "--ec-consumer-mode", "--ec-extra-config", "[1]"], "a JSON object"),
         (["--enable-multimodal", "--ec-consumer-mode", "--ec-extra-config", "{"], "is not JSON"),
         (["--enable-multimodal", "--vllm-native-encoder-worker", "--connector", "lmcache"], "leave --connector out"),
-        (["--enable-multimodal", "--ec-consumer-mode", "--is-prefill-worker"], "not built yet"),
+        (["--enable-multimodal", "--ec-consumer-mode", "--is-decode-worker"], "make the prefill worker the encoders'"),
     ):
         with pytest.raises(ValueError, match=message):
             build(*argv)
@@ -334,13 +335,18 @@ def test_the_encoder_cache_roles(monkeypatch: pytest.MonkeyPatch, tmp_path) -> N
 
 def test_route_to_encoder_is_the_consumer_role(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """--route-to-encoder (env DYN_VLLM_ROUTE_TO_ENCODER), Dynamo's newer name for the consumer, builds what
-    --ec-consumer-mode builds; a worker that gets no prompt refuses it, and a prefill worker's images are not built."""
+    --ec-consumer-mode builds, on an aggregated worker or a prefill worker (E+P+D, the prefill's KV cache still
+    moving by NIXL); a worker that computes no prompt refuses it."""
     store = ["--ec-storage-path", str(tmp_path)]
     named = build("--enable-multimodal", "--route-to-encoder", *store)
     older = build("--enable-multimodal", "--ec-consumer-mode", *store)
     assert named.ec_consumer_mode and named.component == "backend"
     assert named.engine_args.ec_transfer_config == older.engine_args.ec_transfer_config
     assert named.engine_args.ec_transfer_config.ec_role == "ec_consumer"
+    prefill = build("--enable-multimodal", "--route-to-encoder", "--disaggregation-mode", "prefill", *store)
+    assert prefill.ec_consumer_mode and prefill.component == "prefill"
+    assert prefill.engine_args.ec_transfer_config.ec_role == "ec_consumer"
+    assert transfer_json(prefill)["kv_connector"] == "NixlConnector"  # type: ignore[index]
     monkeypatch.setenv("DYN_VLLM_ROUTE_TO_ENCODER", "true")
     assert build("--enable-multimodal", *store).ec_consumer_mode
     assert not build("--enable-multimodal", "--no-route-to-encoder", *store).ec_consumer_mode
@@ -349,7 +355,6 @@ def test_route_to_encoder_is_the_consumer_role(monkeypatch: pytest.MonkeyPatch, 
         ([], "^Use --enable-multimodal with --route-to-encoder$"),
         (["--disaggregation-mode", "decode"], "--route-to-encoder with --disaggregation-mode decode: only a worker"),
         (["--disaggregation-mode", "encode"], "--route-to-encoder with --disaggregation-mode encode: only a worker"),
-        (["--disaggregation-mode", "prefill", "--enable-multimodal"], "images is not built yet"),
         (["--enable-multimodal", "--multimodal-embedding-cache-capacity-gb", "1"], "one encoder-cache connector"),
     ):
         with pytest.raises(ValueError, match=message):
