@@ -158,7 +158,8 @@ def test_a_variable_that_nothing_reads_fails_the_check() -> None:
                   "loadBasedScaling": True}}, "planner.mode prefill plans a pool of a disaggregated deployment"),
     ({"planner": {"prometheusEndpoint": "http://prometheus:9090"}}, "planner.enabled is false: nothing would use it"),
     ({"planner": {"mode": "both"}}, "at '/planner/mode'"),
-    ({"mode": "disagg", "workers": {"encode": {"replicas": 1}}}, "workers.encode runs encoders for the aggregated"),
+    ({"mode": "disagg", "engine": "mocker", "workers": {"encode": {"replicas": 1}}},
+     "the mocker simulates images on aggregated workers only"),
     ({"workers": {"encode": {"replicas": 1}}}, "workers.encode with engine vllm: set workers.encode.storageVolume"),
     ({"workers": {"encode": {"replicas": 1, "storageVolume": {"emptyDir": {}}}}}, "an emptyDir is one pod's own"),
     ({"workers": {"encode": {"storageVolume": {"hostPath": {"path": "/ec"}}}}}, "no vLLM encoder runs"),
@@ -285,6 +286,19 @@ def test_an_encoder_group_encodes_the_aggregated_workers_images_through_a_shared
     plain = render("agg.yaml")
     assert "llm-tandem-encoder" not in {w["metadata"]["name"] for w in workloads(plain)}
     assert "--enable-multimodal" not in container(plain, "llm-tandem-worker")["args"]
+
+
+def test_an_encoder_group_of_a_disaggregated_release_serves_the_prefill_pool() -> None:
+    """E+P+D: with mode disagg the prefill pool is the encoders' consumer and shares their volume; the decode pool
+    takes images and has no encoder-cache role or volume."""
+    docs = render("disagg.yaml", "encode.yaml")
+    assert schema_problems(docs) == [] and reference_problems(docs) == []
+    prefill, decode = container(docs, "llm-tandem-prefill"), container(docs, "llm-tandem-decode")
+    assert "--ec-consumer-mode" in prefill["args"] and flag(prefill["args"], "--ec-storage-path") == "/encoder-cache"
+    assert "--enable-multimodal" in decode["args"] and "--ec-consumer-mode" not in decode["args"]
+    assert flag(decode["args"], "--ec-storage-path") is None
+    assert "encoder-cache" not in {m["name"] for m in decode["volumeMounts"]}
+    assert flag(container(docs, "llm-tandem-encoder")["args"], "--disaggregation-mode") == "encode"
 
 
 def local_values(smollm2: str, **more: object) -> dict:

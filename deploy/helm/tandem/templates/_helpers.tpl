@@ -91,11 +91,11 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- end -}}
 {{- $encode := .Values.workers.encode -}}
 {{- if gt (int $encode.replicas) 0 -}}
-{{- if ne .Values.mode "agg" -}}
-{{- fail "workers.encode runs encoders for the aggregated workers' images: it needs mode agg" -}}
+{{- if and (eq .Values.mode "disagg") (eq .Values.engine "mocker") -}}
+{{- fail "workers.encode with mode disagg: the mocker simulates images on aggregated workers only (use mode agg, or engine vllm)" -}}
 {{- end -}}
 {{- if and (eq .Values.engine "vllm") (or (not $encode.storageVolume) (hasKey $encode.storageVolume "emptyDir")) -}}
-{{- fail "workers.encode with engine vllm: set workers.encode.storageVolume, a volume every encoder and aggregated worker pod mounts (an emptyDir is one pod's own), such as a ReadWriteMany PersistentVolumeClaim" -}}
+{{- fail "workers.encode with engine vllm: set workers.encode.storageVolume, a volume every encoder and aggregated (or prefill) worker pod mounts (an emptyDir is one pod's own), such as a ReadWriteMany PersistentVolumeClaim" -}}
 {{- end -}}
 {{- end -}}
 {{- if and $encode.storageVolume (or (eq (int $encode.replicas) 0) (eq .Values.engine "mocker")) -}}
