@@ -1,7 +1,7 @@
 """Encoder workers and their consumers, for every engine kind. An encoder worker serves the component
 `encoder` and registers no model: it runs the vision encoder of the images of the requests a consumer sends it
 and answers once they are done (where the outputs go is the engine's business: vLLM's encoder-cache connector,
-or nowhere in a simulation). A consumer (an aggregated worker in --ec-consumer-mode) sends each request with
+or nowhere in a simulation). A consumer (an aggregated or prefill worker in --ec-consumer-mode) sends each request with
 images to an encoder first and never depends on one: with none reachable, or one that fails or stalls, it
 encodes the images itself."""
 
