@@ -99,21 +99,21 @@ class System:
     --cpu-cores ENGINE_CORE --discovery-backend file <tandem_args>` (its environment: file discovery under
     `workdir` in `namespace`, plus `tandem_env`), then tandem's frontend. Every process is started under
     FRONT_CORE's affinity. The system serves once a POST of `ready_body` to `ready_path` answers 200 and
-    `accept` (if given) takes its body without raising. With `encoder_args`, tandem also runs a second worker
-    with those flags (an encoder: `encoder_args` name its role) whose engine is on FRONT_CORE; its engine counts
-    as engine, its main process as front."""
+    `accept` (if given) takes its body without raising. With `second_worker` (a label and flags naming its role:
+    an encoder, or a prefill worker), tandem also runs a second worker whose engine is on FRONT_CORE; its engine
+    counts as engine, its main process as front."""
 
     def __init__(self, impl: str, workdir: str, model: str, served_name: str, *, namespace: str,
                  vllm_args: list[str], tandem_args: list[str], ready_path: str, ready_body: bytes,
                  ready_timeout: float, accept: Callable[[bytes], Any] | None = None,
                  tandem_env: dict[str, str] | None = None, timeout: float = 600,
-                 encoder_args: list[str] | None = None) -> None:
+                 second_worker: tuple[str, list[str]] | None = None) -> None:
         self.impl = impl
         self.start_s = 0.0
         logdir = os.path.join(workdir, "logs")
         os.makedirs(logdir, exist_ok=True)
         self.procs: list[Proc] = []
-        encoder: Proc | None = None
+        second: Proc | None = None
         try:
             if impl == "vllm":
                 port = _common.free_port()
@@ -133,28 +133,29 @@ class System:
                     FRONT_CORE)
                 self.procs = [worker]
                 worker.wait_line("READY", timeout)
-                if encoder_args is not None:
-                    encoder = Proc("tandem-encoder", [
+                if second_worker is not None:
+                    label, second_args = second_worker
+                    second = Proc(f"tandem-{label}", [
                         sys.executable, "-m", "tandem.vllm", "--model", model, "--served-model-name", served_name,
-                        "--cpu-cores", str(FRONT_CORE), "--discovery-backend", "file", *encoder_args], env, logdir,
+                        "--cpu-cores", str(FRONT_CORE), "--discovery-backend", "file", *second_args], env, logdir,
                         FRONT_CORE)
-                    self.procs.append(encoder)
-                    encoder.wait_line("READY", timeout)
+                    self.procs.append(second)
+                    second.wait_line("READY", timeout)
                 frontend = Proc("frontend", [sys.executable, "-m", "tandem.frontend", "--http-host", "127.0.0.1",
                                              "--http-port", "0", "--discovery-backend", "file"], env, logdir, FRONT_CORE)
                 self.procs.append(frontend)
                 self.url = frontend.wait_line("READY").split()[1]
                 self.front = {"frontend": frontend.pid, "worker main": worker.pid,
-                              **({"encoder main": encoder.pid} if encoder is not None else {})}
+                              **({f"{second_worker[0]} main": second.pid} if second_worker and second else {})}
             self._wait_serving(ready_path, ready_body, ready_timeout, accept, timeout)
             self.engine = engine_of(self.procs[0].pid)  # {"engine core": pid, "model worker": pid}
             for pid in self.engine.values():  # every thread of the engine to core 0
                 pin_threads(pid, ENGINE_CORE)
-            if encoder is not None:
-                encoder_engine = engine_of(encoder.pid)
-                for pid in encoder_engine.values():
+            if second_worker is not None and second is not None:
+                second_engine = engine_of(second.pid)
+                for pid in second_engine.values():
                     pin_threads(pid, FRONT_CORE)
-                self.engine.update({f"encoder's {name}": pid for name, pid in encoder_engine.items()})
+                self.engine.update({f"{second_worker[0]}'s {name}": pid for name, pid in second_engine.items()})
         except BaseException:
             self.stop()
             raise

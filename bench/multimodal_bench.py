@@ -9,6 +9,7 @@ system at a time.
     python bench/multimodal_bench.py --impl tandem --workloads repeated_c4 --duration 5
     python bench/multimodal_bench.py --encoder               # tandem as an encoder worker + a consumer worker
     python bench/multimodal_bench.py --encoder --vision-tower 12:768   # ... with a vision tower that weighs
+    python bench/multimodal_bench.py --disagg                # tandem as a prefill and a decode worker (NIXL)
 
 Model: the tiny Idefics3 of tests/support/vision_model.py (random weights: a 2-layer Llama with SmolLM2's
 tokenizer, a 2-layer vision tower of 128 px images, 16 px patches, pixel shuffle 2), built once per run from
@@ -255,20 +256,28 @@ def request_body(shape: Shape, images: Images, texts: Texts, probe: bool = False
 
 
 # -- the two deployments ------------------------------------------------------------------------------
-def start(impl: str, model: str, workdir: str, probe: bytes, extra: list[str], encoder: bool) -> System:
+def start(impl: str, model: str, workdir: str, probe: bytes, extra: list[str], encoder: bool, disagg: bool) -> System:
     """One system up and serving the model (see bench/_serve_compare.py's System); `probe`: a request that must
     succeed before the system counts as serving; `extra`: more flags for vLLM's server or tandem's worker
     (diagnostics); `encoder`: tandem's worker in --ec-consumer-mode with an encoder worker (engine on core 1)
-    sharing a storage directory in `workdir`."""
+    sharing a storage directory in `workdir`; `disagg`: tandem's worker a decode worker (engine on core 0) with a
+    prefill worker (engine on core 1), the KV cache moving by NIXL."""
     store = os.path.join(workdir, "encoder-cache")
-    shared = ["--enable-multimodal", "--allow-private-media-urls", "--ec-storage-path", store, *ENGINE_ARGS]
+    images = ["--enable-multimodal", "--allow-private-media-urls"]
+    second: tuple[str, list[str]] | None = None
+    if encoder:
+        worker = [*images, "--connector", "none", "--ec-consumer-mode", "--ec-storage-path", store]
+        second = ("encoder", [*images, "--ec-storage-path", store, *ENGINE_ARGS, "--vllm-native-encoder-worker"])
+    elif disagg:
+        worker = [*images, "--is-decode-worker"]
+        second = ("prefill", [*images, *ENGINE_ARGS, "--is-prefill-worker"])
+    else:
+        worker = [*images, "--connector", "none"]
     return System(
         impl, workdir, model, MODEL_NAME, namespace=NAMESPACE,
         vllm_args=[*ENGINE_ARGS, "--chat-template", os.path.join(model, "chat_template.jinja"),
                    "--enable-prompt-tokens-details", *extra],
-        tandem_args=["--enable-multimodal", "--allow-private-media-urls", "--connector", "none", *ENGINE_ARGS,
-                     *(["--ec-consumer-mode", "--ec-storage-path", store] if encoder else []), *extra],
-        encoder_args=[*shared, "--vllm-native-encoder-worker"] if encoder else None,
+        tandem_args=[*worker, *ENGINE_ARGS, *extra], second_worker=second,
         tandem_env={"DYN_VLLM_KV_EVENT_PORT": str(registered_port())},  # not the default 20080 (tests run)
         ready_path="/v1/chat/completions", ready_body=probe, ready_timeout=60,
         accept=lambda body: check(200, body.split(b"\n\n"), []))
@@ -383,7 +392,7 @@ def run_system(impl: str, model: str, images: Images, texts: Texts, image_server
     extra = shlex.split(args.vllm_args if impl == "vllm" else args.tandem_args)
     probe = request_body(SHAPES["light"], images, texts, probe=True)
     with _serve_compare.serving(impl, NAMESPACE, args, lambda workdir: start(impl, model, workdir, probe, extra,
-                                                                                  args.encoder)) \
+                                                                                  args.encoder, args.disagg)) \
             as system:
         result: dict[str, Any] = {"start_s": system.start_s}
         print(f"  {impl} serving after {result['start_s']:.0f} s", file=sys.stderr, flush=True)
@@ -447,7 +456,10 @@ def report(summary: dict[str, Any], runs: dict[str, list[dict[str, Any]]], args:
              f"medians; engine on core {ENGINE_CORE}, front processes, image server and load generator on core "
              f"{FRONT_CORE}", *([f"tandem: a worker in --ec-consumer-mode (engine on core {ENGINE_CORE}) and an encoder "
                                 f"worker (engine on core {FRONT_CORE}); engine CPU counts both engines"]
-                              if args.encoder else []), ""]
+                              if args.encoder else []),
+             *([f"tandem: a decode worker (engine on core {ENGINE_CORE}) and a prefill worker (engine on core "
+                f"{FRONT_CORE}), the KV cache moving by NIXL; engine CPU counts both engines"] if args.disagg else []),
+             ""]
 
     def cost(k: str) -> str:
         cells = ""
@@ -517,6 +529,9 @@ def main() -> None:
     parser.add_argument("--encoder", action="store_true",
                         help="tandem as an encoder worker (its engine on core 1) and a worker in --ec-consumer-mode "
                              "(vLLM's encoder-cache connector) instead of one aggregated worker")
+    parser.add_argument("--disagg", action="store_true",
+                        help="tandem as a prefill worker (its engine on core 1) and a decode worker, the KV cache "
+                             "moving by NIXL, instead of one aggregated worker")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds a request may take")
     parser.add_argument("--images", type=int, default=4000,
                         help="distinct images in the pool (~60 KB each; a system's run takes ~3,300 at the defaults)")
@@ -526,6 +541,8 @@ def main() -> None:
                         help="distinct texts of each length (a run takes up to ~1,100 of one length)")
     _serve_compare.add_quiet_args(parser)
     args = parser.parse_args()
+    if args.encoder and args.disagg:
+        parser.error("--encoder and --disagg: one second worker at a time (an encoder, or a prefill worker)")
     _common.interrupt_on_sigterm()
     if args.workloads:
         _selected[:] = _serve_compare.select_workloads(parser, args.workloads, {key(*w): w for w in ALL_WORKLOADS})
