@@ -335,8 +335,7 @@ class RadixTree:
     def _lane_add(self, parent: int, child: int, local: int, stop: bool, start: bool) -> _Lane | None:
         """`child` is new below `parent` (over a boundary edge if `stop`): it extends the lane ending at
         `parent`, else (if `start`) starts one headed by `parent` unless `parent` heads one. Returns
-        its lane."""
-        self._lane_heads[child] = NO_LANE
+        its lane. (`child`'s lane head is NO_LANE already: a new node's.)"""
         if parent == ROOT:
             return None
         lane, position = self._lane_of(parent)
