@@ -151,6 +151,7 @@ class Config:
     ec_storage_path: str | None = None
     ec_extra_config: str | None = None  # JSON object, merged into the connector's extra config
     ec_consumer_mode: bool = False
+    embedding_transfer_mode: str | None = None  # a consumer takes encoder outputs as embeddings (local: by file)
     multimodal_embedding_cache_capacity_gb: float = 0.0  # host memory for recent images' encoder outputs
     # tandem
     allow_private_media_urls: bool = False  # fetch image URLs of private, loopback and link-local hosts
@@ -461,6 +462,8 @@ def build_config(argv: list[str] | None = None, *, is_cpu: bool | None = None, a
 
     config.engine_args = AsyncEngineArgs.from_cli_args(ns)
     config.engine_args.ec_transfer_config = ec_transfer_config(config) or config.engine_args.ec_transfer_config
+    if config.ec_consumer_mode and config.embedding_transfer_mode is not None:
+        config.engine_args.enable_mm_embeds = True  # the images come as their encoder outputs
 
     apply_engine_defaults(config)
     if apply_env:

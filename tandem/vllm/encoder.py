@@ -4,38 +4,76 @@ under the image's content digest. A worker in `--ec-consumer-mode` first has an 
 request: its engine's connector finds the stored outputs by the same digests and loads them instead of running
 its own vision encoder; an image whose output is stored already goes to no encoder again. The consumer never
 depends on an encoder: with none reachable, or one that fails or stalls, its engine encodes the images itself
-(the connector finds nothing to load), so the answer is the same."""
+(the connector finds nothing to load), so the answer is the same.
+
+A consumer with --embedding-transfer-mode takes the encoder outputs themselves: the encoder answers with each
+image's file (ECExampleConnector's; `local`: on a filesystem both workers see) or, asked for it, with the file's
+tensor offered for a NIXL read (`nixl-read`; see embedding_transfer.py), and the consumer gives its engine those
+tensors as the images' embeddings. It then never reads, decodes or preprocesses the images; its engine needs a
+model whose vLLM processor takes image embeddings (checked at start)."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 from collections.abc import AsyncIterator
+from typing import Any
 
+import msgspec
 from vllm.sampling_params import SamplingParams
 
-from tandem.llm.protocols import CompletionUsage, FinishReason, LLMEngineOutput, PreprocessedRequest
+from tandem.llm.protocols import PreprocessedRequest
 from tandem.runtime import Context
 from tandem.runtime.errors import InvalidRequestError
 from tandem.vllm.abort import abort_monitor
+from tandem.vllm.embedding_transfer import NixlOffers, NixlReader, load_stored
 from tandem.vllm.handlers import BaseWorkerHandler
-from tandem.worker.encoders import Encoders
+from tandem.worker.encoders import NIXL_READ_ANNOTATION, EncodedImage, EncodedImages, Encoders
+
+log = logging.getLogger(__name__)
+
+STORED_FILE = "encoder_cache.safetensors"  # ECExampleConnector's file of one image, under its digest's folder
 
 
 class EncoderWorkerHandler(BaseWorkerHandler):
     """The encoder worker: each request's images through the engine's vision encoder, stored by the engine's
-    connector (the producer's engine answers without generating); one output says it is done."""
+    connector (the producer's engine answers without generating); one answer says where each output is."""
 
-    async def generate(self, request: PreprocessedRequest, context: Context) -> AsyncIterator[LLMEngineOutput]:
+    # The connector's directory when its files can be named (ECExampleConnector), set by main
+    storage: str | None = None
+    # With --embedding-transfer-mode nixl-read: the outputs offered for consumers' NIXL reads, set by main
+    offers: NixlOffers | None = None
+
+    async def generate(self, request: PreprocessedRequest, context: Context) -> AsyncIterator[EncodedImages]:
         media = request.multi_modal_data
         if media is None:
             raise InvalidRequestError("multi_modal_data: an encoder worker takes requests with images")
-        prompt, prompt_len = await self._multimodal_prompt(request, media)
+        prompt, _ = await self._multimodal_prompt(request, media)
         request_id = context.id()
         async with abort_monitor(self.engine_client, context, request_id, self.shutdown_event) as monitor:
             async for _ in monitor.stream(self.engine_client.generate(prompt, SamplingParams(max_tokens=1),
                                                                       request_id)):
                 pass
-        yield LLMEngineOutput([], finish_reason=FinishReason.STOP, completion_usage=CompletionUsage.of(prompt_len, 0))
+        storage = self.storage
+        images = [EncodedImage(digest, os.path.join(storage, digest, STORED_FILE) if storage else None)
+                  for digest in prompt["multi_modal_uuids"]["image"]]
+        if NIXL_READ_ANNOTATION in request.annotations:
+            yield EncodedImages(await self._offered(images))
+            return
+        yield EncodedImages(images)
+
+    async def _offered(self, images: list[EncodedImage]) -> list[EncodedImage]:
+        """The images with their outputs offered for NIXL reads (read from the connector's files here)."""
+        offers = self.offers
+        if offers is None:
+            raise InvalidRequestError("this encoder offers no NIXL reads: start it with --embedding-transfer-mode "
+                                      "nixl-read")
+        for image in images:
+            if image.path is None:
+                raise InvalidRequestError("this encoder's connector keeps no file to offer (not ECExampleConnector)")
+            image.nixl = offers.offer(await asyncio.to_thread(load_stored, image.path))
+        return images
 
 
 class StoredEncoderOutputs:
@@ -50,7 +88,43 @@ class StoredEncoderOutputs:
 
     async def encode(self, request: PreprocessedRequest, digests: list[str]) -> bool:
         if self.storage is not None and all(
-                os.path.isfile(os.path.join(self.storage, digest, "encoder_cache.safetensors")) for digest in digests):
+                os.path.isfile(os.path.join(self.storage, digest, STORED_FILE)) for digest in digests):
             self.reused += 1
             return True
         return await self.encoders.encode(request)
+
+
+class EncoderEmbeddings:
+    """A consumer's images as their encoder outputs (--embedding-transfer-mode): an encoder encodes them and
+    hands over each output, by its file (local) or by a NIXL read (`reader`). None, logged, when the encoder
+    could not or an output cannot be had: the worker then gives its engine the images."""
+
+    def __init__(self, encoders: Encoders, dtype: Any, reader: NixlReader | None = None) -> None:
+        self.encoders = encoders
+        self.dtype = dtype
+        self.reader = reader
+        self.loaded = 0  # requests whose images came as encoder outputs
+
+    async def embed(self, request: PreprocessedRequest) -> tuple[list[Any], list[str]] | None:
+        """(one tokens x hidden tensor per image, their digests), or None."""
+        if self.reader is not None:
+            request = msgspec.structs.replace(request, annotations=[*request.annotations, NIXL_READ_ANNOTATION])
+        images = await self.encoders.embed(request)
+        if images is None:
+            return None
+        try:
+            tensors = [(await self._read(image)).to(self.dtype) for image in images]
+        except (OSError, ValueError, RuntimeError) as e:
+            log.warning("the encoder's outputs cannot be had here (%s): this worker encodes the images", e)
+            return None
+        self.loaded += 1
+        return tensors, [image.digest for image in images]
+
+    async def _read(self, image: EncodedImage) -> Any:
+        if self.reader is not None:
+            if image.nixl is None:
+                raise ValueError("the encoder offered no NIXL read (start it with --embedding-transfer-mode nixl-read)")
+            return await self.reader.read(image.nixl)
+        if image.path is None:
+            raise ValueError("the encoder stored its outputs where no file names them (not ECExampleConnector)")
+        return await asyncio.to_thread(load_stored, image.path)

@@ -17,6 +17,12 @@ if TYPE_CHECKING:
 
 # vLLM's encoder-cache connector that keeps each image's encoder output in a file under a shared directory.
 EC_EXAMPLE_CONNECTOR = "ECExampleConnector"
+# How an encoder's outputs reach a consumer that takes them as embeddings: by file, or read by NIXL from the
+# encoder's memory (embedding_transfer.py); Dynamo's nixl-write (the encoder writes) is not built.
+LOCAL_TRANSFER = "local"
+NIXL_READ = "nixl-read"
+NIXL_WRITE = "nixl-write"
+TRANSFER_MODES = (LOCAL_TRANSFER, NIXL_WRITE, NIXL_READ)
 
 ENCODER_OPTIONS = (
     Option("vllm_native_encoder_worker", ("--vllm-native-encoder-worker",), ("DYN_VLLM_NATIVE_ENCODER_WORKER",),
@@ -31,6 +37,11 @@ ENCODER_OPTIONS = (
     Option("ec_consumer_mode", ("--ec-consumer-mode",), ("DYN_VLLM_EC_CONSUMER_MODE",),
            "an aggregated or prefill worker that has each request's images encoded by an encoder worker and "
            "loads their encoder output from the connector (it encodes them itself when no encoder can)", kind=bool),
+    Option("embedding_transfer_mode", ("--embedding-transfer-mode",), ("DYN_VLLM_EMBEDDING_TRANSFER_MODE",),
+           "a consumer takes its images' encoder outputs from the encoder as embeddings (never reading the "
+           "images), local: from the files the encoder names, nixl-read: read from the encoder's memory by NIXL "
+           "(unset: its engine loads them through the encoder-cache connector); on an encoder: the hand-off it "
+           "offers", kind=str, choices=TRANSFER_MODES, casefold=True),
     Option("multimodal_embedding_cache_capacity_gb", ("--multimodal-embedding-cache-capacity-gb",),
            ("DYN_MULTIMODAL_EMBEDDING_CACHE_CAPACITY_GB",),
            "host memory (GB) that keeps the encoder outputs of recent images, least recently used dropped "
@@ -45,6 +56,10 @@ def check_encoder_cache(config: Config) -> None:
                         ("--ec-consumer-mode", config.ec_consumer_mode),
                         ("--multimodal-embedding-cache-capacity-gb", config.multimodal_embedding_cache_capacity_gb > 0)),
                        config.enable_multimodal, "each uses the engine's one encoder-cache connector; choose one")
+    if config.embedding_transfer_mode is not None and role not in ("--vllm-native-encoder-worker",
+                                                                   "--ec-consumer-mode"):
+        raise ValueError("--embedding-transfer-mode: for an encoder worker (--disaggregation-mode encode) or its "
+                         "consumer (--route-to-encoder)")
     if role is None:
         return
     if config.embedding_worker or config.use_vllm_tokenizer:
@@ -59,6 +74,10 @@ def check_encoder_cache(config: Config) -> None:
             raise ValueError(f"{', '.join(given)}: the embedding cache is its own connector, in host memory; these "
                              "configure the encoder worker's connector")
         return
+    if config.embedding_transfer_mode is not None:
+        _check_embedding_transfer(config, role)
+        if config.ec_consumer_mode:
+            return  # no connector of its own: it reads the files the encoder names
     if config.ec_connector_backend == EC_EXAMPLE_CONNECTOR and not config.ec_storage_path:
         raise ValueError(f"{role} with --ec-connector-backend {EC_EXAMPLE_CONNECTOR} needs --ec-storage-path "
                          "(a directory the encoder and its consumers share)")
@@ -69,6 +88,23 @@ def check_encoder_cache(config: Config) -> None:
             raise ValueError(f"--ec-extra-config is not JSON: {e}") from None
         if not isinstance(extra, dict):
             raise ValueError("--ec-extra-config must be a JSON object")
+
+
+def _check_embedding_transfer(config: Config, role: str) -> None:
+    mode = config.embedding_transfer_mode
+    if mode == NIXL_WRITE:
+        raise ValueError(f"--embedding-transfer-mode {mode}: the encoder writing into its consumer's memory is not "
+                         f"built; use {NIXL_READ} (the consumer reads from the encoder's memory by NIXL) or "
+                         f"{LOCAL_TRANSFER} (files on a filesystem the encoder and its consumers share)")
+    if config.ec_connector_backend != EC_EXAMPLE_CONNECTOR:
+        raise ValueError(f"--embedding-transfer-mode {mode} hands over what --ec-connector-backend "
+                         f"{EC_EXAMPLE_CONNECTOR} stores in files, not {config.ec_connector_backend}'s outputs")
+    if config.ec_consumer_mode:
+        given = [flag for flag, value in (("--ec-storage-path", config.ec_storage_path),
+                                          ("--ec-extra-config", config.ec_extra_config)) if value]
+        if given:
+            raise ValueError(f"{', '.join(given)} with --embedding-transfer-mode: a consumer taking embeddings has "
+                             "no encoder-cache connector; it reads the files its encoder names")
 
 
 def ec_transfer_config(config: Config) -> Any:
@@ -83,6 +119,8 @@ def ec_transfer_config(config: Config) -> Any:
                                 ec_connector_extra_config={CAPACITY_KEY: capacity})
     if not (config.vllm_native_encoder_worker or config.ec_consumer_mode):
         return None
+    if config.ec_consumer_mode and config.embedding_transfer_mode is not None:
+        return None  # the encoder outputs come with the request, as embeddings
 
     extra = json.loads(config.ec_extra_config) if config.ec_extra_config else {}
     if config.ec_storage_path:

@@ -178,6 +178,9 @@ class BaseWorkerHandler:
         # --ec-consumer-mode: has an encoder worker store the encoder outputs of a request's images, given with
         # their content digests (set by main)
         self.encode_images: Callable[[PreprocessedRequest, list[str]], Awaitable[bool]] | None = None
+        # --embedding-transfer-mode: a request's images as an encoder's outputs (tensors, digests), None when
+        # the encoder could not (set by main)
+        self.embed_images: Callable[[PreprocessedRequest], Awaitable[tuple[list[Any], list[str]] | None]] | None = None
         self.on_sleep: Callable[[], Awaitable[None]] | None = None  # leave / rejoin discovery, set by main
         self.on_wake: Callable[[], Awaitable[None]] | None = None
 
@@ -217,13 +220,7 @@ class BaseWorkerHandler:
         """The token prompt with its images, fetched and decoded here; the engine expands each image's one
         placeholder token into the image's tokens. The images' content digests are their identities in the
         engine's prefix cache, so the same image shares cached blocks across requests and another does not."""
-        if not self.config.enable_multimodal:
-            raise InvalidRequestError("Received multimodal data but multimodal processing is not enabled: start the "
-                                      "worker with --enable-multimodal")
-        if media.video_url:
-            raise InvalidRequestError("multi_modal_data.video_url: video input is not supported yet")
-        if not media.image_url:
-            raise InvalidRequestError("multi_modal_data: no image_url items")
+        self._check_media(media)
         try:
             if self._images is None:
                 self._images = ImageLoader(ImageLimits(allow_private=self.config.allow_private_media_urls))
@@ -234,6 +231,29 @@ class BaseWorkerHandler:
         tokens["multi_modal_data"] = {"image": [loaded.image for loaded in images]}
         tokens["multi_modal_uuids"] = {"image": [loaded.digest for loaded in images]}
         return tokens, prompt_len
+
+    def _check_media(self, media: MultiModalData) -> None:
+        if not self.config.enable_multimodal:
+            raise InvalidRequestError("Received multimodal data but multimodal processing is not enabled: start the "
+                                      "worker with --enable-multimodal")
+        if media.video_url:
+            raise InvalidRequestError("multi_modal_data.video_url: video input is not supported yet")
+        if not media.image_url:
+            raise InvalidRequestError("multi_modal_data: no image_url items")
+
+    async def _images_prompt(self, request: PreprocessedRequest, media: MultiModalData) -> tuple[Any, int]:
+        """The token prompt with the images' encoder outputs when an encoder hands them over, else with the
+        images themselves (for the engine to encode)."""
+        if self.embed_images is not None:
+            self._check_media(media)
+            embedded = await self.embed_images(request)
+            if embedded is not None:
+                tensors, digests = embedded
+                tokens, prompt_len = self._prompt(request)
+                tokens["multi_modal_data"] = {"image": tensors}
+                tokens["multi_modal_uuids"] = {"image": digests}
+                return tokens, prompt_len
+        return await self._multimodal_prompt(request, media)
 
     async def close_images(self) -> None:
         if self._images is not None:
@@ -262,7 +282,7 @@ class BaseWorkerHandler:
                 # Loading a tensor of thousands of embeddings takes a while: not on the event loop.
                 prompt, prompt_len = await asyncio.to_thread(self._prompt, request)
             elif media is not None:
-                prompt, prompt_len = await self._multimodal_prompt(request, media)
+                prompt, prompt_len = await self._images_prompt(request, media)
             else:
                 prompt, prompt_len = self._prompt(request)
         except InvalidRequestError:

@@ -22,8 +22,9 @@ from tandem.runtime.config import ConfigError
 from tandem.vllm.args import Config, dump_config, parse_args
 from tandem.vllm.bos_token import bos_token_id_of
 from tandem.vllm.checkpoint_restore import get_checkpoint_config
-from tandem.vllm.encoder import EncoderWorkerHandler, StoredEncoderOutputs
-from tandem.vllm.encoder_cache import EC_EXAMPLE_CONNECTOR
+from tandem.vllm.embedding_transfer import NixlOffers, NixlReader
+from tandem.vllm.encoder import EncoderEmbeddings, EncoderWorkerHandler, StoredEncoderOutputs
+from tandem.vllm.encoder_cache import EC_EXAMPLE_CONNECTOR, NIXL_READ
 from tandem.vllm.engine_monitor import VllmEngineMonitor
 from tandem.vllm.forward_pass import ForwardPasses, ForwardPassLoggerFactory, enable_iteration_details
 from tandem.vllm.handlers import DisaggMetrics, handler_class
@@ -58,6 +59,8 @@ def setup_vllm_engine(config: Config, stat_loggers: list[Any] | None = None) -> 
     vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
     if config.enable_multimodal:
         _image_token_id(vllm_config.model_config)  # before the engine starts: a text-only model is refused now
+    if config.ec_consumer_mode and config.embedding_transfer_mode is not None:
+        _check_takes_image_embeddings(vllm_config)
     engine = AsyncLLM.from_vllm_config(
         vllm_config=vllm_config, usage_context=UsageContext.OPENAI_API_SERVER, stat_loggers=stat_loggers or None,
         enable_log_requests=False, disable_log_stats=False,
@@ -160,10 +163,20 @@ async def _serve(config: Config, runtime: DistributedRuntime, shutdown_event: as
         runtime.add_shutdown_hook(handler.close_images)  # the image fetcher's connections
         if config.ec_consumer_mode:
             encoders = Encoders(runtime, config.namespace)
-            stored = StoredEncoderOutputs(encoders, config.ec_storage_path
-                                          if config.ec_connector_backend == EC_EXAMPLE_CONNECTOR else None)
-            handler.encode_images = stored.encode
+            if config.embedding_transfer_mode is not None:
+                reader = NixlReader() if config.embedding_transfer_mode == NIXL_READ else None
+                handler.embed_images = EncoderEmbeddings(encoders, vllm_config.model_config.dtype, reader).embed
+            else:
+                stored = StoredEncoderOutputs(encoders, config.ec_storage_path
+                                              if config.ec_connector_backend == EC_EXAMPLE_CONNECTOR else None)
+                handler.encode_images = stored.encode
             runtime.add_shutdown_hook(encoders.close)
+        if isinstance(handler, EncoderWorkerHandler) and config.ec_connector_backend == EC_EXAMPLE_CONNECTOR:
+            handler.storage = config.ec_storage_path
+            if config.embedding_transfer_mode == NIXL_READ:
+                handler.offers = NixlOffers()
+                handler.offers.start()
+                runtime.add_shutdown_hook(handler.offers.stop)
         monitor = VllmEngineMonitor(runtime, engine, shutdown_event)
         monitor.start()
 
@@ -291,6 +304,35 @@ async def _image_prompt(engine: Any, token_id: int) -> ImagePrompt | None:
         log.info("the model's image prompt depends on the image: the KV router hashes images unexpanded")
         return None
     return seen[0]
+
+
+def _check_takes_image_embeddings(vllm_config: Any) -> None:
+    """ConfigError unless vLLM's input processor of the model takes an image given as its encoder output (what
+    a consumer with --embedding-transfer-mode gives its engine), asked before the engine starts: the size of
+    one image's output is asked with an image, then a tensor of that size is offered (no model run)."""
+    import torch
+    from PIL import Image
+    from vllm import SamplingParams
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    model_config = vllm_config.model_config
+    token_id = _image_token_id(model_config)
+
+    def process(processor: Any, name: str, image: Any) -> Any:
+        prompt = {"prompt_token_ids": [token_id], "multi_modal_data": {"image": image},
+                  "multi_modal_uuids": {"image": [name]}}
+        return processor.process_inputs(name, prompt, SamplingParams(max_tokens=1), ("generate",))
+
+    try:
+        processor = InputProcessor(vllm_config)
+        features = process(processor, "tandem-embeddings-probe-image", Image.new("RGB", (64, 48))).mm_features or []
+        embeds = features[0].mm_position.get_num_embeds()
+        process(processor, "tandem-embeddings-probe",
+                [torch.zeros(embeds, model_config.get_inputs_embeds_size(), dtype=model_config.dtype)])
+    except Exception as e:  # noqa: BLE001 - whatever the processor says, the worker cannot serve this way
+        raise ConfigError(f"--embedding-transfer-mode: {model_config.model}'s vLLM processor does not take an image "
+                          f"as its encoder output ({type(e).__name__}: {e}); use --route-to-encoder without it (the "
+                          "engine loads encoder outputs through the encoder-cache connector)") from None
 
 
 def _offset_port(endpoint: str, dp_rank: int) -> str:

@@ -3,7 +3,10 @@
 and answers once they are done (where the outputs go is the engine's business: vLLM's encoder-cache connector,
 or nowhere in a simulation). A consumer (an aggregated or prefill worker in --ec-consumer-mode) sends each request with
 images to an encoder first and never depends on one: with none reachable, or one that fails or stalls, it
-encodes the images itself."""
+encodes the images itself.
+
+An encoder's answer ends with `EncodedImages`: where each image's encoder output is, so that a consumer taking
+embeddings (--embedding-transfer-mode) gives its engine those instead of the image."""
 
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
+
+import msgspec
 
 from tandem.llm.protocols import LLMEngineOutput, PreprocessedRequest
 from tandem.runtime import Context
@@ -33,6 +38,36 @@ def chosen_role(roles: Sequence[tuple[str, bool]], multimodal: bool, why: str) -
     return given[0] if given else None
 
 
+# What a consumer adds to the annotations of the request it sends an encoder to have the encoder outputs
+# offered for a NIXL read (`NixlTensor`); without it an encoder names their files.
+NIXL_READ_ANNOTATION = "embedding_transfer:nixl-read"
+
+
+class NixlTensor(msgspec.Struct):
+    """A tensor in another process's memory, registered with its NIXL agent for others to READ."""
+
+    agent: str  # the holder's agent name
+    metadata: bytes  # the holder agent's metadata, for a reader that has not met it yet
+    descs: bytes  # the serialized descriptors of the tensor's memory
+    shape: list[int]
+    dtype: str  # torch's name of the element type, e.g. "float32"
+    done: bytes  # the notification the reader sends once done, so the holder lets the tensor go
+
+
+class EncodedImage(msgspec.Struct):
+    """One image's encoder output (the embeddings the model puts in place of the image's tokens)."""
+
+    digest: str  # the image's content digest: its identity in the engines' prefix caches
+    path: str | None = None  # a safetensors file holding one (tokens x hidden) tensor; None: not in a file
+    nixl: NixlTensor | None = None  # the same tensor offered for a NIXL read, when the consumer asked for it
+
+
+class EncodedImages(msgspec.Struct, tag="encoded_images"):
+    """An encoder's last answer: its request's images, in the prompt's order."""
+
+    images: list[EncodedImage]
+
+
 class Encoders:
     """A consumer's way to its encoder workers (found in discovery under `component`, taken in turn)."""
 
@@ -44,23 +79,47 @@ class Encoders:
     async def encode(self, request: PreprocessedRequest) -> bool:
         """Have an encoder encode the request's images: True once it has; on any failure, log it and return
         False (the engine then encodes them itself)."""
+        return await self._ask(request) is not None
+
+    async def embed(self, request: PreprocessedRequest) -> list[EncodedImage] | None:
+        """Have an encoder encode the request's images and say where their outputs are (one per image, in
+        order); None, logged, when it could not (the engine then encodes them itself)."""
+        last = await self._ask(request)
+        try:
+            answer = msgspec.convert(last, EncodedImages) if last is not None else None
+        except msgspec.ValidationError as e:
+            log.warning("the encoder's answer names no encoder outputs (%s): this worker encodes the images", e)
+            answer = None
+        media = request.multi_modal_data
+        wanted = len(media.image_url) if media is not None else 0
+        if answer is None or len(answer.images) != wanted:
+            if answer is not None:
+                log.warning("the encoder answered %d encoder outputs for %d images: this worker encodes them",
+                            len(answer.images), wanted)
+            return None
+        return answer.images
+
+    async def _ask(self, request: PreprocessedRequest) -> Any:
+        """The encoder's last answer for the request; None, logged and counted, when it failed."""
         if self._client is None:
             self._client = await self._endpoint.client()
+        last: Any = None
         try:
             async with asyncio.timeout(ENCODE_TIMEOUT_S):
                 stream = await self._client.round_robin(request, Context())
                 async for item in stream:
                     if isinstance(item, dict) and item.get("finish_reason") == "error":
                         raise RuntimeError(item.get("error") or "the encoder failed")
+                    last = item
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - whatever went wrong, the engine can still encode
             self.fell_back += 1
             log.warning("images not encoded by an encoder worker (%s: %s): this worker encodes them",
                         type(e).__name__, e)
-            return False
+            return None
         self.encoded += 1
-        return True
+        return last if last is not None else {}
 
     async def close(self) -> None:
         if self._client is not None:

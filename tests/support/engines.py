@@ -221,6 +221,8 @@ GROUPS: dict[str, tuple[EngineSpec, ...]] = {
                       EngineSpec(("--is-decode-worker",), 1, DISAGG_ARGS)),
     "embedding": (EngineSpec((), 0, EMBEDDING_ARGS),),
     "vision": (EngineSpec(("--multimodal-embedding-cache-capacity-gb", "0.01"), 0, VISION_ARGS),),
+    # The tiny BLIP-2 (vision_model.build_blip2), whose engines its tests start themselves.
+    "blip2": (),
 }
 GROUP_ENV: dict[str, Callable[[EnginePool], dict[str, str]]] = {
     # Adapters load from under DYN_LORA_PATH only; a fixed hash seed keeps vLLM's block hashes stable.
@@ -229,6 +231,7 @@ GROUP_ENV: dict[str, Callable[[EnginePool], dict[str, str]]] = {
     "disaggregated": lambda pool: {"DYN_LORA_ENABLED": "true", "DYN_LORA_PATH": str(pool.lora_root)},
     "embedding": lambda pool: {},
     "vision": lambda pool: {},
+    "blip2": lambda pool: {},
 }
 
 
@@ -240,12 +243,13 @@ class EnginePool:
         self.model_path = model_path
         self.lora_root = lora_root  # adapters load from under it only (DYN_LORA_PATH)
         self.groups: dict[str, EngineGroup] = {}
-        self._vision_model: str | None = None
+        self._models: dict[str, str] = {}  # the test models built, by their builder's flag
 
     def group(self, name: str) -> EngineGroup:
         group = self.groups.get(name)
         if group is None:
-            model_path = self.vision_model() if name == "vision" else self.model_path
+            model_path = (self.vision_model() if name == "vision" else self.vision_model("--blip2") if name == "blip2"
+                          else self.model_path)
             group = self.groups[name] = EngineGroup(name, self._root(name), model_path, GROUPS[name],
                                                     GROUP_ENV[name](self))
         try:
@@ -255,14 +259,16 @@ class EnginePool:
             raise
         return group
 
-    def vision_model(self) -> str:
-        """The tiny vision-language model's folder, built on first use (a few seconds, random weights)."""
-        if self._vision_model is None:
+    def vision_model(self, *builder_args: str) -> str:
+        """The tiny vision-language model's folder (or, with `--blip2`, the tiny BLIP-2's), built on first use
+        (a few seconds, random weights)."""
+        key = " ".join(builder_args)
+        if key not in self._models:
             folder = self._root("vision-model")
-            subprocess.run([sys.executable, "-m", "tests.support.vision_model", str(folder), self.model_path],
-                           check=True, cwd=REPO, timeout=300)
-            self._vision_model = str(folder)
-        return self._vision_model
+            subprocess.run([sys.executable, "-m", "tests.support.vision_model", str(folder), self.model_path,
+                            *builder_args], check=True, cwd=REPO, timeout=300)
+            self._models[key] = str(folder)
+        return self._models[key]
 
     def release(self, name: str) -> None:
         group = self.groups.pop(name, None)

@@ -24,11 +24,14 @@ def data_url(data: bytes, media_type: str = "image/png") -> str:
 
 
 @contextmanager
-def png_server() -> Iterator[str]:
-    """A loopback HTTP server of `png(color)` at /<color>.png; yields its base URL."""
+def png_server(fetched: list[str] | None = None) -> Iterator[str]:
+    """A loopback HTTP server of `png(color)` at /<color>.png; yields its base URL. Each request's path is
+    appended to `fetched`."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            if fetched is not None:
+                fetched.append(self.path)
             try:
                 body = png(Path(self.path).stem)
             except ValueError:  # not a colour: a missing image

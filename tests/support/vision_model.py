@@ -8,7 +8,7 @@ patches) and a pixel shuffle of 2: each image is 16 `<image>` tokens wrapped in 
 and `<global-img>` (no image splitting, so the count does not depend on the image's size). The tokenizer is
 SmolLM2's with Idefics3's image tokens added; the chat template puts one `<image>` where each image part is.
 
-    python -m tests.support.vision_model OUT_FOLDER SMOLLM2_FOLDER [--vision-tower LAYERS:HIDDEN]
+    python -m tests.support.vision_model OUT_FOLDER SMOLLM2_FOLDER [--vision-tower LAYERS:HIDDEN] [--blip2]
 
 `--vision-tower` makes the vision tower bigger (its layers and width; the default is 2:64) for benchmarks where
 the encoder's cost should weigh; the image's tokens and the text side stay the same.
@@ -65,6 +65,43 @@ def build(out: Path, smollm2: Path, vision_layers: int = 2, vision_hidden: int =
     tokenizer.save_pretrained(out)
 
 
+BLIP2_QUERY_TOKENS = 16  # an image's tokens in BLIP-2's prompt (its Q-Former's queries), whatever the image
+
+
+def build_blip2(out: Path, smollm2: Path) -> None:
+    """A tiny BLIP-2 (OPT text model, 2 layers each side, a 1-layer Q-Former), SmolLM2's tokenizer with `<image>`
+    added. Its vLLM processor takes an image as its encoder output (the Idefics3 above does not), which
+    --embedding-transfer-mode needs; vLLM puts an image's 16 tokens at the start of the prompt."""
+    import torch
+    from transformers import (
+        AutoTokenizer,
+        Blip2Config,
+        Blip2ForConditionalGeneration,
+        Blip2Processor,
+        OPTConfig,
+    )
+    from transformers.models.blip.image_processing_pil_blip import BlipImageProcessorPil
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    text = OPTConfig(vocab_size=len(tokenizer), hidden_size=128, ffn_dim=256, num_hidden_layers=2,
+                     num_attention_heads=2, word_embed_proj_dim=128, max_position_embeddings=2048,
+                     bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                     pad_token_id=tokenizer.pad_token_id)
+    vision = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+              "image_size": IMAGE_SIZE, "patch_size": PATCH_SIZE}
+    qformer = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
+               "encoder_hidden_size": 64, "vocab_size": 100}
+    config = Blip2Config(vision_config=vision, qformer_config=qformer, text_config=text.to_dict(),
+                         num_query_tokens=BLIP2_QUERY_TOKENS, image_token_index=tokenizer.convert_tokens_to_ids("<image>"))
+    torch.manual_seed(0)
+    Blip2ForConditionalGeneration(config).to(torch.float32).save_pretrained(out)
+    images = BlipImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    Blip2Processor(image_processor=images, tokenizer=tokenizer, num_query_tokens=BLIP2_QUERY_TOKENS).save_pretrained(out)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(out)
+
+
 def build_text_side(out: Path, smollm2: Path) -> None:
     """What a frontend and the mocker read of the model (no weights, no torch): SmolLM2's files with the
     image tokens added to its tokenizer, `image_token_id` in its config, and the image-placing template."""
@@ -95,6 +132,10 @@ if __name__ == "__main__":
     parser.add_argument("out", type=Path)
     parser.add_argument("smollm2", type=Path)
     parser.add_argument("--vision-tower", default="2:64", metavar="LAYERS:HIDDEN")
+    parser.add_argument("--blip2", action="store_true", help="the tiny BLIP-2 instead (build_blip2)")
     args = parser.parse_args()
     layers, hidden = (int(part) for part in args.vision_tower.split(":"))
-    build(args.out, args.smollm2, layers, hidden)
+    if args.blip2:
+        build_blip2(args.out, args.smollm2)
+    else:
+        build(args.out, args.smollm2, layers, hidden)

