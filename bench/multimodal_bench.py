@@ -10,6 +10,8 @@ system at a time.
     python bench/multimodal_bench.py --encoder               # tandem as an encoder worker + a consumer worker
     python bench/multimodal_bench.py --encoder --vision-tower 12:768   # ... with a vision tower that weighs
     python bench/multimodal_bench.py --disagg                # tandem as a prefill and a decode worker (NIXL)
+    python bench/multimodal_bench.py --model-kind blip2 --encoder --embedding-transfer nixl-read
+                                                             # encoder outputs handed over as embeddings
 
 Model: the tiny Idefics3 of tests/support/vision_model.py (random weights: a 2-layer Llama with SmolLM2's
 tokenizer, a 2-layer vision tower of 128 px images, 16 px patches, pixel shuffle 2), built once per run from
@@ -87,15 +89,28 @@ import msgspec
 from _common import Proc, fmt, model_path, pct
 from _serve_compare import ENGINE_CORE, FRONT_CORE, BadResponse, System, make_texts
 
-MODEL_NAME = "tiny-idefics3"
 NAMESPACE = "mmbench"
 KV_BYTES = 128 << 20
 MAX_TOKENS = 16
 MAX_IMAGES = 4
-ENGINE_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--limit-mm-per-prompt",
-               f'{{"image": {MAX_IMAGES}}}', "--kv-cache-memory-bytes", str(KV_BYTES), "--block-size", "32",
-               "--enable-prefix-caching"]
-IMAGE_TOKENS = 16 + 3  # per image: its <image> tokens and the 3 wrappers (tests/support/vision_model.py)
+
+
+class Model(NamedTuple):
+    name: str  # the served name
+    builder_args: tuple[str, ...]  # tests/support/vision_model.py's flags
+    max_images: int  # per prompt
+
+
+# Idefics3: each image 16 <image> tokens and 3 wrappers. BLIP-2: 16 tokens at the prompt's start, one image per
+# prompt; its vLLM processor takes images as their encoder outputs (--embedding-transfer).
+MODELS = {"idefics3": Model("tiny-idefics3", (), MAX_IMAGES), "blip2": Model("tiny-blip2", ("--blip2",), 1)}
+_model = [MODELS["idefics3"]]  # --model-kind chooses
+
+
+def engine_args() -> list[str]:
+    return ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--limit-mm-per-prompt",
+            f'{{"image": {_model[0].max_images}}}', "--kv-cache-memory-bytes", str(KV_BYTES), "--block-size", "32",
+            "--enable-prefix-caching"]
 SIZES = [(96, 64), (64, 96), (128, 128), (160, 120), (200, 150), (256, 192), (192, 256), (256, 256)]
 LEAD_TOKENS = 80  # repeated: the lead-in every request shares after the image
 CONCURRENCIES = (1, 4)
@@ -148,12 +163,12 @@ _decode = msgspec.json.Decoder(_Chunk).decode
 
 # -- model, images, texts --------------------------------------------------------------------------------
 def build_model(folder: str, vision_tower: str) -> str:
-    """The tiny Idefics3 in `folder` with a LAYERS:HIDDEN vision tower, built there unless it is already (a few
-    seconds; fixed seed)."""
+    """The tiny Idefics3 (or BLIP-2, --model-kind) in `folder` with a LAYERS:HIDDEN vision tower (Idefics3),
+    built there unless it is already (a few seconds; fixed seed)."""
     if not os.path.exists(os.path.join(folder, "model.safetensors")):
         print(f"building the tiny vision-language model in {folder}", file=sys.stderr, flush=True)
         subprocess.run([sys.executable, "-m", "tests.support.vision_model", folder, model_path(),
-                        "--vision-tower", vision_tower],
+                        "--vision-tower", vision_tower, *_model[0].builder_args],
                        check=True, cwd=_common.REPO, timeout=600, stdout=subprocess.DEVNULL)
     return folder
 
@@ -251,33 +266,40 @@ def request_body(shape: Shape, images: Images, texts: Texts, probe: bool = False
                                    for n in names]
     parts.append({"type": "text", "text": text})
     return msgspec.json.encode({
-        "model": MODEL_NAME, "messages": [{"role": "user", "content": parts}], "max_tokens": MAX_TOKENS,
+        "model": _model[0].name, "messages": [{"role": "user", "content": parts}], "max_tokens": MAX_TOKENS,
         "ignore_eos": True, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}})
 
 
 # -- the two deployments ------------------------------------------------------------------------------
-def start(impl: str, model: str, workdir: str, probe: bytes, extra: list[str], encoder: bool, disagg: bool) -> System:
+def start(impl: str, model: str, workdir: str, probe: bytes, extra: list[str], encoder: bool, disagg: bool,
+          transfer: str | None) -> System:
     """One system up and serving the model (see bench/_serve_compare.py's System); `probe`: a request that must
     succeed before the system counts as serving; `extra`: more flags for vLLM's server or tandem's worker
     (diagnostics); `encoder`: tandem's worker in --ec-consumer-mode with an encoder worker (engine on core 1)
-    sharing a storage directory in `workdir`; `disagg`: tandem's worker a decode worker (engine on core 0) with a
+    sharing a storage directory in `workdir` (with `transfer`, the consumer takes the encoder outputs as
+    embeddings: --embedding-transfer-mode); `disagg`: tandem's worker a decode worker (engine on core 0) with a
     prefill worker (engine on core 1), the KV cache moving by NIXL."""
     store = os.path.join(workdir, "encoder-cache")
     images = ["--enable-multimodal", "--allow-private-media-urls"]
     second: tuple[str, list[str]] | None = None
     if encoder:
-        worker = [*images, "--connector", "none", "--ec-consumer-mode", "--ec-storage-path", store]
-        second = ("encoder", [*images, "--ec-storage-path", store, *ENGINE_ARGS, "--vllm-native-encoder-worker"])
+        encoder_args = [*images, "--ec-storage-path", store, *engine_args(), "--vllm-native-encoder-worker"]
+        if transfer is None:
+            worker = [*images, "--connector", "none", "--ec-consumer-mode", "--ec-storage-path", store]
+        else:
+            worker = [*images, "--connector", "none", "--ec-consumer-mode", "--embedding-transfer-mode", transfer]
+            encoder_args += ["--embedding-transfer-mode", transfer]
+        second = ("encoder", encoder_args)
     elif disagg:
         worker = [*images, "--is-decode-worker"]
-        second = ("prefill", [*images, *ENGINE_ARGS, "--is-prefill-worker"])
+        second = ("prefill", [*images, *engine_args(), "--is-prefill-worker"])
     else:
         worker = [*images, "--connector", "none"]
     return System(
-        impl, workdir, model, MODEL_NAME, namespace=NAMESPACE,
-        vllm_args=[*ENGINE_ARGS, "--chat-template", os.path.join(model, "chat_template.jinja"),
+        impl, workdir, model, _model[0].name, namespace=NAMESPACE,
+        vllm_args=[*engine_args(), "--chat-template", os.path.join(model, "chat_template.jinja"),
                    "--enable-prompt-tokens-details", *extra],
-        tandem_args=[*worker, *ENGINE_ARGS, *extra], second_worker=second,
+        tandem_args=[*worker, *engine_args(), *extra], second_worker=second,
         tandem_env={"DYN_VLLM_KV_EVENT_PORT": str(registered_port())},  # not the default 20080 (tests run)
         ready_path="/v1/chat/completions", ready_body=probe, ready_timeout=60,
         accept=lambda body: check(200, body.split(b"\n\n"), []))
@@ -392,7 +414,8 @@ def run_system(impl: str, model: str, images: Images, texts: Texts, image_server
     extra = shlex.split(args.vllm_args if impl == "vllm" else args.tandem_args)
     probe = request_body(SHAPES["light"], images, texts, probe=True)
     with _serve_compare.serving(impl, NAMESPACE, args, lambda workdir: start(impl, model, workdir, probe, extra,
-                                                                                  args.encoder, args.disagg)) \
+                                                                                  args.encoder, args.disagg,
+                                                                                  args.embedding_transfer)) \
             as system:
         result: dict[str, Any] = {"start_s": system.start_s}
         print(f"  {impl} serving after {result['start_s']:.0f} s", file=sys.stderr, flush=True)
@@ -454,9 +477,11 @@ def report(summary: dict[str, Any], runs: dict[str, list[dict[str, Any]]], args:
     lines = [f"multimodal_bench: streamed /v1/chat/completions with images, {MAX_TOKENS} tokens out, "
              f"{args.duration:g} s (and at least {args.min_requests} requests) per workload, {args.rounds} round(s), "
              f"medians; engine on core {ENGINE_CORE}, front processes, image server and load generator on core "
-             f"{FRONT_CORE}", *([f"tandem: a worker in --ec-consumer-mode (engine on core {ENGINE_CORE}) and an encoder "
-                                f"worker (engine on core {FRONT_CORE}); engine CPU counts both engines"]
-                              if args.encoder else []),
+             f"{FRONT_CORE}; model {_model[0].name}",
+             *([f"tandem: a worker in --ec-consumer-mode (engine on core {ENGINE_CORE}) and an encoder "
+                f"worker (engine on core {FRONT_CORE}); engine CPU counts both engines"
+                + (f"; encoder outputs as embeddings, --embedding-transfer-mode {args.embedding_transfer}"
+                   if args.embedding_transfer else "")] if args.encoder else []),
              *([f"tandem: a decode worker (engine on core {ENGINE_CORE}) and a prefill worker (engine on core "
                 f"{FRONT_CORE}), the KV cache moving by NIXL; engine CPU counts both engines"] if args.disagg else []),
              ""]
@@ -508,7 +533,7 @@ def plot(summary: dict[str, Any], path: str) -> None:
                                             "#dd8452")):
             _serve_compare.ratio_bars(ax, [ratios[k][metric] for k in names], labels, colour, 7)
             ax.set_ylabel(ylabel, fontsize=8)
-        fig.suptitle("chat completions with images, tandem against vLLM's server (tiny Idefics3, float32, "
+        fig.suptitle(f"chat completions with images, tandem against vLLM's server ({_model[0].name}, float32, "
                      "1 engine core)", fontsize=10)
         return fig
 
@@ -529,6 +554,13 @@ def main() -> None:
     parser.add_argument("--encoder", action="store_true",
                         help="tandem as an encoder worker (its engine on core 1) and a worker in --ec-consumer-mode "
                              "(vLLM's encoder-cache connector) instead of one aggregated worker")
+    parser.add_argument("--model-kind", choices=sorted(MODELS), default="idefics3",
+                        help="the tiny model: Idefics3, or BLIP-2 (one image per prompt: the light, repeated and url "
+                             "workloads; its processor takes encoder outputs as embeddings) [idefics3]")
+    parser.add_argument("--embedding-transfer", choices=("local", "nixl-read"), default=None,
+                        help="with --encoder: the consumer takes the encoder outputs as embeddings this way "
+                             "(--embedding-transfer-mode; needs --model-kind blip2) instead of through vLLM's "
+                             "encoder-cache connector")
     parser.add_argument("--disagg", action="store_true",
                         help="tandem as a prefill worker (its engine on core 1) and a decode worker, the KV cache "
                              "moving by NIXL, instead of one aggregated worker")
@@ -543,9 +575,17 @@ def main() -> None:
     args = parser.parse_args()
     if args.encoder and args.disagg:
         parser.error("--encoder and --disagg: one second worker at a time (an encoder, or a prefill worker)")
+    if args.embedding_transfer and not (args.encoder and args.model_kind == "blip2"):
+        parser.error("--embedding-transfer needs --encoder and --model-kind blip2 (Idefics3's processor takes no "
+                     "image embeddings)")
+    _model[0] = MODELS[args.model_kind]
     _common.interrupt_on_sigterm()
     if args.workloads:
         _selected[:] = _serve_compare.select_workloads(parser, args.workloads, {key(*w): w for w in ALL_WORKLOADS})
+    elif _model[0].max_images == 1:
+        _selected[:] = [(name, c) for name, c in ALL_WORKLOADS if SHAPES[name].images == 1]
+    if any(SHAPES[name].images > _model[0].max_images for name, _ in _selected):
+        parser.error(f"{_model[0].name} takes {_model[0].max_images} image(s) per prompt: choose workloads with fewer")
     if (os.cpu_count() or 1) < 2:
         raise SystemExit("needs 2 cores: one for the engine, one for the front processes and the load generator")
     scratch = tempfile.mkdtemp(prefix="mmbench-")
@@ -574,7 +614,7 @@ def main() -> None:
     if args.plot and summary["ratios"]:
         plot(summary, args.plot)
     _common.write_json(args.json, {"runs": runs, **summary, "duration_s": args.duration,
-                                   "min_requests": args.min_requests, "engine_args": ENGINE_ARGS,
+                                   "min_requests": args.min_requests, "engine_args": engine_args(),
                                    "vllm_args": args.vllm_args, "tandem_args": args.tandem_args})
     if _serve_compare.error_count(summary):
         sys.exit(1)

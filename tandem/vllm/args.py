@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn, cast
 
@@ -45,6 +46,7 @@ from tandem.vllm.encoder_cache import (
     ec_transfer_config,
 )
 from tandem.vllm.engine_args import CPU_BLOCK_SIZE, GPU_BLOCK_SIZE, apply_engine_defaults
+from tandem.vllm.multimodal_roles import PROCESSOR_FLAGS, OlderRole, add_role_flags, older_role
 from tandem.worker.config import (
     CUSTOM_JINJA_TEMPLATE,
     DEFAULT_ENDPOINT_TYPES,
@@ -87,16 +89,9 @@ CPU_BLOCK_MULTIPLE = 32  # vLLM's CPU attention backend takes only multiples of 
 # cache and leaves room for a second engine on the same host.
 CPU_GPU_MEMORY_UTILIZATION = 0.3
 
-# Dynamo's other multimodal role flags (flag, env var, takes a value): understood, and refused until tandem builds
-# them, rather than accepted and ignored.
+# Dynamo's multimodal flags tandem does not build (flag, env var, takes a value): understood, and refused rather
+# than accepted and ignored.
 NOT_BUILT_FLAGS: tuple[tuple[str, str, bool], ...] = (
-    ("--multimodal-processor", "DYN_VLLM_MULTIMODAL_PROCESSOR", False),
-    ("--ec-processor", "DYN_VLLM_EC_PROCESSOR", False),
-    ("--multimodal-encode-worker", "DYN_VLLM_MULTIMODAL_ENCODE_WORKER", False),
-    ("--multimodal-worker", "DYN_VLLM_MULTIMODAL_WORKER", False),
-    ("--multimodal-decode-worker", "DYN_VLLM_MULTIMODAL_DECODE_WORKER", False),
-    ("--multimodal-encode-prefill-worker", "DYN_VLLM_MULTIMODAL_ENCODE_PREFILL_WORKER", False),
-    ("--mm-prompt-template", "DYN_VLLM_MM_PROMPT_TEMPLATE", True),
     ("--frontend-decoding", "DYN_VLLM_FRONTEND_DECODING", False),
     ("--omni", "DYN_VLLM_OMNI", False),
     ("--stage-configs-path", "DYN_VLLM_STAGE_CONFIGS_PATH", True),
@@ -310,10 +305,11 @@ def build_dynamo_parser() -> argparse.ArgumentParser:
 
     mm = parser.add_argument_group(
         "Dynamo vLLM Multimodal Role Options",
-        "the encoder-cache connector's roles; the other encode / prefill / decode roles are not built yet in "
-        "tandem: each is refused, naming it, with exit status 2")
+        "encoder workers and their consumers (Dynamo's older role flags are taken as these roles); the processor "
+        "roles, frontend decoding and vLLM-Omni are refused, naming the flag, with exit status 2")
     add_options(mm, ENCODER_OPTIONS, Config)
-    for flag, env, takes_value in NOT_BUILT_FLAGS:
+    add_role_flags(mm)
+    for flag, env, takes_value in (*PROCESSOR_FLAGS, *NOT_BUILT_FLAGS):
         if takes_value:
             mm.add_argument(flag, default=env_str(env), help=f"[env {env}]")
         else:
@@ -406,9 +402,8 @@ def build_config(argv: list[str] | None = None, *, is_cpu: bool | None = None, a
     model = ns.model
     refused = [flag for flag, _, _ in NOT_BUILT_FLAGS if getattr(dyn, flag[2:].replace("-", "_"))]
     if refused:
-        raise ValueError(f"{', '.join(refused)}: multimodal serving in separate roles (processor, encoder and decoder "
-                         "roles, the EC connector, vLLM-Omni) is not built yet in tandem; an aggregated worker takes "
-                         "images with --enable-multimodal")
+        raise ValueError(f"{', '.join(refused)}: not built in tandem (images decoded by the frontend, vLLM-Omni's "
+                         "multi-stage pipelines); a worker takes images with --enable-multimodal")
 
     # Validated first, with vLLM's parsed namespace standing in for the engine args (same attribute names):
     # the model is resolved (and the default model possibly converted) only for a valid command line.
@@ -421,11 +416,20 @@ def build_config(argv: list[str] | None = None, *, is_cpu: bool | None = None, a
     )
     apply_options(config, _DYNAMO_OPTIONS + _MEDIA_OPTIONS + _CPU_OPTIONS + ENCODER_OPTIONS, dyn)
     # The role, as --disaggregation-mode names it or its older shorthands do: one set of switches downstream.
-    mode = DisaggregationMode.of(DISAGGREGATION_MODE.value(dyn), config.is_prefill_worker, config.is_decode_worker)
+    older = older_role(dyn, config) or OlderRole()
+    named = DISAGGREGATION_MODE.value(dyn)
+    if older.mode is not None and named not in (None, older.mode):
+        raise ValueError(f"--disaggregation-mode {named} contradicts Dynamo's older role flag given (a "
+                         f"{older.mode} role)")
+    mode = DisaggregationMode.of(named or older.mode, config.is_prefill_worker, config.is_decode_worker)
     config.is_prefill_worker = mode is DisaggregationMode.PREFILL
     config.is_decode_worker = mode is DisaggregationMode.DECODE
-    config.ec_consumer_mode = consumer_role(mode, bool(ROUTE_TO_ENCODER.value(dyn)), config.ec_consumer_mode,
-                                            config.enable_multimodal)
+    config.ec_consumer_mode = older.consumer or consumer_role(
+        mode, bool(ROUTE_TO_ENCODER.value(dyn)), config.ec_consumer_mode, config.enable_multimodal)
+    config.embedding_transfer_mode = config.embedding_transfer_mode or older.transfer
+    if mode is DisaggregationMode.ENCODE and older.mode is not None and config.ec_storage_path is None:
+        # Dynamo's older encoder wrote its outputs to the host's temporary directory
+        config.ec_storage_path = os.path.join(tempfile.gettempdir(), "tandem-encoder-cache")
     if encoder_role(mode, config.enable_multimodal):
         config.vllm_native_encoder_worker = True
     config.namespace = config.runtime.namespace

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import threading
 from typing import Any
 
@@ -24,6 +25,7 @@ from tandem.vllm.args import (
     dump_config,
     parse_args,
 )
+from tandem.vllm.multimodal_roles import PROCESSOR_FLAGS
 
 # Variables the worker reads or sets; each test starts without them and leaves the environment as it was.
 _PREFIXES = ("DYN_", "VLLM_NIXL_SIDE_CHANNEL_", "VLLM_CPU_OMP_THREADS_BIND", "TANDEM_CPU_CORES", "VLLM_USE_AOT_COMPILE")
@@ -451,15 +453,68 @@ def test_the_embedding_cache(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize(("flag", "env", "takes_value"), NOT_BUILT_FLAGS)
-def test_multimodal_flags_are_refused_until_built(monkeypatch: pytest.MonkeyPatch, flag: str, env: str,
-                                                  takes_value: bool) -> None:
-    """Dynamo's multimodal flags are understood, and refused by name rather than accepted and ignored."""
+def test_multimodal_flags_not_built_are_refused(monkeypatch: pytest.MonkeyPatch, flag: str, env: str,
+                                                takes_value: bool) -> None:
+    """Dynamo's multimodal flags tandem does not build are understood, and refused by name rather than accepted
+    and ignored."""
     argv = [flag, "x"] if takes_value else [flag]
-    with pytest.raises(ValueError, match=f"^{flag}: multimodal serving .* is not built yet in tandem"):
+    with pytest.raises(ValueError, match=f"^{flag}: not built in tandem"):
         build(*argv)
     monkeypatch.setenv(env, "x" if takes_value else "1")  # the environment variable alike
-    with pytest.raises(ValueError, match=f"^{flag}: multimodal serving"):
+    with pytest.raises(ValueError, match=f"^{flag}: not built"):
         build()
+
+
+@pytest.mark.parametrize(("flag", "env", "takes_value"), PROCESSOR_FLAGS)
+def test_the_processor_roles_are_refused_saying_what_does_their_work(monkeypatch: pytest.MonkeyPatch, flag: str,
+                                                                     env: str, takes_value: bool) -> None:
+    argv = [flag, "x"] if takes_value else [flag]
+    with pytest.raises(ValueError, match=f"^{flag}: tandem has no processor role: its frontend tokenizes"):
+        build("--enable-multimodal", *argv)
+    monkeypatch.setenv(env, "x" if takes_value else "1")
+    with pytest.raises(ValueError, match=f"^{flag}: tandem has no processor role"):
+        build()
+
+
+def test_dynamos_older_role_flags_start_the_roles_tandem_builds(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """--multimodal-encode-worker is an encoder (its outputs in the host's temporary directory unless
+    --ec-storage-path says where), --multimodal-worker a consumer taking them as embeddings by file (NIXL with
+    TRANSFER_LOCAL=0; the connector's consumer with --ec-consumer-mode), --multimodal-decode-worker a decode
+    worker and --multimodal-encode-prefill-worker a worker encoding its own images; each needs
+    --enable-multimodal, and one worker has one role."""
+    mm = "--enable-multimodal"
+    encoder = build(mm, "--multimodal-encode-worker")
+    assert encoder.vllm_native_encoder_worker and encoder.component == "encoder"
+    assert encoder.ec_storage_path == os.path.join(tempfile.gettempdir(), "tandem-encoder-cache")
+    assert encoder.embedding_transfer_mode is None
+    assert build(mm, "--multimodal-encode-worker", "--ec-storage-path", str(tmp_path)).ec_storage_path == str(tmp_path)
+    worker = build(mm, "--multimodal-worker")
+    assert worker.ec_consumer_mode and worker.embedding_transfer_mode == "local" and worker.component == "backend"
+    prefill = build(mm, "--multimodal-worker", "--is-prefill-worker")
+    assert prefill.ec_consumer_mode and prefill.is_prefill_worker and prefill.component == "prefill"
+    connector = build(mm, "--multimodal-worker", "--ec-consumer-mode", "--ec-storage-path", str(tmp_path))
+    assert connector.embedding_transfer_mode is None
+    assert connector.engine_args.ec_transfer_config.ec_role == "ec_consumer"
+    decode = build(mm, "--multimodal-decode-worker")
+    assert decode.is_decode_worker and decode.enable_multimodal and not decode.ec_consumer_mode
+    own = build(mm, "--multimodal-encode-prefill-worker")
+    assert own.enable_multimodal and not (own.ec_consumer_mode or own.vllm_native_encoder_worker)
+    monkeypatch.setenv("TRANSFER_LOCAL", "0")
+    assert build(mm, "--multimodal-worker").embedding_transfer_mode == "nixl-read"
+    assert build(mm, "--multimodal-encode-worker").embedding_transfer_mode == "nixl-read"
+    monkeypatch.delenv("TRANSFER_LOCAL")
+    monkeypatch.setenv("DYN_VLLM_MULTIMODAL_WORKER", "1")
+    assert build(mm).embedding_transfer_mode == "local"
+    monkeypatch.delenv("DYN_VLLM_MULTIMODAL_WORKER")
+    for argv, message in (
+        (["--multimodal-worker"], "^Use --enable-multimodal with --multimodal-worker"),
+        ([mm, "--multimodal-worker", "--multimodal-encode-worker"], "one multimodal role"),
+        ([mm, "--multimodal-encode-worker", "--vllm-native-encoder-worker"], "one multimodal role"),
+        ([mm, "--multimodal-decode-worker", "--is-prefill-worker"], "choose one"),
+        ([mm, "--multimodal-encode-worker", "--disaggregation-mode", "agg"], "contradicts"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            build(*argv)
 
 
 @pytest.mark.parametrize(
