@@ -93,9 +93,6 @@ class RunSpec:
         if "encode" in roles and not ("agg" in roles or "prefill" in roles):
             raise SpecError("encode workers encode the images of the workers that compute prompts: add --workers N "
                             "(or --prefill-workers P --decode-workers D)")
-        if "encode" in roles and self.engine == "mocker" and self.disaggregated:
-            raise SpecError("the mocker simulates images on aggregated workers only: with --encode-workers use "
-                            "--workers N, or --engine vllm for prefill and decode workers")
         if self.no_frontend:
             if self.discovery_backend == "file" and not env_str("DYN_FILE_KV"):
                 raise SpecError("--no-frontend: workers without a frontend join another deployment through its "

@@ -289,9 +289,13 @@ def _config(args: argparse.Namespace) -> MockerConfig:
 
 def _images(args: argparse.Namespace, model_config: dict[str, object], mode: DisaggregationMode,
             model_type: ModelType) -> SimulatedImages | None:
-    """--enable-multimodal and its options, checked against the model and the worker's role."""
-    if args.enable_multimodal and (mode is not DisaggregationMode.AGGREGATED or model_type & ModelType.Embedding):
-        raise ValueError("--enable-multimodal: images are taken by aggregated generation workers only")
+    """--enable-multimodal and its options, checked against the model and the worker's role (a prefill or
+    decode worker takes images too: the prompt it computes or continues holds them)."""
+    if args.enable_multimodal and model_type & ModelType.Embedding:
+        raise ValueError("--enable-multimodal: images are taken by generation workers only")
+    if args.ec_consumer_mode and mode is DisaggregationMode.DECODE:
+        raise ValueError("--ec-consumer-mode with a decode worker: a decode worker gets the prompt's KV cache from "
+                         "its prefill worker; make the prefill worker the encoders' consumer")
     return simulated_images(args, model_config)
 
 

@@ -155,12 +155,14 @@ class MockerHandler:
         salt = request.routing.cache_salt if request.routing else None
         handed_over = request.prefill_result is not None and bool(
             request.prefill_result.disaggregated_params.kv_transfer_params)
+        prefilled = self.config.disaggregation_mode is DisaggregationMode.DECODE and handed_over
+        # A prompt computed elsewhere (its KV cache pulled from the prefill worker) needs no image encoded here.
+        encode = self.config.images is not None and not (encoded or prefilled)
         return SimRequest(
             request_id=request_id, prompt=token_ids, max_tokens=max_tokens,
             output_token=self.tokens.for_request(token_ids, request.sampling_options.seed),
-            hash_seed=request_seed(None, salt),
-            prefilled=self.config.disaggregation_mode is DisaggregationMode.DECODE and handed_over,
-            media=media, encode_ms=self.config.images.encode_ms if self.config.images and not encoded else 0.0,
+            hash_seed=request_seed(None, salt), prefilled=prefilled, media=media,
+            encode_ms=self.config.images.encode_ms if encode and self.config.images else 0.0,
         )
 
     def _limit(self, request: PreprocessedRequest, prompt_len: int) -> int:

@@ -158,8 +158,6 @@ def test_a_variable_that_nothing_reads_fails_the_check() -> None:
                   "loadBasedScaling": True}}, "planner.mode prefill plans a pool of a disaggregated deployment"),
     ({"planner": {"prometheusEndpoint": "http://prometheus:9090"}}, "planner.enabled is false: nothing would use it"),
     ({"planner": {"mode": "both"}}, "at '/planner/mode'"),
-    ({"mode": "disagg", "engine": "mocker", "workers": {"encode": {"replicas": 1}}},
-     "the mocker simulates images on aggregated workers only"),
     ({"workers": {"encode": {"replicas": 1}}}, "workers.encode with engine vllm: set workers.encode.storageVolume"),
     ({"workers": {"encode": {"replicas": 1, "storageVolume": {"emptyDir": {}}}}}, "an emptyDir is one pod's own"),
     ({"workers": {"encode": {"storageVolume": {"hostPath": {"path": "/ec"}}}}}, "no vLLM encoder runs"),
@@ -299,6 +297,11 @@ def test_an_encoder_group_of_a_disaggregated_release_serves_the_prefill_pool() -
     assert flag(decode["args"], "--ec-storage-path") is None
     assert "encoder-cache" not in {m["name"] for m in decode["volumeMounts"]}
     assert flag(container(docs, "llm-tandem-encoder")["args"], "--disaggregation-mode") == "encode"
+    mocked = render("disagg.yaml", "mocker.yaml", values={"workers": {"encode": {"replicas": 1}}})
+    assert schema_problems(mocked) == [] and reference_problems(mocked) == []
+    prefill, decode = container(mocked, "llm-tandem-prefill"), container(mocked, "llm-tandem-decode")
+    assert "--ec-consumer-mode" in prefill["args"] and flag(prefill["args"], "--ec-storage-path") is None
+    assert "--enable-multimodal" in decode["args"] and "--ec-consumer-mode" not in decode["args"]
 
 
 def local_values(smollm2: str, **more: object) -> dict:

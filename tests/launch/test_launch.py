@@ -88,8 +88,6 @@ def test_disaggregated_from_flags_and_from_file() -> None:
     ({}, {"workers": [{"role": "agg"}, {"role": "agg"}]}, "workers[1].role: a second group"),
     ({}, {"workers": [{"role": "mixed"}]}, "workers[0].role: expected one of agg, prefill, decode, encode"),
     ({}, {"workers": [{"role": "encode"}]}, "encode workers encode the images of the workers that compute prompts"),
-    ({"engine": "mocker", "prefill_workers": 1, "decode_workers": 1, "encode_workers": 1}, None,
-     "the mocker simulates images on aggregated workers only"),
     ({"encode_workers": 0}, None, "--encode-workers: expected an integer >= 1"),
     ({}, {"workers": [{"role": "agg"}, {"role": "decode"}]}, "cannot be mixed"),
     ({}, {"workers": [{"cores": "0;x"}]}, "workers[0].cores"),
@@ -232,6 +230,12 @@ def test_encode_workers_with_prefill_and_decode_workers() -> None:
     assert decode.argv[-1] == "--enable-multimodal" and "--is-decode-worker" in decode.argv
     assert not {"--ec-consumer-mode", "--ec-storage-path"} & set(decode.argv)
     assert encoder.argv[encoder.argv.index("--ec-storage-path") + 1] == "/tmp/ec"
+    # The mocker alike, its encoders simulating the encoding: no directory.
+    mocked = spec_of({"engine": "mocker", "prefill_workers": 1, "decode_workers": 1, "encode_workers": 1})
+    plan = Plan(mocked, "/models/vlm", "/tmp/kv", environ={}, cores=[0, 1], ec_storage="/tmp/ec")
+    prefill, decode, _ = (plan.worker(group, 0, slot) for slot, group in enumerate(mocked.workers))
+    assert prefill.argv[-2:] == ("--enable-multimodal", "--ec-consumer-mode") and decode.argv[-1] == "--enable-multimodal"
+    assert "--ec-storage-path" not in prefill.argv + decode.argv
 
 
 def test_served_name(tmp_path: Path) -> None:

@@ -37,8 +37,10 @@ def test_flags_are_checked_against_the_model_and_role(smollm2: str, vlm_folder: 
         parse_args(["--model-path", smollm2, "--enable-multimodal"])  # SmolLM2 names no image token
     with pytest.raises(SystemExit):
         parse_args(["--model-path", vlm_folder, "--image-tokens", "8"])  # without --enable-multimodal
-    with pytest.raises(SystemExit):
-        parse_args(["--model-path", vlm_folder, "--enable-multimodal", "--is-prefill-worker"])
+    with pytest.raises(SystemExit):  # a decode worker computes no prompt: no encoder works for it
+        parse_args(["--model-path", vlm_folder, "--enable-multimodal", "--is-decode-worker", "--ec-consumer-mode"])
+    assert parse_args(["--model-path", vlm_folder, "--enable-multimodal", "--is-prefill-worker",
+                       "--ec-consumer-mode"]).ec_consumer
     config = parse_args(["--model-path", vlm_folder, "--enable-multimodal", "--image-encode-ms", "5"])
     assert config.images is not None and (config.images.tokens, config.images.encode_ms) == (64, 5.0)
 
@@ -187,5 +189,45 @@ def test_an_encoder_worker_encodes_a_consumers_images_until_it_dies(tmp_path: Pa
         assert served_counts([encoder_port])[0] == served + 1
         encoder.stop()
         assert consumer_seconds("green") >= 0.1
+    finally:
+        deployment.stop()
+
+
+def test_images_on_prefill_and_decode_workers_are_encoded_where_the_prompt_is_computed(tmp_path: Path,
+                                                                                      vlm_folder: str) -> None:
+    """E+P+D on the mocker: the prefill worker (the encoders' consumer) computes the prompt with its image; the
+    decode worker pulls the prompt's KV cache and encodes nothing. With the encoder up the prefill worker spends
+    no encode time either; with it gone, the prefill worker pays it, never the decode worker."""
+    encode_ms = ["--image-encode-ms", "5000"]  # 100 ms at speedup 50: far above a request's other steps here
+    ports = {role: free_port() for role in ("prefill", "decode", "encoder")}
+    deployment = Deployment(tmp_path, vlm_folder, engine_module="tandem.mocker", engines=[], instances=0)
+    try:
+        deployment.add_engine(*MOCKER, *encode_ms, "--disaggregation-mode", "prefill", "--route-to-encoder",
+                              env={"DYN_SYSTEM_PORT": str(ports["prefill"])})
+        deployment.add_engine(*MOCKER, *encode_ms, "--disaggregation-mode", "decode",
+                              env={"DYN_SYSTEM_PORT": str(ports["decode"])})
+        encoder = deployment.add_engine(*MOCKER, *encode_ms, "--disaggregation-mode", "encode",
+                                        env={"DYN_SYSTEM_PORT": str(ports["encoder"])})
+        deployment.wait_for_instances(1)
+        deployment.wait_for_instances(1, kind="prefill_instances")
+
+        def simulated(role: str) -> float:
+            return metric_sum(httpx.get(f"http://127.0.0.1:{ports[role]}/metrics").text,
+                              "tandem_mocker_simulated_seconds_total")
+
+        def seconds(color: str) -> dict[str, float]:
+            before = {role: simulated(role) for role in ("prefill", "decode")}
+            answer = ask(deployment, png(color))
+            assert answer.usage.completion_tokens == 2 and answer.usage.prompt_tokens > IMAGE_TOKENS
+            return {role: simulated(role) - before[role] for role in before}
+
+        encoded = served_counts([ports["encoder"]])[0]
+        spent = seconds("red")
+        assert spent["prefill"] < 0.1 and spent["decode"] < 0.1
+        assert served_counts([ports["encoder"]])[0] == encoded + 1
+        assert served_counts([ports["prefill"]])[0] >= 1  # the prompt was computed there, not on the decode worker
+        encoder.stop()
+        spent = seconds("green")
+        assert spent["prefill"] >= 0.1 and spent["decode"] < 0.1
     finally:
         deployment.stop()

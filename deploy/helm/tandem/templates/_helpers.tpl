@@ -91,9 +91,6 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- end -}}
 {{- $encode := .Values.workers.encode -}}
 {{- if gt (int $encode.replicas) 0 -}}
-{{- if and (eq .Values.mode "disagg") (eq .Values.engine "mocker") -}}
-{{- fail "workers.encode with mode disagg: the mocker simulates images on aggregated workers only (use mode agg, or engine vllm)" -}}
-{{- end -}}
 {{- if and (eq .Values.engine "vllm") (or (not $encode.storageVolume) (hasKey $encode.storageVolume "emptyDir")) -}}
 {{- fail "workers.encode with engine vllm: set workers.encode.storageVolume, a volume every encoder and aggregated (or prefill) worker pod mounts (an emptyDir is one pod's own), such as a ReadWriteMany PersistentVolumeClaim" -}}
 {{- end -}}
