@@ -5,6 +5,7 @@ number of engines, as the images per request grow. Where is the crossover?
     python bench/mocker_encoders.py                                   # W=4, E=2, 0/1/2/4/8 images, ~8 min
     python bench/mocker_encoders.py --images 0,4 --duration 10 --plot docs/images/mocker-encoders.png
     python bench/mocker_encoders.py --from-json run.json --plot run.png    # the table and plot of a saved run
+    python bench/mocker_encoders.py --decode-workers 2                # E+P+D against P+D, prefill workers W (+ E)
 
 The simulated model is the tiny vision-language model's text side (tests/support/vision_model.py: SmolLM2 with
 an image token); every engine has the same timing model (Dynamo's default fit), speedup 1, --image-tokens 64,
@@ -90,7 +91,8 @@ _decode = msgspec.json.Decoder(_Chunk).decode
 
 
 def start(split: bool, args: argparse.Namespace, model: str, workdir: str) -> tuple[Proc, str]:
-    """`tandem run`: W + E aggregated workers, or W consumers and E encoders; serving when this returns."""
+    """`tandem run`: W + E aggregated workers, or W consumers and E encoders (with --decode-workers D: the W + E or
+    W workers prefill workers, and D decode workers); serving when this returns."""
     port = _common.free_port()
     namespace = f"mmenc{os.getpid()}{int(split)}"
     env = {**os.environ, "DYN_FILE_KV": os.path.join(workdir, "kv"), "DYN_DISCOVERY_BACKEND": "file",
@@ -98,8 +100,11 @@ def start(split: bool, args: argparse.Namespace, model: str, workdir: str) -> tu
            "DYN_SYSTEM_ENABLED": "false", "PYTHONPATH": _common.REPO}
     for name in ("DYN_LOG", "DYN_HTTP_PORT", "DYN_SYSTEM_PORT", "DYN_NAMESPACE"):
         env.pop(name, None)
-    shape = (["--workers", str(args.workers), "--encode-workers", str(args.encoders)] if split
-             else ["--workers", str(args.workers + args.encoders)])
+    computing = str(args.workers if split else args.workers + args.encoders)  # the workers computing prompts
+    shape = (["--prefill-workers", computing, "--decode-workers", str(args.decode_workers)] if args.decode_workers
+             else ["--workers", computing])
+    if split:
+        shape += ["--encode-workers", str(args.encoders)]
     engine = ["--enable-multimodal", "--image-tokens", "64", "--image-encode-ms", str(args.encode_ms),
               "--speedup-ratio", "1", "--block-size", "16"]
     logdir = os.path.join(workdir, "logs")
@@ -179,11 +184,13 @@ async def load(url: str, images_per_request: int, args: argparse.Namespace, text
 
 def report(results: dict[str, dict[int, dict[str, Any]]], args: argparse.Namespace) -> None:
     counts = sorted(results["aggregated"])
-    print(f"\nmocker_encoders: {args.workers + args.encoders} aggregated mocker workers against {args.workers} "
-          f"consumers + {args.encoders} encoders; {args.encode_ms:g} ms per image, 64 image tokens, {args.isl} text "
+    side = "prefill" if args.decode_workers else "aggregated"
+    decode = f" (both with {args.decode_workers} decode workers)" if args.decode_workers else ""
+    print(f"\nmocker_encoders: {args.workers + args.encoders} {side} mocker workers against {args.workers} "
+          f"consumers + {args.encoders} encoders{decode}; {args.encode_ms:g} ms per image, 64 image tokens, {args.isl} text "
           f"tokens in, {args.osl} out, concurrency {args.concurrency}, {args.duration:g} s per row\n")
-    print("| images/request | aggregated req/s | encoders req/s | ratio | aggregated TTFT p50 / p90 ms | encoders TTFT "
-          "p50 / p90 ms | ratio p50 | aggregated ITL p50 ms | encoders ITL p50 ms | ratio |")
+    print(f"| images/request | {side} req/s | encoders req/s | ratio | {side} TTFT p50 / p90 ms | encoders TTFT "
+          f"p50 / p90 ms | ratio p50 | {side} ITL p50 ms | encoders ITL p50 ms | ratio |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for k in counts:
         a, e = results["aggregated"][k], results["encoders"][k]
@@ -209,7 +216,8 @@ def plot(results: dict[str, dict[int, dict[str, Any]]], args: argparse.Namespace
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_yscale("log")
         ax.set_xlabel("images per request")
-        ax.set_ylabel(f"{args.workers} consumers + {args.encoders} encoders / {args.workers + args.encoders} aggregated")
+        side = f"prefill (+{args.decode_workers} decode)" if args.decode_workers else "aggregated"
+        ax.set_ylabel(f"{args.workers} consumers + {args.encoders} encoders / {args.workers + args.encoders} {side}")
         ax.legend(fontsize=8)
         ax.set_title(f"mocker, {args.encode_ms:g} ms per image, concurrency {args.concurrency}", fontsize=10)
         return fig
@@ -221,6 +229,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=4, help="consumers (the aggregated side has W + E workers)")
     parser.add_argument("--encoders", type=int, default=2, help="encoder workers")
+    parser.add_argument("--decode-workers", type=int, default=0,
+                        help="disaggregated: D decode workers on both sides, the W (+ E) workers prefill workers [0]")
     parser.add_argument("--images", default="0,1,2,4,8", help="images per request, one measurement each")
     parser.add_argument("--encode-ms", type=float, default=40.0, help="simulated encode time per image")
     parser.add_argument("--concurrency", type=int, default=24)

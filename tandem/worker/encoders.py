@@ -11,6 +11,7 @@ embeddings (--embedding-transfer-mode) gives its engine those instead of the ima
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -19,6 +20,7 @@ import msgspec
 
 from tandem.llm.protocols import LLMEngineOutput, PreprocessedRequest
 from tandem.runtime import Context
+from tandem.runtime.errors import NoInstancesError
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +70,15 @@ class EncodedImages(msgspec.Struct, tag="encoded_images"):
     images: list[EncodedImage]
 
 
+def _affinity(key: bytes, instance_id: int) -> bytes:
+    return hashlib.blake2b(key + instance_id.to_bytes(8, "little", signed=False), digest_size=8).digest()
+
+
 class Encoders:
-    """A consumer's way to its encoder workers (found in discovery under `component`, taken in turn)."""
+    """A consumer's way to its encoder workers (found in discovery under `component`). A request goes to the
+    encoder its first image picks (rendezvous hashing of the image's URL over the live encoders), so an image
+    seen again goes where its encoder output already is (the encoder's caches, its files); when that encoder
+    goes, only its images move."""
 
     def __init__(self, runtime: Any, namespace: str, component: str = ENCODER_COMPONENT) -> None:
         self._endpoint = runtime.namespace(namespace).component(component).endpoint("generate")
@@ -106,7 +115,7 @@ class Encoders:
         last: Any = None
         try:
             async with asyncio.timeout(ENCODE_TIMEOUT_S):
-                stream = await self._client.round_robin(request, Context())
+                stream = await self._client.direct(request, self._encoder_of(request), Context())
                 async for item in stream:
                     if isinstance(item, dict) and item.get("finish_reason") == "error":
                         raise RuntimeError(item.get("error") or "the encoder failed")
@@ -120,6 +129,16 @@ class Encoders:
             return None
         self.encoded += 1
         return last if last is not None else {}
+
+    def _encoder_of(self, request: PreprocessedRequest) -> int:
+        """The live encoder the request's first image picks (one skipped after a failure only when others are up)."""
+        client = self._client
+        usable = [i for i in client.instance_ids() if client.is_usable(i)] or client.instance_ids()
+        if not usable:
+            raise NoInstancesError(f"no encoder of {self._endpoint.path} is live")
+        media = request.multi_modal_data
+        key = media.image_url[0].url.encode() if media is not None and media.image_url else b""
+        return max(usable, key=lambda instance_id: _affinity(key, instance_id))
 
     async def close(self) -> None:
         if self._client is not None:

@@ -231,3 +231,37 @@ def test_images_on_prefill_and_decode_workers_are_encoded_where_the_prompt_is_co
         assert spent["prefill"] >= 0.1 and spent["decode"] < 0.1
     finally:
         deployment.stop()
+
+
+def test_an_image_goes_to_the_same_encoder_each_time(tmp_path: Path, vlm_folder: str) -> None:
+    """A consumer sends a request to the encoder its first image picks: the same image always to the same one
+    (where its encoder output is), different images to both; when that encoder goes, its images go to the other."""
+    ports = [free_port(), free_port()]
+    deployment = Deployment(tmp_path, vlm_folder, engine_module="tandem.mocker", engines=[], instances=0)
+    try:
+        deployment.add_engine(*MOCKER, "--ec-consumer-mode")
+        encoders = [deployment.add_engine(*MOCKER, "--vllm-native-encoder-worker",
+                                          env={"DYN_SYSTEM_PORT": str(port)}) for port in ports]
+        deployment.wait_for_instances(1)
+        for _ in range(3):
+            ask(deployment, png("red"))
+        after_red = served_counts(ports)
+        assert sorted(after_red) == [0, 3]
+        colors = ["green", "blue", "yellow", "purple", "orange", "pink", "brown", "gray", "navy", "teal", "olive",
+                  "maroon", "lime", "aqua", "silver", "gold"]
+        for color in colors:
+            ask(deployment, png(color))
+        assert all(n > c for n, c in zip(served_counts(ports), after_red, strict=True))  # both took some
+        holder = after_red.index(3)
+        encoders[holder].stop()
+        other = 1 - holder
+        deadline = time.monotonic() + 30
+        while True:  # until the consumer's discovery has seen the encoder go (it encodes the image itself meanwhile)
+            before = served_counts([ports[other]])[0]
+            assert ask(deployment, png("red")).usage.completion_tokens == 2
+            if served_counts([ports[other]])[0] == before + 1:
+                break
+            assert time.monotonic() < deadline, "the red image never went to the other encoder"
+            time.sleep(0.2)
+    finally:
+        deployment.stop()
