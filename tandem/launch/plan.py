@@ -38,6 +38,7 @@ _ROLE_SWITCHES = {"agg": (), "prefill": ("--is-prefill-worker",), "decode": ("--
 _CONSUMER_FLAGS = ("--enable-multimodal", "--ec-consumer-mode")
 _DECODE_IMAGE_FLAGS = ("--enable-multimodal",)
 EC_STORAGE_FLAG = "--ec-storage-path"
+EMBEDDING_TRANSFER_FLAG = "--embedding-transfer-mode"
 ENGINES: dict[str, WorkerCommand] = {
     # An aggregated vLLM worker moves no KV cache: without `--connector none` it would still set up NIXL.
     "vllm": WorkerCommand("tandem.vllm", "--model", "--served-model-name", _ROLE_SWITCHES, cpu_cores_flag=True,
@@ -149,8 +150,10 @@ class Plan:
             argv += _CONSUMER_FLAGS
         if group.role == "decode" and self.spec.group("encode"):
             argv += _DECODE_IMAGE_FLAGS
+        # A consumer taking the encoder outputs as embeddings reads the files its encoder names: no directory.
+        takes_embeddings = group.role != "encode" and _has_flag(group.args, EMBEDDING_TRANSFER_FLAG)
         if (group.role in ("agg", "prefill", "encode") and self.spec.group("encode") and engine.encoder_storage
-                and not _has_flag(group.args, EC_STORAGE_FLAG)):
+                and not _has_flag(group.args, EC_STORAGE_FLAG) and not takes_embeddings):
             argv += [EC_STORAGE_FLAG, self.ec_storage]
         env = {**self.common_env, "DYN_VLLM_KV_EVENT_PORT": str(self.kv_event_port(slot))}
         if self.spec.system_port_base is not None:

@@ -209,6 +209,12 @@ def test_encode_workers_and_their_consumers() -> None:
     assert argv.count("--ec-storage-path") == 1 and argv[-1] == "/shared"
     plain = spec_of({"workers": 2})
     assert "--ec-consumer-mode" not in plan_of(plain).worker(plain.workers[0], 0, 0).argv
+    # Consumers taking the encoder outputs as embeddings read the files the encoders name: no directory.
+    embedded = spec_of({"encode_workers": 1}, worker_args=("--embedding-transfer-mode", "local"))
+    plan = Plan(embedded, "/models/vlm", "/tmp/kv", environ={}, cores=[0, 1], ec_storage="/tmp/ec")
+    worker, encoder = plan.worker(embedded.workers[0], 0, 0), plan.worker(embedded.workers[1], 0, 1)
+    assert "--ec-consumer-mode" in worker.argv and "--ec-storage-path" not in worker.argv
+    assert encoder.argv[encoder.argv.index("--ec-storage-path") + 1] == "/tmp/ec"
     # The mocker's encoders simulate the encoding: no directory to share.
     mocked = spec_of({"engine": "mocker", "encode_workers": 1})
     plan = Plan(mocked, "/m", "/tmp/kv", environ={}, cores=[0, 1], ec_storage="")
