@@ -15,15 +15,18 @@ model whose vLLM processor takes image embeddings (checked at start)."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
 from vllm.sampling_params import SamplingParams
 
+from tandem.llm.images import ImageError, ImageLimits, data_url_bytes
 from tandem.llm.protocols import PreprocessedRequest
 from tandem.runtime import Context
 from tandem.runtime.errors import InvalidRequestError
@@ -35,6 +38,7 @@ from tandem.worker.encoders import NIXL_READ_ANNOTATION, EncodedImage, EncodedIm
 log = logging.getLogger(__name__)
 
 STORED_FILE = "encoder_cache.safetensors"  # ECExampleConnector's file of one image, under its digest's folder
+KEPT_FILES = 4096  # files named by encoders that a consumer taking embeddings by file remembers
 
 
 class EncoderWorkerHandler(BaseWorkerHandler):
@@ -98,22 +102,32 @@ class StoredEncoderOutputs:
 class EncoderEmbeddings:
     """A consumer's images as their encoder outputs (--embedding-transfer-mode): an encoder encodes them and
     hands over each output, by its file (local) or by a NIXL read (`reader`). None, logged, when the encoder
-    could not or an output cannot be had: the worker then gives its engine the images."""
+    could not or an output cannot be had: the worker then gives its engine the images. By file, the files the
+    encoders named are remembered: data URL images seen before need no encoder."""
 
     def __init__(self, encoders: Encoders, dtype: Any, reader: NixlReader | None = None) -> None:
         self.encoders = encoders
         self.dtype = dtype
         self.reader = reader
+        self.limits = ImageLimits()  # for data URLs: only their size limits apply
         self.loaded = 0  # requests whose images came as encoder outputs
+        self.reused = 0  # ... of which no encoder was asked: their files were named before
+        # By file: the files encoders named, by image digest (least recently used dropped past KEPT_FILES)
+        self._files: OrderedDict[str, str] = OrderedDict()
 
     async def embed(self, request: PreprocessedRequest) -> tuple[list[Any], list[str]] | None:
         """(one tokens x hidden tensor per image, their digests), or None."""
         if self.reader is not None:
             request = msgspec.structs.replace(request, annotations=[*request.annotations, NIXL_READ_ANNOTATION])
         start = time.perf_counter()
-        images = await self.encoders.embed(request)
-        if images is None:
-            return None
+        images = self._named_before(request)
+        if images is not None:
+            self.reused += 1
+        else:
+            images = await self.encoders.embed(request)
+            if images is None:
+                return None
+            self._remember(images)
         encoded = time.perf_counter()
         try:
             tensors = [(await self._read(image)).to(self.dtype) for image in images]
@@ -121,9 +135,41 @@ class EncoderEmbeddings:
             log.warning("the encoder's outputs cannot be had here (%s): this worker encodes the images", e)
             return None
         self.loaded += 1
-        log.debug("%d image(s) encoded by an encoder in %.1f ms, handed over in %.1f ms", len(images),
+        log.debug("encoder outputs of %d image(s) named in %.1f ms, handed over in %.1f ms", len(images),
                   (encoded - start) * 1000, (time.perf_counter() - encoded) * 1000)
         return tensors, [image.digest for image in images]
+
+    def _named_before(self, request: PreprocessedRequest) -> list[EncodedImage] | None:
+        """By file: the encoder outputs of a request whose images are all data URLs (their bytes, so their digests,
+        are in the request) whose files an encoder named before and which are still there; None otherwise (an
+        image by http URL could have changed since: an encoder reads it again)."""
+        media = request.multi_modal_data
+        if self.reader is not None or media is None:
+            return None
+        images = []
+        for item in media.image_url:
+            if not item.url.startswith("data:"):
+                return None
+            try:
+                digest = hashlib.sha256(data_url_bytes(item.url, self.limits)).hexdigest()
+            except ImageError:
+                return None  # the encoder (or this worker) says what is wrong with it
+            path = self._files.get(digest)
+            if path is None or not os.path.isfile(path):
+                return None
+            self._files.move_to_end(digest)
+            images.append(EncodedImage(digest, path))
+        return images
+
+    def _remember(self, images: list[EncodedImage]) -> None:
+        if self.reader is not None:
+            return
+        for image in images:
+            if image.path is not None:
+                self._files[image.digest] = image.path
+                self._files.move_to_end(image.digest)
+        while len(self._files) > KEPT_FILES:
+            self._files.popitem(last=False)
 
     async def _read(self, image: EncodedImage) -> Any:
         if self.reader is not None:

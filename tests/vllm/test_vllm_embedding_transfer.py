@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 
 from tests.support.deployment import MODEL, Deployment, metric_sum
 from tests.support.engines import ENGINE_TIMEOUT, EngineSpec
-from tests.support.images import png, png_server
+from tests.support.images import data_url, png, png_server
 from tests.support.vision_model import BLIP2_QUERY_TOKENS
 
 pytestmark = [pytest.mark.slow, pytest.mark.engines("blip2")]
@@ -24,6 +24,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.engines("blip2")]
 ARGS = ("--enable-multimodal", "--allow-private-media-urls", "--max-model-len", "512", "--connector", "none")
 CONSUMER = ("--route-to-encoder", "--embedding-transfer-mode")
 QUESTION = "What is in the picture?"
+
+
+def encoded(encoder) -> float:  # type: ignore[no-untyped-def]
+    return metric_sum(encoder.metrics(), "dynamo_component_requests_total", dynamo_endpoint="generate")
 
 
 def question_ids(model: str) -> list[int]:
@@ -48,7 +52,8 @@ def test_consumers_take_the_encoders_outputs_by_file_and_by_nixl_and_never_read_
     """The encoder reads and encodes the image, names its output's file and, asked, offers it for a NIXL read;
     each consumer gives its engine that tensor (one by the file, one by NIXL): neither fetches the image, and
     their answers (greedy tokens' logprobs, float32) equal a consumer's own engine's from the image once the
-    encoder is gone, when it fetches and encodes the image itself."""
+    encoder is gone, when it fetches and encodes the image itself. A data URL image whose file was named before
+    goes to no encoder again."""
     group = engine_pool.group("blip2")
     store = tmp_path / "encoder-cache"
     specs = [EngineSpec(("--disaggregation-mode", "encode", "--embedding-transfer-mode", "nixl-read"), 1,
@@ -66,11 +71,17 @@ def test_consumers_take_the_encoders_outputs_by_file_and_by_nixl_and_never_read_
             from_nixl, _ = generate(deployment, teal, by_nixl.instance_id, salt="nixl")
             # the encoder fetched the image for each; the consumers never did
             assert fetched == ["/teal.png", "/teal.png"]
-            assert metric_sum(encoder.metrics(), "dynamo_component_requests_total", dynamo_endpoint="generate") == 2
+            assert encoded(encoder) == 2
             # the image's tokens, then the question's
             assert usage["prompt_tokens"] == BLIP2_QUERY_TOKENS + len(question_ids(group.model_path))
             assert (store / hashlib.sha256(png("teal")).hexdigest() / "encoder_cache.safetensors").is_file()
             assert from_nixl == from_file
+            # An image given as a data URL whose file the encoder named before: the file consumer asks no encoder.
+            navy = data_url(png("navy"))
+            first, _ = generate(deployment, navy, by_file.instance_id, salt="navy")
+            assert encoded(encoder) == 3
+            assert generate(deployment, navy, by_file.instance_id, salt="navy again")[0] == first
+            assert encoded(encoder) == 3
 
             encoder.kill()
             encoded_here, _ = generate(deployment, teal, by_file.instance_id, salt="here")
