@@ -137,7 +137,8 @@ class Encoders:
         if not usable:
             raise NoInstancesError(f"no encoder of {self._endpoint.path} is live")
         media = request.multi_modal_data
-        key = media.image_url[0].url.encode() if media is not None and media.image_url else b""
+        url = media.image_url[0].url.encode() if media is not None and media.image_url else b""
+        key = hashlib.blake2b(url, digest_size=16).digest()  # once: a data URL can be megabytes
         return max(usable, key=lambda instance_id: _affinity(key, instance_id))
 
     async def close(self) -> None:
