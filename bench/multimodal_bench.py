@@ -557,7 +557,7 @@ def main() -> None:
     parser.add_argument("--model-kind", choices=sorted(MODELS), default="idefics3",
                         help="the tiny model: Idefics3, or BLIP-2 (one image per prompt: the light, repeated and url "
                              "workloads; its processor takes encoder outputs as embeddings) [idefics3]")
-    parser.add_argument("--embedding-transfer", choices=("local", "nixl-read"), default=None,
+    parser.add_argument("--embedding-transfer", choices=("local", "nixl-read", "nixl-write"), default=None,
                         help="with --encoder: the consumer takes the encoder outputs as embeddings this way "
                              "(--embedding-transfer-mode; needs --model-kind blip2) instead of through vLLM's "
                              "encoder-cache connector")

@@ -8,8 +8,9 @@ depends on an encoder: with none reachable, or one that fails or stalls, its eng
 
 A consumer with --embedding-transfer-mode takes the encoder outputs themselves: the encoder answers with each
 image's file (ECExampleConnector's; `local`: on a filesystem both workers see) or, asked for it, with the file's
-tensor offered for a NIXL read (`nixl-read`; see embedding_transfer.py), and the consumer gives its engine those
-tensors as the images' embeddings. It then never reads, decodes or preprocesses the images; its engine needs a
+tensor offered by NIXL (the consumer reads it, `nixl-read`, or has the encoder write it into its memory,
+`nixl-write`; see embedding_transfer.py), and the consumer gives its engine those tensors as the images'
+embeddings. It then never reads, decodes or preprocesses the images; its engine needs a
 model whose vLLM processor takes image embeddings (checked at start)."""
 
 from __future__ import annotations
@@ -31,9 +32,15 @@ from tandem.llm.protocols import PreprocessedRequest
 from tandem.runtime import Context
 from tandem.runtime.errors import InvalidRequestError
 from tandem.vllm.abort import abort_monitor
-from tandem.vllm.embedding_transfer import NixlOffers, NixlReader, load_stored
+from tandem.vllm.embedding_transfer import NixlOffers, NixlReader, NixlWriteReceiver, load_stored
 from tandem.vllm.handlers import BaseWorkerHandler
-from tandem.worker.encoders import NIXL_READ_ANNOTATION, EncodedImage, EncodedImages, Encoders
+from tandem.worker.encoders import (
+    NIXL_READ_ANNOTATION,
+    NIXL_WRITE_ANNOTATION,
+    EncodedImage,
+    EncodedImages,
+    Encoders,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +54,7 @@ class EncoderWorkerHandler(BaseWorkerHandler):
 
     # The connector's directory when its files can be named (ECExampleConnector), set by main
     storage: str | None = None
-    # With --embedding-transfer-mode nixl-read: the outputs offered for consumers' NIXL reads, set by main
+    # With --embedding-transfer-mode nixl-read or nixl-write: the outputs offered by NIXL, set by main
     offers: NixlOffers | None = None
 
     async def generate(self, request: PreprocessedRequest, context: Context) -> AsyncIterator[EncodedImages]:
@@ -63,21 +70,23 @@ class EncoderWorkerHandler(BaseWorkerHandler):
         storage = self.storage
         images = [EncodedImage(digest, os.path.join(storage, digest, STORED_FILE) if storage else None)
                   for digest in prompt["multi_modal_uuids"]["image"]]
-        if NIXL_READ_ANNOTATION in request.annotations:
-            yield EncodedImages(await self._offered(images))
+        to_write = NIXL_WRITE_ANNOTATION in request.annotations
+        if to_write or NIXL_READ_ANNOTATION in request.annotations:
+            yield EncodedImages(await self._offered(images, to_write))
             return
         yield EncodedImages(images)
 
-    async def _offered(self, images: list[EncodedImage]) -> list[EncodedImage]:
-        """The images with their outputs offered for NIXL reads (read from the connector's files here)."""
+    async def _offered(self, images: list[EncodedImage], to_write: bool) -> list[EncodedImage]:
+        """The images with their outputs offered by NIXL (read from the connector's files here), `to_write`: for
+        the consumer to ask for them to be written."""
         offers = self.offers
         if offers is None:
-            raise InvalidRequestError("this encoder offers no NIXL reads: start it with --embedding-transfer-mode "
-                                      "nixl-read")
+            raise InvalidRequestError("this encoder offers nothing by NIXL: start it with --embedding-transfer-mode "
+                                      "nixl-read or nixl-write")
         for image in images:
             if image.path is None:
                 raise InvalidRequestError("this encoder's connector keeps no file to offer (not ECExampleConnector)")
-            image.nixl = offers.offer(await asyncio.to_thread(load_stored, image.path))
+            image.nixl = offers.offer(await asyncio.to_thread(load_stored, image.path), to_write)
         return images
 
 
@@ -101,14 +110,16 @@ class StoredEncoderOutputs:
 
 class EncoderEmbeddings:
     """A consumer's images as their encoder outputs (--embedding-transfer-mode): an encoder encodes them and
-    hands over each output, by its file (local) or by a NIXL read (`reader`). None, logged, when the encoder
+    hands over each output, by its file (local) or by NIXL (`receiver`: reading it, or having the encoder write
+    it). None, logged, when the encoder
     could not or an output cannot be had: the worker then gives its engine the images. By file, the files the
     encoders named are remembered: data URL images seen before need no encoder."""
 
-    def __init__(self, encoders: Encoders, dtype: Any, reader: NixlReader | None = None) -> None:
+    def __init__(self, encoders: Encoders, dtype: Any,
+                 receiver: NixlReader | NixlWriteReceiver | None = None) -> None:
         self.encoders = encoders
         self.dtype = dtype
-        self.reader = reader
+        self.receiver = receiver
         self.limits = ImageLimits()  # for data URLs: only their size limits apply
         self.loaded = 0  # requests whose images came as encoder outputs
         self.reused = 0  # ... of which no encoder was asked: their files were named before
@@ -117,8 +128,9 @@ class EncoderEmbeddings:
 
     async def embed(self, request: PreprocessedRequest) -> tuple[list[Any], list[str]] | None:
         """(one tokens x hidden tensor per image, their digests), or None."""
-        if self.reader is not None:
-            request = msgspec.structs.replace(request, annotations=[*request.annotations, NIXL_READ_ANNOTATION])
+        if self.receiver is not None:
+            asked = NIXL_WRITE_ANNOTATION if isinstance(self.receiver, NixlWriteReceiver) else NIXL_READ_ANNOTATION
+            request = msgspec.structs.replace(request, annotations=[*request.annotations, asked])
         start = time.perf_counter()
         images = self._named_before(request)
         if images is not None:
@@ -144,7 +156,7 @@ class EncoderEmbeddings:
         are in the request) whose files an encoder named before and which are still there; None otherwise (an
         image by http URL could have changed since: an encoder reads it again)."""
         media = request.multi_modal_data
-        if self.reader is not None or media is None:
+        if self.receiver is not None or media is None:
             return None
         images = []
         for item in media.image_url:
@@ -162,7 +174,7 @@ class EncoderEmbeddings:
         return images
 
     def _remember(self, images: list[EncodedImage]) -> None:
-        if self.reader is not None:
+        if self.receiver is not None:
             return
         for image in images:
             if image.path is not None:
@@ -172,10 +184,11 @@ class EncoderEmbeddings:
             self._files.popitem(last=False)
 
     async def _read(self, image: EncodedImage) -> Any:
-        if self.reader is not None:
+        if self.receiver is not None:
             if image.nixl is None:
-                raise ValueError("the encoder offered no NIXL read (start it with --embedding-transfer-mode nixl-read)")
-            return await self.reader.read(image.nixl)
+                raise ValueError("the encoder offered nothing by NIXL (start it with --embedding-transfer-mode "
+                                 "nixl-read or nixl-write)")
+            return await self.receiver.receive(image.nixl)
         if image.path is None:
             raise ValueError("the encoder stored its outputs where no file names them (not ECExampleConnector)")
         return await asyncio.to_thread(load_stored, image.path)

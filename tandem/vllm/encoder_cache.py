@@ -17,8 +17,8 @@ if TYPE_CHECKING:
 
 # vLLM's encoder-cache connector that keeps each image's encoder output in a file under a shared directory.
 EC_EXAMPLE_CONNECTOR = "ECExampleConnector"
-# How an encoder's outputs reach a consumer that takes them as embeddings: by file, or read by NIXL from the
-# encoder's memory (embedding_transfer.py); Dynamo's nixl-write (the encoder writes) is not built.
+# How an encoder's outputs reach a consumer that takes them as embeddings: by file, or by NIXL, read from the
+# encoder's memory or written by the encoder into the consumer's (embedding_transfer.py).
 LOCAL_TRANSFER = "local"
 NIXL_READ = "nixl-read"
 NIXL_WRITE = "nixl-write"
@@ -39,9 +39,10 @@ ENCODER_OPTIONS = (
            "loads their encoder output from the connector (it encodes them itself when no encoder can)", kind=bool),
     Option("embedding_transfer_mode", ("--embedding-transfer-mode",), ("DYN_VLLM_EMBEDDING_TRANSFER_MODE",),
            "a consumer takes its images' encoder outputs from the encoder as embeddings (never reading the "
-           "images), local: from the files the encoder names, nixl-read: read from the encoder's memory by NIXL "
-           "(unset: its engine loads them through the encoder-cache connector); on an encoder: the hand-off it "
-           "offers", kind=str, choices=TRANSFER_MODES, casefold=True),
+           "images), local: from the files the encoder names, nixl-read: read from the encoder's memory by NIXL, "
+           "nixl-write: written by the encoder into the consumer's memory by NIXL (unset: its engine loads them "
+           "through the encoder-cache connector); on an encoder, nixl-read or nixl-write: offer outputs by NIXL "
+           "(to consumers of either)", kind=str, choices=TRANSFER_MODES, casefold=True),
     Option("multimodal_embedding_cache_capacity_gb", ("--multimodal-embedding-cache-capacity-gb",),
            ("DYN_MULTIMODAL_EMBEDDING_CACHE_CAPACITY_GB",),
            "host memory (GB) that keeps the encoder outputs of recent images, least recently used dropped "
@@ -92,10 +93,6 @@ def check_encoder_cache(config: Config) -> None:
 
 def _check_embedding_transfer(config: Config, role: str) -> None:
     mode = config.embedding_transfer_mode
-    if mode == NIXL_WRITE:
-        raise ValueError(f"--embedding-transfer-mode {mode}: the encoder writing into its consumer's memory is not "
-                         f"built; use {NIXL_READ} (the consumer reads from the encoder's memory by NIXL) or "
-                         f"{LOCAL_TRANSFER} (files on a filesystem the encoder and its consumers share)")
     if config.ec_connector_backend != EC_EXAMPLE_CONNECTOR:
         raise ValueError(f"--embedding-transfer-mode {mode} hands over what --ec-connector-backend "
                          f"{EC_EXAMPLE_CONNECTOR} stores in files, not {config.ec_connector_backend}'s outputs")

@@ -22,9 +22,9 @@ from tandem.runtime.config import ConfigError
 from tandem.vllm.args import Config, dump_config, parse_args
 from tandem.vllm.bos_token import bos_token_id_of
 from tandem.vllm.checkpoint_restore import get_checkpoint_config
-from tandem.vllm.embedding_transfer import NixlOffers, NixlReader
+from tandem.vllm.embedding_transfer import NixlOffers, NixlReader, NixlWriteReceiver
 from tandem.vllm.encoder import EncoderEmbeddings, EncoderWorkerHandler, StoredEncoderOutputs
-from tandem.vllm.encoder_cache import EC_EXAMPLE_CONNECTOR, NIXL_READ
+from tandem.vllm.encoder_cache import EC_EXAMPLE_CONNECTOR, NIXL_READ, NIXL_WRITE
 from tandem.vllm.engine_monitor import VllmEngineMonitor
 from tandem.vllm.forward_pass import ForwardPasses, ForwardPassLoggerFactory, enable_iteration_details
 from tandem.vllm.handlers import DisaggMetrics, handler_class
@@ -164,8 +164,9 @@ async def _serve(config: Config, runtime: DistributedRuntime, shutdown_event: as
         if config.ec_consumer_mode:
             encoders = Encoders(runtime, config.namespace)
             if config.embedding_transfer_mode is not None:
-                reader = NixlReader() if config.embedding_transfer_mode == NIXL_READ else None
-                handler.embed_images = EncoderEmbeddings(encoders, vllm_config.model_config.dtype, reader).embed
+                receiver = {NIXL_READ: NixlReader, NIXL_WRITE: NixlWriteReceiver}.get(config.embedding_transfer_mode)
+                handler.embed_images = EncoderEmbeddings(encoders, vllm_config.model_config.dtype,
+                                                         receiver() if receiver else None).embed
             else:
                 stored = StoredEncoderOutputs(encoders, config.ec_storage_path
                                               if config.ec_connector_backend == EC_EXAMPLE_CONNECTOR else None)
@@ -173,7 +174,7 @@ async def _serve(config: Config, runtime: DistributedRuntime, shutdown_event: as
             runtime.add_shutdown_hook(encoders.close)
         if isinstance(handler, EncoderWorkerHandler) and config.ec_connector_backend == EC_EXAMPLE_CONNECTOR:
             handler.storage = config.ec_storage_path
-            if config.embedding_transfer_mode == NIXL_READ:
+            if config.embedding_transfer_mode in (NIXL_READ, NIXL_WRITE):  # it serves consumers of both
                 handler.offers = NixlOffers()
                 handler.offers.start()
                 runtime.add_shutdown_hook(handler.offers.stop)

@@ -41,19 +41,22 @@ def chosen_role(roles: Sequence[tuple[str, bool]], multimodal: bool, why: str) -
 
 
 # What a consumer adds to the annotations of the request it sends an encoder to have the encoder outputs
-# offered for a NIXL read (`NixlTensor`); without it an encoder names their files.
+# offered by NIXL (`NixlTensor`), for it to read or to ask the encoder to write; without either an encoder names
+# their files.
 NIXL_READ_ANNOTATION = "embedding_transfer:nixl-read"
+NIXL_WRITE_ANNOTATION = "embedding_transfer:nixl-write"
 
 
 class NixlTensor(msgspec.Struct):
-    """A tensor in another process's memory, registered with its NIXL agent for others to READ."""
+    """A tensor in another process's memory, registered with its NIXL agent: for others to READ, or to have
+    the holder WRITE it into their memory (`WriteRequest`)."""
 
     agent: str  # the holder's agent name
     metadata: bytes  # the holder agent's metadata, for a reader that has not met it yet
     descs: bytes  # the serialized descriptors of the tensor's memory
     shape: list[int]
     dtype: str  # torch's name of the element type, e.g. "float32"
-    done: bytes  # the notification the reader sends once done, so the holder lets the tensor go
+    done: bytes  # the offer's key: the notification a reader sends once done, so the holder lets the tensor go
 
 
 class EncodedImage(msgspec.Struct):
@@ -61,7 +64,7 @@ class EncodedImage(msgspec.Struct):
 
     digest: str  # the image's content digest: its identity in the engines' prefix caches
     path: str | None = None  # a safetensors file holding one (tokens x hidden) tensor; None: not in a file
-    nixl: NixlTensor | None = None  # the same tensor offered for a NIXL read, when the consumer asked for it
+    nixl: NixlTensor | None = None  # the same tensor offered by NIXL, when the consumer asked for it
 
 
 class EncodedImages(msgspec.Struct, tag="encoded_images"):

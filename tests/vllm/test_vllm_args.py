@@ -365,8 +365,8 @@ def test_route_to_encoder_is_the_consumer_role(monkeypatch: pytest.MonkeyPatch, 
 
 def test_embedding_transfer_mode_local(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """--embedding-transfer-mode local (env DYN_VLLM_EMBEDDING_TRANSFER_MODE): a consumer takes encoder outputs as
-    embeddings (nixl-read: by a NIXL read), so its engine gets vLLM's --enable-mm-embeds and no encoder-cache
-    connector; the encoder keeps its producer connector (whose files it names or offers). nixl-write, other
+    embeddings (nixl-read, nixl-write: by NIXL), so its engine gets vLLM's --enable-mm-embeds and no
+    encoder-cache connector; the encoder keeps its producer connector (whose files it names or offers). Other
     connectors and a role without an encoder are refused, naming the flag."""
     consumer = build("--enable-multimodal", "--route-to-encoder", "--embedding-transfer-mode", "local")
     assert consumer.ec_consumer_mode and consumer.embedding_transfer_mode == "local"
@@ -377,11 +377,12 @@ def test_embedding_transfer_mode_local(monkeypatch: pytest.MonkeyPatch, tmp_path
     encoder = build("--enable-multimodal", "--disaggregation-mode", "encode", "--ec-storage-path", str(tmp_path))
     assert encoder.engine_args.ec_transfer_config.ec_role == "ec_producer" and not encoder.engine_args.enable_mm_embeds
     monkeypatch.delenv("DYN_VLLM_EMBEDDING_TRANSFER_MODE")
-    reader = build("--enable-multimodal", "--route-to-encoder", "--embedding-transfer-mode", "nixl-read")
-    assert reader.embedding_transfer_mode == "nixl-read" and reader.engine_args.enable_mm_embeds
+    for mode in ("nixl-read", "nixl-write"):
+        by_nixl = build("--enable-multimodal", "--route-to-encoder", "--embedding-transfer-mode", mode)
+        assert by_nixl.embedding_transfer_mode == mode and by_nixl.engine_args.enable_mm_embeds
+        assert by_nixl.engine_args.ec_transfer_config is None
     consumer_args = ("--enable-multimodal", "--route-to-encoder")
     for argv, message in (
-        ((*consumer_args, "--embedding-transfer-mode", "nixl-write"), "into its consumer's memory is not built"),
         ((*consumer_args, "--embedding-transfer-mode", "local", "--ec-storage-path", str(tmp_path)),
          "^--ec-storage-path with --embedding-transfer-mode: a consumer taking embeddings has no"),
         ((*consumer_args, "--embedding-transfer-mode", "local", "--ec-connector-backend", "Other"),

