@@ -1,5 +1,6 @@
 """Router indexer micro-benchmark: `find_matches` latency, KV event throughput and memory per
-indexed block of `tandem.router.indexer` on a synthetic index of shared-prefix conversations.
+indexed block of `tandem.router.indexer` (over `tandem.router.radix_tree`) on a synthetic index of
+shared-prefix conversations.
 
     .venv/bin/python bench/router_micro.py                       # 1M blocks, full matrix
     .venv/bin/python bench/router_micro.py --blocks 200000 --workers 64 --prompts 8192
@@ -18,9 +19,9 @@ deepest holder). Event throughput is measured through `KvIndexer.apply_event` on
 
 Each configuration's events are built once; every round applies them to a fresh index (one per
 indexer under test, alternated), times the queries and then the removals. `--baseline-tree` loads
-`tandem/router/indexer.py` of another checkout (e.g. a `git worktree` of an older commit) as a
-second indexer, so both are measured in one process on the same events; it imports this tree's
-`tandem.router.protocols`. Memory per indexed block: tracemalloc's traced bytes after building
+`tandem/router/indexer.py` (and `radix_tree.py`, where the checkout has it) of another checkout (e.g.
+a `git worktree` of an older commit) as a second indexer, so both are measured in one process on the
+same events; it imports this tree's `tandem.router.protocols`. Memory per indexed block: tracemalloc's traced bytes after building
 the index from freshly built events and dropping the events, minus before (the index keeps the
 hash ints it was given), per tree node and per worker-block; one build per indexer, untimed.
 """
@@ -119,8 +120,24 @@ def time_queries(indexer: current_indexer.KvIndexer, conversations: list[list[in
 
 
 def load_indexer(tree: Path) -> ModuleType:
-    """`tandem/router/indexer.py` of the checkout at `tree`, as a module of its own."""
-    spec = importlib.util.spec_from_file_location("baseline_indexer", tree / "tandem" / "router" / "indexer.py")
+    """`tandem/router/indexer.py` of the checkout at `tree`, as a module of its own; the checkout's
+    `radix_tree.py`, where it has one (older ones kept the tree in indexer.py), is what it imports."""
+    folder = tree / "tandem" / "router"
+    own_tree = folder / "radix_tree.py"
+    saved = sys.modules.get("tandem.router.radix_tree")
+    try:
+        if own_tree.exists():
+            sys.modules["tandem.router.radix_tree"] = _load("baseline_radix_tree", own_tree)
+        return _load("baseline_indexer", folder / "indexer.py")
+    finally:
+        if saved is not None:
+            sys.modules["tandem.router.radix_tree"] = saved
+        else:
+            sys.modules.pop("tandem.router.radix_tree", None)
+
+
+def _load(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # (dataclasses look their module up)

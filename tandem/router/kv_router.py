@@ -34,7 +34,7 @@ from tandem.router.hashing import (
     request_seed,
     sequence_hashes,
 )
-from tandem.router.indexer import ApproxIndexer, EventGap, KvIndexer, OverlapScores, WorkerKey
+from tandem.router.indexer import ApproxIndexer, EventGap, KvIndexer
 from tandem.router.protocols import (
     KV_EVENT_TOPIC,
     WORKER_KV_INDEXER_QUERY_ENDPOINT,
@@ -43,6 +43,7 @@ from tandem.router.protocols import (
     RouterEvent,
     router_event_from_builtins,
 )
+from tandem.router.radix_tree import OverlapScores, WorkerKey
 from tandem.router.selector import CostTerms, select_worker, worker_costs
 from tandem.router.sequences import ActiveSequences
 from tandem.runtime.keys import parse_endpoint_path

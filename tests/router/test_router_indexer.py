@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.router import indexer as indexer_module
-from tandem.router.indexer import ApproxIndexer, EventGap, KvIndexer, RadixTree, WorkerKey
+from tandem.router import radix_tree as tree_module
+from tandem.router.indexer import ApproxIndexer, EventGap, KvIndexer
 from tandem.router.protocols import (
     KvBlock,
     RouterEvent,
@@ -21,6 +21,7 @@ from tandem.router.protocols import (
     removed_event,
     stored_event,
 )
+from tandem.router.radix_tree import RadixTree, WorkerKey
 
 A: WorkerKey = (1, 0)
 B: WorkerKey = (2, 0)
@@ -247,12 +248,12 @@ OPS = st.one_of(
 @contextlib.contextmanager
 def lanes_from(blocks: int) -> Iterator[None]:
     """Stores of at least `blocks` blocks start lanes (the index's threshold is longer than these chains)."""
-    default = indexer_module._LANE_MIN_BLOCKS
-    indexer_module._LANE_MIN_BLOCKS = blocks
+    default = tree_module._LANE_MIN_BLOCKS
+    tree_module._LANE_MIN_BLOCKS = blocks
     try:
         yield
     finally:
-        indexer_module._LANE_MIN_BLOCKS = default
+        tree_module._LANE_MIN_BLOCKS = default
 
 
 @pytest.mark.parametrize("lane_min_blocks", [1, 3])
@@ -364,8 +365,8 @@ def test_find_matches_at_scale_matches_reference(seed: int, shared_masks: int | 
     sequences. `shared_masks` shrinks the table of shared mask objects so it starts over often;
     `lane_min_blocks`: the stores that start lanes."""
     if shared_masks is not None:
-        monkeypatch.setattr(indexer_module, "_MAX_SHARED_MASKS", shared_masks)
-    monkeypatch.setattr(indexer_module, "_LANE_MIN_BLOCKS", lane_min_blocks)
+        monkeypatch.setattr(tree_module, "_MAX_SHARED_MASKS", shared_masks)
+    monkeypatch.setattr(tree_module, "_LANE_MIN_BLOCKS", lane_min_blocks)
     rng = random.Random(seed)
     workers = [(w, rank) for w in range(35) for rank in range(2)]
     prefixes = [tuple(rng.randint(1, 4) for _ in range(rng.randint(3, 30))) for _ in range(4)]
