@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from tandem.worker.encoders import NixlTensor
+from tandem.worker.encoders import NIXL_READ_ANNOTATION, NIXL_WRITE_ANNOTATION, NixlTensor
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +200,8 @@ async def _until_done(agent: Any, transfer: Any) -> str:
 class NixlReader:
     """A consumer's NIXL agent, reading the tensors encoders offer (nixl-read)."""
 
+    annotation = NIXL_READ_ANNOTATION  # how its consumer asks encoders for their outputs
+
     def __init__(self) -> None:
         self.agent = _nixl_agent("consumer")
 
@@ -270,6 +272,8 @@ class NixlWriteReceiver:
     (nixl-write): the consumer names a span of it in a `WriteRequest` notification, the encoder WRITEs with a
     notification of its own, and the tensor is copied out so the span serves the next image."""
 
+    annotation = NIXL_WRITE_ANNOTATION  # how its consumer asks encoders for their outputs
+
     def __init__(self, buffer_bytes: int = WRITE_BUFFER_BYTES, timeout_s: float = WRITE_TIMEOUT_S) -> None:
         import torch
 
@@ -296,7 +300,7 @@ class NixlWriteReceiver:
         import torch
 
         dtype = getattr(torch, offered.dtype)
-        length = torch.Size(offered.shape).numel() * torch.empty((), dtype=dtype).element_size()
+        length = torch.Size(offered.shape).numel() * dtype.itemsize
         start = self._spans.take(length)
         registration = None
         if start is None:  # memory of its own, which the encoder learns of from this agent's metadata

@@ -129,8 +129,7 @@ class EncoderEmbeddings:
     async def embed(self, request: PreprocessedRequest) -> tuple[list[Any], list[str]] | None:
         """(one tokens x hidden tensor per image, their digests), or None."""
         if self.receiver is not None:
-            asked = NIXL_WRITE_ANNOTATION if isinstance(self.receiver, NixlWriteReceiver) else NIXL_READ_ANNOTATION
-            request = msgspec.structs.replace(request, annotations=[*request.annotations, asked])
+            request = msgspec.structs.replace(request, annotations=[*request.annotations, self.receiver.annotation])
         start = time.perf_counter()
         images = self._named_before(request)
         if images is not None:
