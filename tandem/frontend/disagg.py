@@ -23,11 +23,11 @@ CANCELLED = "cancelled"  # the client went away during the prefill: no decode wa
 def decode_stage_override(existing: dict[str, Any] | None, conditional: bool) -> dict[str, Any]:
     """The router override of a disaggregated request's decode stage: its prompt was computed elsewhere,
     so it loads the decode worker with no prefill and its blocks arrive fresh (no assumed reuse). Plain
-    disaggregation also routes decode by load alone (overlap credit 0); under conditional
+    disaggregation also routes decode by load alone (no credit on any tier); under conditional
     disaggregation decode workers publish KV events and the transferred prefix may already be there."""
     override = {**(existing or {}), "assume_kv_reuse": False, "track_prefill_tokens": False}
     if not conditional:
-        override["overlap_score_credit"] = 0.0
+        override.update(overlap_score_credit=0.0, host_cache_hit_weight=0.0, disk_cache_hit_weight=0.0)
     return override
 
 

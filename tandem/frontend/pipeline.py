@@ -51,7 +51,7 @@ from tandem.llm.protocols import (
     TextChunk,
     parse_finish_reason,
 )
-from tandem.router.kv_router import KvRouter, PromptHashes, RoutedRequest
+from tandem.router.kv_router import KvRouter, PromptHashes, RoutedRequest, RoutingDecision
 from tandem.runtime import Client, Context, InstanceUnreachableError, NoInstancesError, StreamIncompleteError
 from tandem.runtime.options import RouterMode
 from tandem.runtime.request_plane import ResponseStream
@@ -111,6 +111,12 @@ class Attempt:
     """Bookkeeping of one request across migrations."""
 
     instance_id: int | None = None
+    dp_rank: int | None = None  # the serving instance's dp rank, when the request was routed to one
+    route: RoutingDecision | None = None  # the KV router's decision for the serving instance
+    # the prefill leg of a disaggregated request: its worker, dp rank and the KV router's decision
+    prefill_instance: int | None = None
+    prefill_dp_rank: int | None = None
+    prefill_route: RoutingDecision | None = None
     generated: list[int] = field(default_factory=list)
     migrations: int = 0
     stream: ResponseStream | None = None  # the current worker stream
@@ -270,7 +276,7 @@ class ModelPipeline:
         # disaggregation's cache check) works on token ids, which it has none of.
         if (_has_token_prompt(request) and pinned is None
                 and (self.model.prefill_instances or self.enforce_disagg)):
-            request, preferred = await self._disaggregate(request, context, hashes, pinned_legs=(
+            request, preferred = await self._disaggregate(request, context, hashes, attempt, pinned_legs=(
                 prefill_pin is not None or decode_pin is not None))
             if context.is_stopped():
                 return  # the client went away during the prefill: no decode
@@ -291,7 +297,8 @@ class ModelPipeline:
                                         f"({len(exclude)} unreachable)") from None
                 raise
             preferred = None
-            attempt.instance_id = instance
+            attempt.instance_id, attempt.dp_rank = instance, dp_rank
+            attempt.route = routed.decision if routed is not None else None
             outgoing: Any = request
             if attempt.generated and isinstance(request, PreprocessedRequest):
                 outgoing = self._continuation(request, attempt.generated)
@@ -376,6 +383,7 @@ class ModelPipeline:
 
     # -- disaggregated prefill ------------------------------------------------
     async def _disaggregate(self, request: PreprocessedRequest, context: Context, hashes: PromptHashes | None,
+                            attempt: Attempt,
                             pinned_legs: bool = False) -> tuple[PreprocessedRequest, int | None]:
         """The request for the decode stage and, under conditional disaggregation, the decode worker that
         keeps it. It carries `prefill_result` when a prefill worker computed the prompt; otherwise it is
@@ -389,7 +397,7 @@ class ModelPipeline:
                 self.metrics.remote_prefill(name, SKIPPED_CONDITIONAL)
                 return request, local
         try:
-            decode_request = await self.prefill(request, context, hashes)
+            decode_request = await self.prefill(request, context, hashes, attempt)
         except asyncio.CancelledError:  # the client disconnected: prefill() has already stopped its leg
             self.metrics.remote_prefill(name, CANCELLED)
             raise
@@ -399,6 +407,7 @@ class ModelPipeline:
         if decode_request is not None:
             self.metrics.remote_prefill(name, OK)
             return decode_request, None
+        attempt.prefill_instance = attempt.prefill_dp_rank = attempt.prefill_route = None  # (none computed it)
         if self.enforce_disagg:
             self.metrics.remote_prefill(name, ERROR)
             raise NoWorkerError(f"no prefill worker of model {name!r} could take the request (--enforce-disagg)")
@@ -420,8 +429,8 @@ class ModelPipeline:
         cached = decision.overlap_blocks * router.block_size
         return decision.worker_id if bypass_remote_prefill(len(request.token_ids), cached, router.config) else None
 
-    async def prefill(self, request: PreprocessedRequest, context: Context,
-                      hashes: PromptHashes | None = None) -> PreprocessedRequest | None:
+    async def prefill(self, request: PreprocessedRequest, context: Context, hashes: PromptHashes | None = None,
+                      attempt: Attempt | None = None) -> PreprocessedRequest | None:
         """Run the prompt on a prefill worker (max_tokens 1) and return the decode request carrying its
         `prefill_result` (the KV transfer parameters); None when no prefill worker is reachable or the
         prefill failed. The leg is a child of `context`: cancelling the request cancels it. A request that
@@ -442,6 +451,9 @@ class ModelPipeline:
             session = session_of(request)
             selected = by_session(candidates, session) if session else self.prefill_selector.select(candidates, request)
             instance, dp_rank = selected, None
+        if attempt is not None:  # (recorded once chosen: the answer's nvext names it)
+            attempt.prefill_instance, attempt.prefill_dp_rank = instance, dp_rank
+            attempt.prefill_route = routed.decision if routed is not None else None
         client = self._client_of(instance)
         stop = msgspec.structs.replace(request.stop_conditions, max_tokens=1, min_tokens=None)
         child = Context(context.id())

@@ -66,6 +66,7 @@ class Nvext(msgspec.Struct, omit_defaults=True):
     cache_salt: str | None = None
     max_thinking_tokens: Annotated[int, msgspec.Meta(ge=0, lt=U32)] | None = None
     agent_context: AgentContext | None = None
+    extra_fields: list[str] = []
     extra: dict[str, Any] = {}
 
 
@@ -74,6 +75,9 @@ _NVEXT_KNOWN = frozenset(Nvext.__struct_fields__) - {"extra"}
 
 # The annotations a streamed answer honours, as Dynamo's: each is one SSE event ahead of the first chunk.
 ANNOTATIONS = ("formatted_prompt", "token_ids")
+# The fields an answer's `nvext` may be asked for: Dynamo's worker ids, and the routing decision of each leg
+# (the cached blocks per tier and their credit).
+EXTRA_FIELDS = ("worker_id", "routing")
 
 
 def nvext_of(raw: dict[str, Any] | None, stream: bool) -> Nvext:
@@ -88,6 +92,10 @@ def nvext_of(raw: dict[str, Any] | None, stream: bool) -> Nvext:
         raise from_validation(e, "nvext") from None
     if ext.annotations:
         _check_annotations(ext.annotations, stream)
+    unknown = [name for name in ext.extra_fields if name not in EXTRA_FIELDS]
+    if unknown:
+        param = "nvext.extra_fields"
+        raise fail(param, f"'{param}' may hold {' and '.join(EXTRA_FIELDS)} (got {unknown[0]!r}).")
     ext.extra = check_wire({k: v for k, v in raw.items() if k not in _NVEXT_KNOWN}, "nvext")
     return ext
 

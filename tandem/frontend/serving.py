@@ -15,7 +15,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -180,6 +180,7 @@ class Exchange:
     answer: Answer
     first: LLMEngineOutput | None  # the worker's first output (routing failures were answered before)
     images: bool = False  # the prompt has images: its length is the engine's count, with their tokens
+    extra_fields: list[str] = field(default_factory=list)  # `nvext.extra_fields`: what the answer's nvext holds
 
 
 class Serving:
@@ -317,7 +318,7 @@ class Serving:
             except Exception as e:
                 return self.failure(e, t.model, endpoint, answer.error_body)
             exchange = Exchange(t, prepared.processor, prepared.parser, answer, first,  # type: ignore[arg-type]
-                                prepared.request.multi_modal_data is not None)
+                                prepared.request.multi_modal_data is not None, req.ext.extra_fields)
             if req.stream:
                 headers = {**SSE_HEADERS, **answer.headers} if answer.headers else SSE_HEADERS
                 response = t.response = EventStream(headers=headers)
@@ -480,7 +481,22 @@ def _ending(exchange: Exchange) -> Ending:
     usage = Usage(t.prompt_tokens, outcome.completion_tokens, details.cached_tokens if details else None,
                   outcome.reasoning_tokens)
     return Ending(outcome.finish_reason or "stop", exchange.processor.stop_reason,
-                  parser is not None and parser.calls_finish, usage)
+                  parser is not None and parser.calls_finish, usage,
+                  _response_nvext(exchange.extra_fields, t.attempt) if exchange.extra_fields else None)
+
+
+def _response_nvext(fields: list[str], attempt: Attempt) -> dict[str, Any]:
+    """An answer's `nvext`: `worker_id` (Dynamo's: the prefill and decode workers and their dp ranks) and
+    `routing` (each KV-routed leg's decision: its blocks and credit per tier)."""
+    out: dict[str, Any] = {}
+    if "worker_id" in fields:
+        ids = {"prefill_worker_id": attempt.prefill_instance, "prefill_dp_rank": attempt.prefill_dp_rank,
+               "decode_worker_id": attempt.instance_id, "decode_dp_rank": attempt.dp_rank}
+        out["worker_id"] = {name: value for name, value in ids.items() if value is not None}
+    if "routing" in fields:
+        out["routing"] = {leg: decision.report() for leg, decision in
+                          (("prefill", attempt.prefill_route), ("decode", attempt.route)) if decision is not None}
+    return out
 
 
 def _annotation_events(req: AnyRequest, prepared: Prepared) -> bytes:

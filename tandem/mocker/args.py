@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 from tandem.llm.model_card import ModelType
+from tandem.mocker.offload import OffloadConfig
 from tandem.mocker.scheduler import SchedulerConfig
 from tandem.models import default_served_name, resolve_model
 from tandem.runtime import RuntimeConfig
@@ -66,6 +67,11 @@ class MockerConfig:
     disaggregation_mode: DisaggregationMode = DisaggregationMode.AGGREGATED
     kv_transfer_bandwidth: float = 64.0  # GB/s; 0 disables the simulated transfer delay
     kv_bytes_per_token: int = 0
+    # Offload tiers (KVBM's G2 host memory and G3 disk), simulated: blocks, and onboarding bandwidth in GB/s
+    num_g2_blocks: int = 0
+    num_g3_blocks: int = 0
+    bandwidth_g2_to_g1_gbps: float = 14.0
+    bandwidth_g3_to_g1_gbps: float = 2.0
     enable_conditional_disagg: bool = False
     context_length: int = 8192
     seed: int = 0
@@ -92,6 +98,10 @@ class MockerConfig:
         return self.engine.enable_prefix_caching and (
             self.disaggregation_mode is not DisaggregationMode.DECODE or self.enable_conditional_disagg)
 
+    def offload(self) -> OffloadConfig:
+        return OffloadConfig(self.num_g2_blocks, self.num_g3_blocks, self.bandwidth_g2_to_g1_gbps,
+                             self.bandwidth_g3_to_g1_gbps, self.kv_bytes_per_token * self.engine.block_size)
+
     def kv_transfer_seconds(self, num_tokens: int) -> float:
         """Simulated NIXL transfer of a prompt's KV from a prefill to a decode worker (the whole prompt),
         in simulated seconds."""
@@ -117,6 +127,7 @@ ENGINE_DEFAULTS: dict[str, object] = {
     "seed": 0, "speedup_ratio": 1.0, "decode_speedup_ratio": 1.0, "startup_time": 0.0,
     "planner_profile_data": None, "disaggregation_mode": "agg", "kv_transfer_bandwidth": 64.0,
     "kv_bytes_per_token": None, "data_parallel_size": 1,
+    "num_g2_blocks": 0, "num_g3_blocks": 0, "bandwidth_g2_to_g1_gbps": 14.0, "bandwidth_g3_to_g1_gbps": 2.0,
 }
 # Every flag's default, shown in --help.
 _DEFAULTS = SimpleNamespace(
@@ -172,6 +183,17 @@ def build_parser() -> argparse.ArgumentParser:
     timing.add_argument("--planner-profile-data", default=None,
                         help="measured timings to interpolate (.npz as Dynamo's profiler writes, or .json with "
                         "the same keys) instead of the polynomial default")
+    tiers = parser.add_argument_group("KV offload tiers (simulated host memory and disk below the KV pool)")
+    tiers.add_argument("--num-g2-blocks", type=int, default=None,
+                       help="host-memory tier: blocks the pool evicts go there, and a request loads the blocks "
+                       "continuing its prefix match from it instead of computing them [0: no tiers]")
+    tiers.add_argument("--num-g3-blocks", type=int, default=None,
+                       help="disk tier: blocks the host tier evicts go there (needs --num-g2-blocks) [0]")
+    tiers.add_argument("--bandwidth-g2-to-g1-gbps", type=float, default=None,
+                       help="host → device onboarding bandwidth, GB/s (KV bytes per block from --kv-bytes-per-token) "
+                       "[14]")
+    tiers.add_argument("--bandwidth-g3-to-g1-gbps", type=float, default=None,
+                       help="disk → device onboarding bandwidth, GB/s [2]")
     disagg = parser.add_argument_group("Disaggregation")
     add_options(disagg, _DISAGG_OPTIONS, _DEFAULTS)
     disagg.add_argument("--enable-conditional-disagg", action="store_true",
@@ -229,6 +251,14 @@ def _config(args: argparse.Namespace) -> MockerConfig:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {options[name]}")
     if not 0 <= float(options["watermark"]) < 1:  # type: ignore[arg-type]
         raise ValueError(f"--watermark must be in [0, 1), got {options['watermark']}")
+    for name in ("num_g2_blocks", "num_g3_blocks"):
+        if int(options[name]) < 0:  # type: ignore[call-overload]
+            raise ValueError(f"--{name.replace('_', '-')} must not be negative, got {options[name]}")
+    if int(options["num_g3_blocks"]) and not int(options["num_g2_blocks"]):  # type: ignore[call-overload]
+        raise ValueError("--num-g3-blocks: the disk tier sits below a host tier; set --num-g2-blocks too")
+    for name in ("bandwidth_g2_to_g1_gbps", "bandwidth_g3_to_g1_gbps"):
+        if float(options[name]) <= 0:  # type: ignore[arg-type]
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {options[name]}")
     if int(options["data_parallel_size"]) < 1:  # type: ignore[call-overload]
         raise ValueError(f"--data-parallel-size must be at least 1, got {options['data_parallel_size']}")
     if args.num_workers < 1:

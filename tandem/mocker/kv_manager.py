@@ -19,8 +19,8 @@ tokens are not computed yet; with prefix caching disabled every block stays priv
   and free copies are candidates, least recently released first, so a leaf always goes before its
   parent. Since a sequence frees its blocks tail first, this is also vLLM's order.
 * Events: a block registered under a hash not yet cached emits `stored` (consecutive blocks of one
-  registration are batched in one event); evictions emit `removed`; `clear()` emits `"cleared"`.
-  Reusing a cached block emits nothing.
+  registration are batched in one event); evictions emit `removed` (after `on_evict` has the evicted
+  blocks, for the offload tiers); `clear()` emits `"cleared"`. Reusing a cached block emits nothing.
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ class KvManager:
         *,
         enable_prefix_caching: bool = True,
         on_event: Callable[[KvEvent], None] | None = None,
+        on_evict: Callable[[list[tuple[int, int, int | None]]], None] | None = None,
     ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks} and {block_size}")
@@ -76,6 +77,8 @@ class KvManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._on_event = on_event
+        # Evicted blocks as (sequence hash, local hash, parent's sequence hash), leaves first: offload tiers
+        self._on_evict = on_evict
         self._cached: dict[int, _CachedBlock] = {}
         self._seqs: dict[str, _SeqBlocks] = {}
         self._num_private = 0
@@ -149,9 +152,11 @@ class KvManager:
             self._acquire(self._cached[h])
             seq.registered.append(h)
         free = self.num_blocks - len(self._cached) - self._num_private - self._num_spare
-        evicted = [h for h in (self._evict_one() for _ in range(fresh - free)) if h is not None]
+        evicted = [block for block in (self._evict_one() for _ in range(fresh - free)) if block is not None]
         if evicted:
-            self._emit(KvCacheEventData(removed=KvRemoved(evicted)))
+            if self._on_evict is not None:  # (before the removal: where they go is stored first)
+                self._on_evict([(block.seq_hash, block.local_hash, block.parent) for block in evicted])
+            self._emit(KvCacheEventData(removed=KvRemoved([block.seq_hash for block in evicted])))
         seq.private += fresh
         self._num_private += fresh
         return True
@@ -262,8 +267,9 @@ class KvManager:
             self._num_inactive -= 1  # its heap entry goes stale
         block.refs += 1
 
-    def _evict_one(self) -> int | None:
-        """Free one block, least recently released first; returns the hash that left the cache, if one did."""
+    def _evict_one(self) -> _CachedBlock | None:
+        """Free one block, least recently released first; returns the block whose hash left the cache, if
+        one did."""
         while True:
             released_at, h = heapq.heappop(self._leaves)
             block = self._cached.get(h)
@@ -294,7 +300,7 @@ class KvManager:
             parent = self._drop(h)
             if parent is not None and parent.refs == 0 and parent.children == 0:
                 heapq.heappush(self._leaves, (parent.released_at, parent.seq_hash))
-            return h
+            return block
 
     def _adopt_copy(self, block: _CachedBlock) -> None:
         """The oldest copy a sequence holds of inactive `block` becomes that sequence's reference to

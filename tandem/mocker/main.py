@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, Metric
@@ -24,9 +24,12 @@ from tandem.llm.tokenizer import Tokenizer
 from tandem.mocker.args import MockerConfig, parse_args
 from tandem.mocker.engine import MockEngine, SyntheticTokens
 from tandem.mocker.handlers import EmbeddingMocker, MockEncoder, MockerHandler
+from tandem.mocker.kv_manager import KvEvent
+from tandem.mocker.offload import KvbmMetrics, OffloadTiers, RankMetrics
 from tandem.mocker.perf_model import load_perf_model
 from tandem.mocker.scheduler import Scheduler, SchedulerLoad, StepResult
-from tandem.router.protocols import KV_EVENT_TOPIC, KV_METRICS_TOPIC
+from tandem.router.consolidator import KvEventConsolidator
+from tandem.router.protocols import KV_EVENT_TOPIC, KV_METRICS_TOPIC, KvCacheEventData, StorageTier
 from tandem.router.publisher import KvEventPublisher, SupportsPublish
 from tandem.runtime import DistributedRuntime, configure_logging, run
 from tandem.runtime.runtime import install_signal_handlers
@@ -97,6 +100,26 @@ class EngineReports:
                            config.max_num_batched_tokens)
 
 
+def tiered_events(config: MockerConfig, events: KvEventPublisher | None, metrics: RankMetrics | None
+                  ) -> tuple[Callable[[KvEvent], None] | None, OffloadTiers | None]:
+    """Where an engine's pool sends its KV events, and its offload tiers if it has any. With tiers, the
+    pool's events and the tiers' go through one consolidator to the worker's publisher."""
+    offload_config = config.offload()
+    if not offload_config.enabled:
+        return (events.emit if events is not None else None), None
+    if events is None:
+        return None, OffloadTiers(offload_config, config.engine.block_size, metrics=metrics)
+    consolidator = KvEventConsolidator(events.emit)
+
+    def from_pool(data: KvEvent) -> None:
+        consolidator.apply("pool", "device", data)
+
+    def from_tiers(data: KvCacheEventData, tier: StorageTier) -> None:
+        consolidator.apply("tiers", tier, data)
+
+    return from_pool, OffloadTiers(offload_config, config.engine.block_size, from_tiers, metrics)
+
+
 async def start_worker(config: MockerConfig, runtime: DistributedRuntime, tokenizer: Tokenizer) -> list[MockEngine]:
     """One worker instance on `runtime`: a simulated engine per data-parallel rank (an encoder worker: none)."""
     component = runtime.namespace(config.namespace).component(config.component)
@@ -117,6 +140,7 @@ async def start_worker(config: MockerConfig, runtime: DistributedRuntime, tokeni
     passes_plane = await component.event_publisher(FORWARD_PASS_TOPIC)
     engines: list[MockEngine] = []
     publishers: list[KvEventPublisher] = []
+    kvbm = KvbmMetrics(runtime.registry) if config.offload().enabled else None
     for rank in range(config.data_parallel_size):
         events = None
         if event_plane is not None:
@@ -126,8 +150,9 @@ async def start_worker(config: MockerConfig, runtime: DistributedRuntime, tokeni
                                    publisher=metrics_plane)
         load.set_num_gpu_blocks(engine_config.num_blocks)
         load.init_publish()
+        device_events, offload = tiered_events(config, events, kvbm.of(rank) if kvbm is not None else None)
         scheduler = Scheduler(engine_config, load_perf_model(config.planner_profile_data),
-                              kv_events=events.emit if events is not None else None)
+                              kv_events=device_events, offload=offload)
         reports = EngineReports(scheduler, load)
         reports.recorder = ForwardPassRecorder(worker_id=worker_id, dp_rank=rank, publisher=passes_plane,
                                                state=reports.state)

@@ -43,6 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tandem.mocker.kv_manager import KvEvent, KvManager
+from tandem.mocker.offload import OffloadTiers
 from tandem.mocker.perf_model import PerfModel
 from tandem.router.hashing import (
     XXH3_SEED,
@@ -190,6 +191,7 @@ class _Batch:
     prefill: set[str] = field(default_factory=set)  # ids of requests computing prefill tokens
     admitted: dict[str, int] = field(default_factory=dict)  # request id -> prefix-cache hit, in tokens
     encode_ms: float = 0.0  # the images of the requests admitted, encoded in this step
+    onboard_ms: float = 0.0  # the blocks they load from the offload tiers
 
     def add(self, seq: _Seq, n: int, prefill: bool) -> None:
         self.tokens[seq.id] = n
@@ -214,14 +216,17 @@ class Scheduler:
         config: SchedulerConfig,
         perf_model: PerfModel,
         kv_events: Callable[[KvEvent], None] | None = None,
+        offload: OffloadTiers | None = None,
     ) -> None:
         self.config = config
         self.perf_model = perf_model
+        self.offload = offload if config.enable_prefix_caching else None
         self.kv = KvManager(
             config.num_blocks,
             config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
             on_event=kv_events,
+            on_evict=self.offload.offload if self.offload is not None else None,
         )
         self._watermark_blocks = int(config.watermark * config.num_blocks)
         self._waiting: deque[_Seq] = deque()
@@ -284,7 +289,7 @@ class Scheduler:
         cfg = self.config
         num_prefill_tokens = batch.num_prefill_tokens
         prefill_ms = self.perf_model.prefill_ms(num_prefill_tokens) if num_prefill_tokens else 0.0
-        prefill_ms += batch.encode_ms
+        prefill_ms += batch.encode_ms + batch.onboard_ms
         decode_ms = 0.0
         if decoding:
             decode_ms = self.perf_model.decode_ms(
@@ -355,14 +360,18 @@ class Scheduler:
         bs = cfg.block_size
         while self._waiting and len(self._running) < cfg.max_num_seqs:
             seq = self._waiting[0]
+            onboard = None  # the blocks after its device match that it loads from the offload tiers
             if seq.kv_transferred:
                 # The whole prompt's KV is here: reuse what is cached, nothing to compute.
                 cached_blocks = self._match(seq, len(seq.tokens) // bs)
                 cached, n = len(seq.tokens), 0
             else:
                 # vLLM never serves the last token from the cache: it must be computed to sample.
-                cached_blocks = self._match(seq, (len(seq.tokens) - 1) // bs)
-                cached = cached_blocks * bs
+                max_blocks = (len(seq.tokens) - 1) // bs
+                cached_blocks = self._match(seq, max_blocks)
+                if self.offload is not None and cached_blocks < max_blocks:
+                    onboard = self.offload.lookup(seq.seq_hashes[cached_blocks:max_blocks])
+                cached = (cached_blocks + (onboard.blocks if onboard else 0)) * bs
                 remaining = len(seq.tokens) - cached
                 # Without chunked prefill a request runs whole, unless it can never fit in a step (a
                 # recomputation after preemption; vLLM's config makes that impossible).
@@ -384,8 +393,11 @@ class Scheduler:
             if not seq.kv_transferred:
                 self._hit_tokens += cached_blocks * bs
                 self._queried_tokens += len(seq.tokens)
-            if seq.num_output == 0:
-                seq.cached_tokens = cached_blocks * bs
+            if onboard is not None and self.offload is not None:
+                self.offload.load(seq.seq_hashes[cached_blocks:max_blocks], onboard)
+                batch.onboard_ms += onboard.ms
+            if seq.num_output == 0:  # (as vLLM counts them: with the tokens loaded from the tiers)
+                seq.cached_tokens = cached if not seq.kv_transferred else cached_blocks * bs
             batch.admitted[seq.id] = cached
             if seq.req.media and not seq.kv_transferred:
                 # The images whose blocks the prefix cache does not hold all through are encoded first.

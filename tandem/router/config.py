@@ -23,6 +23,9 @@ class KvRouterConfig:
     # Legacy (0.x) weight: when set, the legacy cost formula is used; 0 disables overlap.
     overlap_score_weight: float | None = None
     prefill_load_scale: float = 1.0
+    # Prefill credit per prompt block a worker holds in host memory / on disk (continuing its device match)
+    host_cache_hit_weight: float = 0.75
+    disk_cache_hit_weight: float = 0.25
     decode_active_request_weight: float = 0.0
     temperature: float = 0.0
     use_kv_events: bool = True
@@ -82,6 +85,8 @@ _OVERRIDE_KEYS = {
     "router_temperature": "temperature",
     "temperature": "temperature",
     "prefill_load_scale": "prefill_load_scale",
+    "host_cache_hit_weight": "host_cache_hit_weight",
+    "disk_cache_hit_weight": "disk_cache_hit_weight",
 }
 # router_config_override switches (Dynamo's RouterConfigOverride has them too): the decode stage of a
 # disaggregated request turns both off.
@@ -101,6 +106,12 @@ _OPTIONS: tuple[Option, ...] = (
             "overlap)", minimum=0.0),
     Option("prefill_load_scale", ("--router-prefill-load-scale",), ("DYN_ROUTER_PREFILL_LOAD_SCALE",),
             "weight of a worker's prefill blocks against its decode blocks", minimum=0.0),
+    Option("host_cache_hit_weight", ("--router-host-cache-hit-weight",), ("DYN_ROUTER_HOST_CACHE_HIT_WEIGHT",),
+            "blocks of prefill credit per prompt block a worker holds in host memory after its device match",
+            minimum=0.0),
+    Option("disk_cache_hit_weight", ("--router-disk-cache-hit-weight",), ("DYN_ROUTER_DISK_CACHE_HIT_WEIGHT",),
+            "blocks of prefill credit per prompt block a worker holds on disk (or external storage) after its "
+            "device and host matches", minimum=0.0),
     Option("decode_active_request_weight", ("--router-decode-active-request-weight",),
             ("DYN_ROUTER_DECODE_ACTIVE_REQUEST_WEIGHT",), "cost in blocks of each request active on a worker",
             minimum=0.0),

@@ -10,8 +10,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from tandem.router.hashing import sequence_hashes
 from tandem.router.protocols import RouterEvent
 from tandem.router.radix_tree import OverlapScores, RadixTree, WorkerKey
+from tandem.router.tiers import DEVICE, LowerTiers
 
 
 @dataclass(frozen=True)
@@ -25,7 +27,8 @@ class EventGap:
 
 
 class KvIndexer:
-    """RadixTree plus per-(worker, dp rank) event-id bookkeeping.
+    """RadixTree (the device tier) and the lower tiers (`LowerTiers`: host memory, disk), plus
+    per-(worker, dp rank) event-id bookkeeping. A worker numbers its events once across its tiers.
 
     While a worker's missing events are being fetched, its newer live events wait: a block stored
     under a block of the gap would otherwise find no parent and be dropped. Once every gap of the
@@ -33,6 +36,7 @@ class KvIndexer:
 
     def __init__(self) -> None:
         self.tree = RadixTree()
+        self.lower = LowerTiers(self._device_sequence_hash)
         self._last: dict[WorkerKey, int] = {}
         self._open_gaps: dict[WorkerKey, int] = {}  # gaps being fetched, per worker
         self._waiting: dict[WorkerKey, list[RouterEvent]] = {}  # live and fetched events held meanwhile
@@ -119,16 +123,24 @@ class KvIndexer:
         return len(events)
 
     def _apply(self, event: RouterEvent) -> None:
-        self.tree.apply(event)
+        if event.storage_tier == DEVICE:
+            self.tree.apply(event)
+        else:
+            self.lower.apply((event.worker_id, event.event.dp_rank), event.storage_tier, event.event.data)
         self.events_applied += 1
         data = event.event.data
         if data != "cleared":
             stored = data.stored  # type: ignore[union-attr]
             self.blocks_applied += len(stored.blocks) if stored is not None else len(data.removed.block_hashes)  # type: ignore[union-attr]
 
+    def _device_sequence_hash(self, worker: WorkerKey, block_hash: int) -> int | None:
+        path = self.tree.path(worker, block_hash)
+        return sequence_hashes(path)[-1] if path else None
+
     def remove_worker(self, worker_id: int) -> None:
         """Forget the worker's blocks, event ids and waiting events (every dp rank)."""
         self.tree.remove_worker(worker_id)
+        self.lower.remove_worker(worker_id)
         for table in (self._last, self._open_gaps, self._waiting):
             for key in [key for key in table if key[0] == worker_id]:
                 del table[key]

@@ -46,9 +46,11 @@ from tandem.router.protocols import (
 from tandem.router.radix_tree import OverlapScores, WorkerKey
 from tandem.router.selector import CostTerms, select_worker, worker_costs
 from tandem.router.sequences import ActiveSequences
+from tandem.router.tiers import DEVICE, DISK, HOST, TierOverlaps
 from tandem.runtime.keys import parse_endpoint_path
 
 ACTIVE_SEQUENCES_TOPIC = "active_sequences_events"
+TIERS = (DEVICE, HOST, DISK)  # the tiers a decision credits, as its report and the metrics name them
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +74,13 @@ class RouterMetrics:
                                      "Full prompt blocks of routed requests", labels, registry=registry)
         self.hit_blocks = Counter("dynamo_component_router_estimated_hit_blocks",
                                   "Prompt blocks estimated to hit the chosen worker's cache", labels, registry=registry)
+        self.tier_hit_blocks = Counter("dynamo_router_tier_hit_blocks",
+                                       "Prompt blocks the chosen worker holds, continuing its device match, in a "
+                                       "lower tier (host_pinned, disk)", labels + ["tier"], registry=registry)
+        self.tier_credit_blocks = Counter("dynamo_router_tier_credit_blocks",
+                                          "Prefill blocks credited to the chosen worker for its cached prompt "
+                                          "blocks, per tier (device, host_pinned, disk)", labels + ["tier"],
+                                          registry=registry)
         self.events_applied = Counter("dynamo_component_kv_cache_events_applied",
                                       "KV cache events applied to the router's index (live, or fetched from a "
                                       "worker: a gap, or the dump of a worker just seen)", labels, registry=registry)
@@ -136,10 +145,22 @@ class RoutingDecision:
     hashes: PromptHashes
     config: KvRouterConfig  # with the request's overrides
     scores: OverlapScores  # every candidate's cached blocks
+    tiers: TierOverlaps | None = None  # every candidate's blocks continuing them in host memory and on disk
 
     @property
     def worker(self) -> WorkerKey:
         return self.worker_id, self.dp_rank
+
+    def report(self) -> dict[str, Any]:
+        """The decision as an answer's `nvext.routing` shows it: the chosen worker, its cost, its cached prompt
+        blocks per tier and the prefill blocks each tier was credited (before any load decay)."""
+        load = self.load
+        return {
+            "worker_id": self.worker_id, "dp_rank": self.dp_rank, "cost": self.cost,
+            "prompt_blocks": len(self.hashes.local),
+            "cached_blocks": dict(zip(TIERS, (load.overlap_blocks, load.host_blocks, load.disk_blocks), strict=True)),
+            "credit_blocks": dict(zip(TIERS, load.tier_credits(self.config), strict=True)),
+        }
 
 
 class RoutedRequest:
@@ -407,14 +428,30 @@ class KvRouter:
         local = local_block_hashes(token_ids, self.block_size, seed, mm_hashes=mm)
         return PromptHashes(len(token_ids), local, sequence_hashes(local), added)
 
-    def overlaps(self, hashes: PromptHashes) -> OverlapScores:
+    def overlaps(self, hashes: PromptHashes) -> tuple[OverlapScores, TierOverlaps | None]:
+        """Per worker, the prompt blocks it holds in its pool and, once some worker reports lower tiers, those
+        continuing them in host memory and on disk.
+
+        With recent decisions predicted (`predicted_ttl_secs`), a worker's pool match is the longer of what its
+        events say and what was just routed to it, unless its events reach as far on its lower tiers: then the
+        prediction is older than those events (its blocks were computed, then evicted), and the events count."""
         index = self.approx if self.approx is not None else self.indexer.tree
         scores = index.find_matches(hashes.local)
-        if self.predicted is not None:  # per worker, the better of what events say and what was just routed
+        lower = self.indexer.lower
+        tiers = lower.overlaps(hashes.sequence, scores.scores) if lower and self.approx is None else None
+        if self.predicted is not None:
+            device = scores.scores
             for worker, blocks in self.predicted.find_matches(hashes.local).scores.items():
-                if blocks > scores.scores.get(worker, 0):
-                    scores.scores[worker] = blocks
-        return scores
+                held = device.get(worker, 0)
+                if blocks <= held:
+                    continue
+                if tiers is not None and held + sum(tiers.of(worker)) >= blocks:
+                    continue  # the events know these blocks: on a lower tier now
+                device[worker] = blocks
+                if tiers is not None:
+                    tiers.host.pop(worker, None)
+                    tiers.disk.pop(worker, None)
+        return scores, tiers
 
     def worker_ranks(self) -> list[WorkerKey]:
         """Every (instance, dp rank) this router routes to."""
@@ -439,20 +476,23 @@ class KvRouter:
         config = self.config.with_overrides(dict(override)) if override else self.config
         if hashes is None or hashes.tokens != len(token_ids) + hashes.added:
             hashes = self.hashes(token_ids, lora_name=lora_name, cache_salt=cache_salt)
-        scores = self.overlaps(hashes)
+        scores, tiers = self.overlaps(hashes)
         use_overlap = config.overlap_score_weight != 0
         loads = {}
         for worker in self.candidate_ranks(candidates, dp_rank):
             decode = self.sequences.active_blocks(worker)
             if config.track_active_blocks:
                 decode += self.sequences.new_blocks(worker, hashes.sequence)
-            loads[worker] = CostTerms(worker, scores.scores.get(worker, 0) if use_overlap else 0,
-                                      self.sequences.active_prefill_tokens(worker), decode,
-                                      self.sequences.active_requests(worker))
+            terms = CostTerms(worker, scores.scores.get(worker, 0) if use_overlap else 0,
+                              self.sequences.active_prefill_tokens(worker), decode,
+                              self.sequences.active_requests(worker))
+            if tiers is not None and use_overlap:
+                terms.host_blocks, terms.disk_blocks = tiers.of(worker)
+            loads[worker] = terms
         costs = worker_costs(list(loads.values()), hashes.tokens, self.block_size, config)
         chosen = select_worker(costs, config.temperature, self.rng, session)
         return RoutingDecision(chosen[0], chosen[1], loads[chosen].overlap_blocks, loads[chosen], costs[chosen],
-                               hashes, config, scores)
+                               hashes, config, scores, tiers)
 
     def select(self, request_id: str, token_ids: Sequence[int], candidates: Sequence[int], *,
                lora_name: str | None = None, cache_salt: str | None = None,
@@ -477,8 +517,21 @@ class KvRouter:
         overlap_blocks.observe(overlap)
         prompt_blocks.inc(len(decision.hashes.local))
         hit_blocks.inc(overlap)
+        if decision.tiers is not None:
+            self._count_tiers(decision)
         self._maybe_sweep()
         return RoutedRequest(self, request_id, decision)
+
+    def _count_tiers(self, decision: RoutingDecision) -> None:
+        """The chosen worker's blocks and credit per tier (counted once some worker has lower tiers)."""
+        load, model = decision.load, self.model
+        blocks = (load.overlap_blocks, load.host_blocks, load.disk_blocks)
+        for tier, held, credit in zip(TIERS, blocks, load.tier_credits(decision.config), strict=True):
+            if tier == DEVICE:
+                self.metrics.tier_credit_blocks.labels(model, tier).inc(credit)
+            elif held:
+                self.metrics.tier_hit_blocks.labels(model, tier).inc(held)
+                self.metrics.tier_credit_blocks.labels(model, tier).inc(credit)
 
     def _prefill_done(self, request_id: str) -> None:
         worker = self.sequences.request_worker(request_id)

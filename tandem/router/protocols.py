@@ -83,10 +83,15 @@ class KvCacheEvent(msgspec.Struct):
         return self.data.removed if isinstance(self.data, KvCacheEventData) else None
 
 
+StorageTier = Literal["device", "host_pinned", "disk", "external"]
+"""Where a worker holds the blocks of an event: its engine's pool, host memory, local disk, or a store
+outside the worker."""
+
+
 class RouterEvent(msgspec.Struct):
     worker_id: int
     event: KvCacheEvent
-    storage_tier: str = "device"
+    storage_tier: StorageTier = "device"
 
 
 class ActiveLoad(msgspec.Struct):

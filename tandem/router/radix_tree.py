@@ -181,6 +181,19 @@ class RadixTree:
         idx = self._index.get(worker)
         return 0 if idx is None else len(self._lookups[idx])
 
+    def path(self, worker: WorkerKey, block_hash: int) -> list[int] | None:
+        """The local hashes from the root down to the worker's block `block_hash` (None: it holds none)."""
+        idx = self._index.get(worker)
+        node = None if idx is None else self._lookups[idx].get(block_hash)
+        if node is None:
+            return None
+        path = []
+        while node != ROOT:
+            path.append(self._locals[node])
+            node = self._parents[node]
+        path.reverse()
+        return path
+
     # -- updates ---------------------------------------------------------------------------------
     def store(self, worker: WorkerKey, parent_hash: int | None, blocks: Sequence[tuple[int, int]]) -> int:
         """Add `(block_hash, tokens_hash)` blocks, a chain below the worker's block `parent_hash`

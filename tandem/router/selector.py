@@ -2,7 +2,8 @@
 
 Costs are in blocks: the prefill a worker would still have to do for this request (on top of the
 prompts already queued on it) plus the decode blocks it holds. The current formula credits each cached
-prefix block against prefill; the legacy 0.x formula (`overlap_score_weight` set) weights prefill.
+prefix block against prefill, blocks in host memory or on disk at their tier's weight; the legacy 0.x
+formula (`overlap_score_weight` set) weights prefill and counts the device tier alone.
 """
 
 from __future__ import annotations
@@ -26,6 +27,15 @@ class CostTerms:
     active_prefill_tokens: int  # prompt tokens queued for prefill (from ActiveSequences)
     decode_blocks: int  # active blocks + this request's new blocks on the worker
     active_requests: int = 0
+    host_blocks: int = 0  # prompt blocks continuing `overlap_blocks` from the worker's host memory
+    disk_blocks: int = 0  # ... and then from its disk
+
+    def tier_credits(self, config: KvRouterConfig, device_credit: float | None = None) -> tuple[float, float, float]:
+        """Prefill blocks the worker's device, host and disk tiers save, each at its weight (`device_credit`:
+        the device tier's, `config.overlap_score_credit` when not given)."""
+        credit = config.overlap_score_credit if device_credit is None else device_credit
+        return (credit * self.overlap_blocks, config.host_cache_hit_weight * self.host_blocks,
+                config.disk_cache_hit_weight * self.disk_blocks)
 
 
 def legacy_cost(prefill_blocks: float, decode_blocks: float, overlap_score_weight: float = 1.0) -> float:
@@ -61,6 +71,7 @@ def worker_costs(
     request_blocks = max(math.ceil(isl_tokens / block_size), 1)
     # Decay is measured against the least-loaded candidate, so it keeps its full credit.
     min_queued = min((load.active_prefill_tokens for load in loads), default=0)
+    host_weight, disk_weight = config.host_cache_hit_weight, config.disk_cache_hit_weight
     costs = {}
     for load in loads:
         raw_prefill_blocks = (queued(load) + isl_tokens) / block_size
@@ -68,7 +79,11 @@ def worker_costs(
         if decay > 0:
             excess_blocks = (load.active_prefill_tokens - min_queued) / block_size
             worker_credit = credit / (1 + decay * excess_blocks / request_blocks)
-        adjusted_prefill_blocks = max(raw_prefill_blocks - worker_credit * load.overlap_blocks, 0.0)
+        # (`CostTerms.tier_credits` inline: this loop runs for every candidate of every request)
+        credit_blocks = worker_credit * load.overlap_blocks
+        if load.host_blocks or load.disk_blocks:
+            credit_blocks += host_weight * load.host_blocks + disk_weight * load.disk_blocks
+        adjusted_prefill_blocks = max(raw_prefill_blocks - credit_blocks, 0.0)
         costs[load.worker] = (
             config.prefill_load_scale * adjusted_prefill_blocks
             + load.decode_blocks

@@ -78,8 +78,8 @@ def test_conditional_disagg_flags_and_env(monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_decode_stage_override() -> None:
     plain = decode_stage_override({"router_temperature": 0.5, "overlap_score_credit": 2}, conditional=False)
-    assert plain == {"router_temperature": 0.5, "overlap_score_credit": 0.0, "assume_kv_reuse": False,
-                     "track_prefill_tokens": False}
+    assert plain == {"router_temperature": 0.5, "overlap_score_credit": 0.0, "host_cache_hit_weight": 0.0,
+                     "disk_cache_hit_weight": 0.0, "assume_kv_reuse": False, "track_prefill_tokens": False}
     # Conditional disaggregation keeps the overlap credit: decode workers' caches are known then.
     assert decode_stage_override(None, conditional=True) == {"assume_kv_reuse": False, "track_prefill_tokens": False}
     config = KvRouterConfig().with_overrides(plain)

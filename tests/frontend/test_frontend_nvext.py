@@ -1,5 +1,6 @@
 """Dynamo's request extensions the frontend honours or refuses by name, end to end: `nvext.annotations`
-(SSE events ahead of a streamed answer), the workers a disaggregated request names for its prefill and
+(SSE events ahead of a streamed answer), `nvext.extra_fields` (the answer's own `nvext`: the workers that
+served it), the workers a disaggregated request names for its prefill and
 decode legs (`nvext.prefill_worker_id` / `decode_worker_id`, `x-prefill-instance-id`), and the request
 priority header (carried to the engine; the mocker, first come first served, refuses it)."""
 
@@ -89,6 +90,31 @@ def test_annotations_not_honoured_are_refused(engine: Deployment, path: str, bod
     body = {"messages": [{"role": "user", "content": "x"}], **body} if "chat" in path else body
     r = _post(engine, path, body)
     assert r.status_code == 400 and r.json()["error"]["param"] == "nvext.annotations", r.text
+
+
+# -- extra_fields ---------------------------------------------------------------------------------------------
+
+
+def test_an_answer_names_its_worker_when_asked(engine: Deployment) -> None:
+    """`nvext.extra_fields: ["worker_id"]`: the unary body and the stream's finish chunk carry
+    `nvext.worker_id.decode_worker_id`, the instance /health lists; `routing` is empty off the KV router."""
+    [worker] = httpx.get(f"{engine.url}/health").json()["instances"]
+    ask = {"prompt": "[[say:named]]", "max_tokens": 3, "nvext": {"extra_fields": ["worker_id", "routing"]}}
+    r = _post(engine, "/v1/completions", ask)
+    assert r.status_code == 200, r.text
+    assert r.json()["nvext"] == {"worker_id": {"decode_worker_id": worker}, "routing": {}}
+    r = _post(engine, "/v1/chat/completions", {"messages": [{"role": "user", "content": "[[say:named]]"}],
+                                               "stream": True, "nvext": {"extra_fields": ["worker_id"]}})
+    chunks = [json.loads(data) for name, data in _events(r) if name is None and data.startswith("{")]
+    assert [c["nvext"] for c in chunks if "nvext" in c] == [{"worker_id": {"decode_worker_id": worker}}]
+    assert chunks[[i for i, c in enumerate(chunks) if "nvext" in c][0]]["choices"][0]["finish_reason"] is not None
+    assert "nvext" not in _post(engine, "/v1/completions", {"prompt": "[[say:x]]", "max_tokens": 2}).json()
+
+
+def test_an_extra_field_not_answered_is_refused(engine: Deployment) -> None:
+    r = _post(engine, "/v1/completions", {"prompt": "x", "nvext": {"extra_fields": ["worker_id", "timing"]}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "nvext.extra_fields", r.text
+    assert "'timing'" in r.json()["error"]["message"]
 
 
 # -- priority -----------------------------------------------------------------------------------------------
@@ -191,10 +217,12 @@ def test_each_leg_runs_on_the_worker_it_names(disaggregated: Disaggregated) -> N
     for _ in range(2):  # the prefill leg named by the header, the decode leg by nvext
         r = d.ask({"decode_worker_id": d1}, **{"x-prefill-instance-id": str(p0)})
         assert r.status_code == 200, r.text
-    expected = {p1: 4, p0: 2, d0: 4, d1: 2}
+    r = d.ask({"prefill_worker_id": p0, "decode_worker_id": d1, "extra_fields": ["worker_id"]})  # type: ignore[dict-item]
+    assert r.json()["nvext"]["worker_id"] == {"prefill_worker_id": p0, "decode_worker_id": d1}, r.text
+    expected = {p1: 4, p0: 3, d0: 4, d1: 3}
     wait_until(lambda: {w: d.served(w) for w in expected} == expected, f"the workers served {expected}", timeout=20)
     page = d.deployment.metrics()
-    assert metric_sum(page, "dynamo_frontend_remote_prefills_total", outcome="ok") == 6  # every one prefilled remotely
+    assert metric_sum(page, "dynamo_frontend_remote_prefills_total", outcome="ok") == 7  # every one prefilled remotely
 
 
 @pytest.mark.parametrize(("nvext", "headers", "status", "param"), [

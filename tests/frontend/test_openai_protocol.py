@@ -387,7 +387,8 @@ def test_nvext():
     }))  # fmt: skip
     assert req.ext.greed_sampling and req.ext.use_raw_prompt
     assert req.ext.annotations == ["formatted_prompt", "token_ids"]
-    assert req.ext.extra == {"agent_hints": {"priority": 3}, "extra_fields": ["worker_id"]}
+    assert req.ext.extra == {"agent_hints": {"priority": 3}}
+    assert req.ext.extra_fields == ["worker_id"]  # answered by the frontend, not passed on
     assert sampling_options(req).temperature == 0.0  # greedy overrides the request's temperature
     assert stop_conditions(req).max_thinking_tokens == 64
     assert routing_hints(req) == RoutingHints(backend_instance_id=17, cache_salt="s")

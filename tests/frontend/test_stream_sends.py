@@ -56,7 +56,7 @@ def _serve(texts: list[str], *, ready: bool, opening: bool = True) -> list[tuple
     serving = Serving.__new__(Serving)
     attempt = Attempt(stream=_Ready(ready))  # type: ignore[arg-type]
     tracked = SimpleNamespace(outcome=Outcome(), attempt=attempt, request_id="r", prompt_tokens=3)
-    exchange = SimpleNamespace(tracked=tracked, answer=_Answer(opening), parser=None, images=False,
+    exchange = SimpleNamespace(tracked=tracked, answer=_Answer(opening), parser=None, images=False, extra_fields=[],
                                processor=SimpleNamespace(stop_reason=None))
 
     async def deltas(_: Any) -> AsyncIterator[tuple[Any, None]]:

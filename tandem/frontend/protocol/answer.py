@@ -59,6 +59,7 @@ class Ending(msgspec.Struct, frozen=True):
     stop_reason: str | int | None
     called_tools: bool
     usage: Usage
+    nvext: dict[str, Any] | None = None  # what the request's `nvext.extra_fields` asked for (OpenAI's routes)
 
     @property
     def openai(self) -> str:

@@ -157,7 +157,10 @@ class _ChunkAnswer(Answer):
     chunks: ChatStream | CompletionStream
 
     def closing(self, outcome: Outcome, ending: Ending) -> list[bytes]:
-        events = [sse(self.chunks.finish(ending.openai))]
+        finish = self.chunks.finish(ending.openai)
+        if ending.nvext:
+            finish["nvext"] = ending.nvext
+        events = [sse(finish)]
         if self.chunks.include_usage:
             events.append(sse(self.chunks.usage(_openai_usage(ending.usage))))
         events.append(SSE_DONE)
@@ -198,13 +201,12 @@ class ChatAnswer(_ChunkAnswer):
     def body(self, outcome: Outcome, ending: Ending) -> Any:
         chunks = self.chunks
         content = "".join(outcome.text)
-        return chat_completion(chunks.id, chunks.created, chunks.model,
-                                      content=None if outcome.tool_calls and not content else content,
-                                      finish_reason=ending.openai, usage=_openai_usage(ending.usage),
-                                      logprobs=chat_logprobs(outcome.logprobs) if outcome.logprobs else None,
-                                      tool_calls=outcome.tool_calls,
-                                      reasoning=("".join(outcome.reasoning) or None) if self.parsed_reasoning else None,
-                                      reasoning_field=self.reasoning_field)
+        return _with_nvext(chat_completion(
+            chunks.id, chunks.created, chunks.model, content=None if outcome.tool_calls and not content else content,
+            finish_reason=ending.openai, usage=_openai_usage(ending.usage),
+            logprobs=chat_logprobs(outcome.logprobs) if outcome.logprobs else None, tool_calls=outcome.tool_calls,
+            reasoning=("".join(outcome.reasoning) or None) if self.parsed_reasoning else None,
+            reasoning_field=self.reasoning_field), ending)
 
 
 class CompletionAnswer(_ChunkAnswer):
@@ -223,9 +225,17 @@ class CompletionAnswer(_ChunkAnswer):
 
     def body(self, outcome: Outcome, ending: Ending) -> Any:
         chunks = self.chunks
-        return completion(chunks.id, chunks.created, chunks.model, text="".join(outcome.text),
-                                 finish_reason=ending.openai, usage=_openai_usage(ending.usage),
-                                 logprobs=completion_logprobs(outcome.logprobs) if outcome.logprobs else None)
+        return _with_nvext(completion(chunks.id, chunks.created, chunks.model, text="".join(outcome.text),
+                                      finish_reason=ending.openai, usage=_openai_usage(ending.usage),
+                                      logprobs=completion_logprobs(outcome.logprobs) if outcome.logprobs else None),
+                           ending)
+
+
+def _with_nvext(body: dict[str, Any], ending: Ending) -> dict[str, Any]:
+    """A unary answer with the `nvext` its request asked for (`nvext.extra_fields`)."""
+    if ending.nvext:
+        body["nvext"] = ending.nvext
+    return body
 
 
 def _openai_usage(usage: Usage) -> dict[str, Any]:
@@ -234,7 +244,7 @@ def _openai_usage(usage: Usage) -> dict[str, Any]:
 
 
 # What a text-input worker's request (the client's body, relayed) has no place for: refused by name.
-_TEXT_UNSERVED_NVEXT = ("annotations", "use_raw_prompt", "greed_sampling")
+_TEXT_UNSERVED_NVEXT = ("annotations", "use_raw_prompt", "greed_sampling", "extra_fields")
 _TEXT_UNSERVED_HINTS = ("prefill_worker_id", "dp_rank", "prefill_dp_rank", "priority", "cache_salt")
 
 
