@@ -46,11 +46,10 @@ from tandem.router.protocols import (
 from tandem.router.radix_tree import OverlapScores, WorkerKey
 from tandem.router.selector import CostTerms, select_worker, worker_costs
 from tandem.router.sequences import ActiveSequences
-from tandem.router.tiers import DEVICE, DISK, HOST, TierOverlaps
+from tandem.router.tiers import CREDITED_TIERS, DEVICE, LOWER_TIERS, TierOverlaps
 from tandem.runtime.keys import parse_endpoint_path
 
 ACTIVE_SEQUENCES_TOPIC = "active_sequences_events"
-TIERS = (DEVICE, HOST, DISK)  # the tiers a decision credits, as its report and the metrics name them
 
 log = logging.getLogger(__name__)
 
@@ -158,8 +157,9 @@ class RoutingDecision:
         return {
             "worker_id": self.worker_id, "dp_rank": self.dp_rank, "cost": self.cost,
             "prompt_blocks": len(self.hashes.local),
-            "cached_blocks": dict(zip(TIERS, (load.overlap_blocks, load.host_blocks, load.disk_blocks), strict=True)),
-            "credit_blocks": dict(zip(TIERS, load.tier_credits(self.config), strict=True)),
+            "cached_blocks": dict(zip(CREDITED_TIERS, (load.overlap_blocks, load.host_blocks, load.disk_blocks),
+                                      strict=True)),
+            "credit_blocks": dict(zip(CREDITED_TIERS, load.tier_credits(self.config), strict=True)),
         }
 
 
@@ -524,14 +524,13 @@ class KvRouter:
 
     def _count_tiers(self, decision: RoutingDecision) -> None:
         """The chosen worker's blocks and credit per tier (counted once some worker has lower tiers)."""
-        load, model = decision.load, self.model
-        blocks = (load.overlap_blocks, load.host_blocks, load.disk_blocks)
-        for tier, held, credit in zip(TIERS, blocks, load.tier_credits(decision.config), strict=True):
-            if tier == DEVICE:
-                self.metrics.tier_credit_blocks.labels(model, tier).inc(credit)
-            elif held:
-                self.metrics.tier_hit_blocks.labels(model, tier).inc(held)
-                self.metrics.tier_credit_blocks.labels(model, tier).inc(credit)
+        load, model, metrics = decision.load, self.model, self.metrics
+        device, host, disk = load.tier_credits(decision.config)
+        metrics.tier_credit_blocks.labels(model, DEVICE).inc(device)
+        for tier, held, credit in zip(LOWER_TIERS, (load.host_blocks, load.disk_blocks), (host, disk), strict=True):
+            if held:
+                metrics.tier_hit_blocks.labels(model, tier).inc(held)
+                metrics.tier_credit_blocks.labels(model, tier).inc(credit)
 
     def _prefill_done(self, request_id: str) -> None:
         worker = self.sequences.request_worker(request_id)

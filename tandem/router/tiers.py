@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from tandem.router.hashing import sequence_hashes
-from tandem.router.protocols import KvCacheEventData
+from tandem.router.protocols import KvCacheEventData, StorageTier
 from tandem.router.radix_tree import WorkerKey
 
 log = logging.getLogger(__name__)
@@ -28,20 +28,13 @@ log = logging.getLogger(__name__)
 DEVICE = "device"
 HOST = "host_pinned"
 DISK = "disk"
-EXTERNAL = "external"
-STORAGE_TIERS = (DEVICE, HOST, DISK, EXTERNAL)
-# The lower tiers a match continues through, in the order an engine loads from them. External storage
-# (a shared or remote store) is credited as disk.
+# The lower tiers a match continues through, in the order an engine loads from them.
 LOWER_TIERS = (HOST, DISK)
-_CREDITED_AS = {HOST: HOST, DISK: DISK, EXTERNAL: DISK}
-
-
-def credited_tier(storage_tier: str) -> str:
-    """The lower tier whose credit blocks on `storage_tier` get; ValueError for an unknown tier."""
-    tier = _CREDITED_AS.get(storage_tier)
-    if tier is None:
-        raise ValueError(f"unknown storage tier {storage_tier!r} (expected one of {', '.join(STORAGE_TIERS)})")
-    return tier
+# The tiers a routing decision credits, as its report and the router's metrics name them.
+CREDITED_TIERS = (DEVICE, *LOWER_TIERS)
+# Where each storage tier of an event (`protocols.StorageTier`) below the device is credited: external
+# storage (a shared or remote store) as disk.
+_CREDITED_AS = {HOST: HOST, DISK: DISK, "external": DISK}
 
 
 @dataclass
@@ -88,9 +81,10 @@ class LowerTiers:
         return sum(len(held.by_engine_hash) for held in workers.values())
 
     # -- updates -----------------------------------------------------------------------------------
-    def apply(self, worker: WorkerKey, storage_tier: str, data: KvCacheEventData | str) -> None:
-        """Apply one event of `worker` tagged `storage_tier` (not the device tier)."""
-        tier = credited_tier(storage_tier)
+    def apply(self, worker: WorkerKey, storage_tier: StorageTier, data: KvCacheEventData | str) -> None:
+        """Apply one event of `worker` tagged `storage_tier` (not the device tier; the event's decoding
+        checked the tier)."""
+        tier = _CREDITED_AS[storage_tier]
         if data == "cleared":
             self._tiers[tier].pop(worker, None)
             return
