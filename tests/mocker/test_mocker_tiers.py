@@ -145,16 +145,17 @@ def test_the_routers_index_follows_every_tier_of_the_engine() -> None:
     assert engine.indexer.lower.blocks_dropped == 0
 
 
-def test_tier_flags() -> None:
+def test_tier_flags(capsys: pytest.CaptureFixture[str]) -> None:
     config = parse_args(["--num-g2-blocks", "64", "--num-g3-blocks", "128", "--bandwidth-g3-to-g1-gbps", "4",
                          "--kv-bytes-per-token", "1000", "--block-size", "16"])
     assert config.offload() == OffloadConfig(64, 128, 14.0, 4.0, 16_000)
     assert not parse_args([]).offload().enabled
-    for bad, message in ((["--num-g3-blocks", "8"], "--num-g2-blocks"), (["--num-g2-blocks", "-1"], "negative"),
-                         (["--num-g2-blocks", "4", "--bandwidth-g2-to-g1-gbps", "0"], "positive")):
+    for bad, message in ((["--num-g3-blocks", "8"], "set --num-g2-blocks too"),
+                         (["--num-g2-blocks", "-1"], "--num-g2-blocks must not be negative"),
+                         (["--num-g2-blocks", "4", "--bandwidth-g2-to-g1-gbps", "0"], "--bandwidth-g2-to-g1-gbps must be positive")):
         with pytest.raises(SystemExit):
             parse_args(bad)
-        assert message
+        assert message in capsys.readouterr().err
 
 
 # --- end to end ----------------------------------------------------------------------------------------
